@@ -1,0 +1,1 @@
+"""collector: the tracejudge daemon (receivers, store, conversations, API, CLI)."""

@@ -1,0 +1,32 @@
+"""Options shared by subcommands, as decorators."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from ..config import Config, load_config
+
+
+def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--config FILE`` (env TRACEJUDGE_CONFIG, default ./otel-config.yaml)."""
+    return click.option(
+        "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+        envvar="TRACEJUDGE_CONFIG", default=None, show_envvar=True,
+        help="Config file [default: ./otel-config.yaml, or built-in defaults when absent].",
+    )(fn)
+
+
+def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--json``: print machine-readable JSON instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(fn)
+
+
+def load(config_path: Path | None) -> Config:
+    """Load the config, printing its warnings to stderr (errors propagate as ConfigError)."""
+    cfg, warnings = load_config(config_path)
+    for w in warnings:
+        click.echo(f"tracejudge: warning: {w}", err=True)
+    return cfg

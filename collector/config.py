@@ -1,0 +1,319 @@
+"""otel-config.yaml: one strict pydantic model per section, defaults in code.
+
+Loading order: YAML -> ``${env:NAME}`` / ``${env:NAME:-default}`` substitution in
+every string (an empty variable counts as unset) -> validation with the config
+file's folder as the base for relative paths. Every problem is reported at once,
+each with its key path (``receivers.otlp.protocols.grpc.endpoint: ...``).
+
+A section that no release has built yet is accepted and ignored with a warning,
+so a config written for a newer tracejudge still starts an older one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from .errors import ConfigError
+
+SECTIONS = (
+    "receivers", "storage", "conversations", "api", "sampling",
+    "judges", "review", "scenarios", "exporters",
+)
+
+# --------------------------------------------------------------- value types
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any) -> float:
+    """``500ms`` / ``10s`` / ``15m`` / ``1h`` / ``1d`` -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 500ms, 10s, 15m or 1h")
+    if isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} has no unit; write it like 500ms, 10s, 15m or 1h")
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ValueError(f"{value!r} is not a duration; write it like 500ms, 10s, 15m or 1h")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+def _check_endpoint(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{value!r} is not host:port (for example 127.0.0.1:4317; port 0 picks a free one)")
+    return value
+
+
+Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
+
+
+def _resolve_path(value: Any, info: ValidationInfo) -> Path:
+    path = Path(str(value)).expanduser()
+    base = (info.context or {}).get("base")
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    return path
+
+
+ConfigPath = Annotated[Path, BeforeValidator(_resolve_path)]
+
+
+def _check_size(value: Any) -> str:
+    if not re.match(r"^\s*\d+(\.\d+)?\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$", str(value)):
+        raise ValueError(f"{value!r} is not a size; write it like 512MB or 2GiB")
+    return str(value).strip()
+
+
+MemorySize = Annotated[str, AfterValidator(_check_size)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TLS(Section):
+    cert_file: ConfigPath | None = None
+    """PEM certificate; with key_file, the listener speaks TLS."""
+    key_file: ConfigPath | None = None
+    """PEM private key for cert_file."""
+
+    @field_validator("key_file")
+    @classmethod
+    def _both(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        if (v is None) != (info.data.get("cert_file") is None):
+            raise ValueError("tls needs both cert_file and key_file")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+class Auth(Section):
+    bearer_token: str | None = None
+    """When set, requests must carry ``Authorization: Bearer <token>``."""
+
+
+class Listener(Section):
+    endpoint: Endpoint
+    tls: TLS = TLS()
+
+
+class Protocols(Section):
+    grpc: Listener | None = Listener(endpoint="127.0.0.1:4317")
+    """OTLP/gRPC listener; null turns it off."""
+    http: Listener | None = Listener(endpoint="127.0.0.1:4318")
+    """OTLP/HTTP listener (protobuf and JSON, any path ending in /v1/traces, /v1/logs, /v1/metrics)."""
+
+
+class OTLPReceiver(Section):
+    protocols: Protocols = Protocols()
+    max_request_size_mib: float = Field(16, gt=0, le=1024)
+    """Largest request accepted, counted after decompression; larger ones get 413 / RESOURCE_EXHAUSTED."""
+    auth: Auth = Auth()
+
+
+class Receivers(Section):
+    otlp: OTLPReceiver = OTLPReceiver()
+
+
+class DuckDBSettings(Section):
+    path: ConfigPath = Path("tracejudge.duckdb")
+    """The database file; relative to the config file's folder."""
+
+
+class Storage(Section):
+    duckdb: DuckDBSettings = DuckDBSettings()
+    max_queue_spans: int = Field(200_000, ge=1)
+    """Spans and log records waiting for the writer before receivers push back (503 / UNAVAILABLE)."""
+    max_batch_spans: int = Field(8192, ge=1)
+    """Spans gathered across requests into one insert and one commit."""
+    memory_limit: MemorySize = "256MB"
+    """Passed to DuckDB's memory_limit so the daemon's RSS target holds."""
+    retry_after: Duration = 1.0
+    """The delay suggested to clients when the queue is full (Retry-After / RetryInfo)."""
+
+
+class API(Section):
+    endpoint: Endpoint = "127.0.0.1:8318"
+    """Web page and JSON API (/healthz, /readyz, /metrics, /api/...)."""
+    tls: TLS = TLS()
+    auth: Auth = Auth()
+
+
+class JudgeProvider(Section):
+    type: Literal["anthropic", "openai_compatible"] | None = None
+    """Which provider judges ``kind: llm`` criteria; none means they are reported as not run."""
+    model: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    max_tokens: int = Field(1024, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2)
+
+
+class Judges(Section):
+    criteria: list[ConfigPath] = []
+    """Criteria files (see formats/criteria.md), relative to the config file's folder."""
+    provider: JudgeProvider = JudgeProvider()
+    concurrency: int = Field(8, ge=1, le=1024)
+    timeout: Duration = 60.0
+    """Per judge call."""
+
+
+class Config(BaseModel):
+    """The whole configuration. Sections not built yet stay raw in ``unbuilt``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    receivers: Receivers = Receivers()
+    storage: Storage = Storage()
+    api: API = API()
+    judges: Judges = Judges()
+    source: str = "<defaults>"
+    unbuilt: dict[str, Any] = {}
+
+    @property
+    def runtime_file(self) -> Path:
+        """Where a running daemon says where it listens."""
+        return Path(str(self.storage.duckdb.path) + ".daemon.json")
+
+
+BUILT = ("receivers", "storage", "api", "judges")
+
+# --------------------------------------------------------------- loading
+
+_ENV = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _substitute(value: Any, environ: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _substitute(v, environ) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, environ) for v in value]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def repl(m: re.Match[str]) -> str:
+        got = environ.get(m.group(1)) or ""
+        return got if got else (m.group(2) or "")
+
+    whole = _ENV.fullmatch(value.strip())
+    out = _ENV.sub(repl, value)
+    if whole:
+        # A value that is only a reference takes the type YAML gives the result
+        # (``${env:PORT}`` -> int), as the Collector does; empty -> unset.
+        if out == "":
+            return None
+        try:
+            return yaml.safe_load(out)
+        except yaml.YAMLError:
+            return out
+    return out
+
+
+def _drop_none(value: Any) -> Any:
+    """An unset ``${env:...}`` means "use the default", so drop keys whose value is None."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or str(part).startswith(("function-", "lax-")):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _problem(err: Any) -> str:
+    where = _loc(err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], (dict, list)):
+        msg = f"{msg} (got {err['input']!r})"
+    return f"{where}: {msg}"
+
+
+def default_config_path() -> Path:
+    return Path(os.environ.get("TRACEJUDGE_CONFIG") or "otel-config.yaml")
+
+
+def load_config(path: Path | str | None = None, environ: dict[str, str] | None = None) -> tuple[Config, list[str]]:
+    """Load and validate a config file; returns the config and its warnings.
+
+    With ``path`` None the default file is used when it exists, else the
+    built-in defaults (relative paths then resolve against the working folder).
+
+    Raises:
+        ConfigError: with every problem found, each naming its key path.
+    """
+    env = dict(os.environ if environ is None else environ)
+    explicit = path is not None
+    file = Path(path) if path is not None else default_config_path()
+    if not file.exists():
+        if explicit or os.environ.get("TRACEJUDGE_CONFIG"):
+            raise ConfigError(str(file), ["file not found"])
+        return validate_config({}, base=Path.cwd(), source="<defaults>")
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(file), [f"not valid YAML: {exc}".replace("\n", " ")]) from None
+    except OSError as exc:
+        raise ConfigError(str(file), [f"cannot read: {exc.strerror}"]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(str(file), ["the top level must be a mapping of sections"])
+    return validate_config(_substitute(raw, env), base=file.resolve().parent, source=str(file))
+
+
+def validate_config(raw: dict[str, Any], base: Path, source: str) -> tuple[Config, list[str]]:
+    """Validate an already-substituted config mapping (see ``load_config``)."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    built: dict[str, Any] = {}
+    unbuilt: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in SECTIONS:
+            problems.append(f"{key}: unknown section (known: {', '.join(SECTIONS)})")
+        elif key in BUILT:
+            built[key] = {} if value is None else _drop_none(value)
+        else:
+            unbuilt[key] = value
+            warnings.append(f"{source}: section {key!r} is not used by this version of tracejudge yet; ignored")
+    try:
+        cfg = Config.model_validate({**built, "source": source, "unbuilt": unbuilt}, context={"base": base})
+    except ValidationError as exc:
+        problems.extend(_problem(e) for e in exc.errors())
+        cfg = None
+    if problems:
+        raise ConfigError(source, problems)
+    assert cfg is not None
+    return cfg, warnings

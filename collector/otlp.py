@@ -1,0 +1,367 @@
+"""Decode OTLP export requests into column batches the store inserts as they are.
+
+One pass over each span turns protobuf into plain Python values: ids to lowercase
+hex, AnyValue trees to JSON-ready values, attribute lists to JSON text. That walk
+is the main cost of ingestion, so it is written once, here, with no per-span
+helper objects.
+
+Both encodings land in the same protobuf message first: OTLP/JSON needs its hex
+ids turned into bytes before ``json_format`` sees them, because ``ParseDict``
+silently base64-decodes a 32-character hex id into 24 wrong bytes.
+
+Public functions:
+    parse_traces / parse_logs / parse_metrics: body bytes -> protobuf request
+    span_batch / log_batch: protobuf request -> (SpanBatch | LogBatch, rejected)
+    any_value / attributes_dict: AnyValue / KeyValue list -> Python values
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+
+class DecodeFailure(ValueError):
+    """The request body is not a valid OTLP message of the expected kind."""
+
+
+# ---------------------------------------------------------------- AnyValue walk
+
+
+def any_value(v: Any) -> Any:
+    """Turn an ``AnyValue`` into a JSON-ready Python value (bytes as base64)."""
+    kind = v.WhichOneof("value")
+    if kind == "string_value":
+        return v.string_value
+    if kind == "int_value":
+        return v.int_value
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "double_value":
+        d = v.double_value
+        # JSON has no NaN/Infinity; keep them as the strings OTLP/JSON uses.
+        return d if math.isfinite(d) else str(d).replace("inf", "Infinity").replace("nan", "NaN")
+    if kind == "array_value":
+        return [any_value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+    if kind == "bytes_value":
+        return base64.b64encode(v.bytes_value).decode("ascii")
+    return None
+
+
+def attributes_dict(kvs: Iterable[Any]) -> dict[str, Any]:
+    """KeyValue list -> dict; strings are by far the common case, so test it first."""
+    out: dict[str, Any] = {}
+    for kv in kvs:
+        v = kv.value
+        if v.WhichOneof("value") == "string_value":
+            out[kv.key] = v.string_value
+        else:
+            out[kv.key] = any_value(v)
+    return out
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON text as stored in the JSON columns."""
+    return _dumps(value)
+
+
+# ---------------------------------------------------------------- request parsing
+
+_HEX_ID_KEYS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
+
+
+def _fix_hex_ids(obj: dict[str, Any], where: str) -> None:
+    for key in _HEX_ID_KEYS:
+        val = obj.get(key)
+        if isinstance(val, str):
+            if val == "":
+                del obj[key]
+                continue
+            try:
+                raw = bytes.fromhex(val)
+            except ValueError:
+                raise DecodeFailure(f"{where}.{key}: {val[:40]!r} is not a hex id") from None
+            obj[key] = base64.b64encode(raw).decode("ascii")
+
+
+def _walk_json_ids(doc: Any, top: str, scopes: str, items: str) -> None:
+    """Convert OTLP/JSON hex ids to base64 so json_format decodes the right bytes."""
+    if not isinstance(doc, dict):
+        raise DecodeFailure("OTLP/JSON body must be a JSON object")
+    for i, res in enumerate(_list(doc.get(top) or doc.get(_snake(top)), top)):
+        if not isinstance(res, dict):
+            raise DecodeFailure(f"{top}[{i}] must be an object")
+        sk = res.get(scopes) or res.get(_snake(scopes))
+        for j, scope in enumerate(_list(sk, f"{top}[{i}].{scopes}")):
+            if not isinstance(scope, dict):
+                raise DecodeFailure(f"{top}[{i}].{scopes}[{j}] must be an object")
+            its = scope.get(items) or scope.get(_snake(items))
+            for k, item in enumerate(_list(its, f"{top}[{i}].{scopes}[{j}].{items}")):
+                where = f"{top}[{i}].{scopes}[{j}].{items}[{k}]"
+                if not isinstance(item, dict):
+                    raise DecodeFailure(f"{where} must be an object")
+                _fix_hex_ids(item, where)
+                for n, link in enumerate(_list(item.get("links"), f"{where}.links")):
+                    if isinstance(link, dict):
+                        _fix_hex_ids(link, f"{where}.links[{n}]")
+
+
+def _list(val: Any, where: str) -> list[Any]:
+    if val is None:
+        return []
+    if not isinstance(val, list):
+        raise DecodeFailure(f"{where} must be a list")
+    return val
+
+
+def _snake(camel: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in camel)
+
+
+def _parse(body: bytes, json_body: bool, message: Any, ids: tuple[str, str, str] | None) -> Any:
+    if json_body:
+        try:
+            doc = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DecodeFailure(f"body is not valid JSON: {exc}") from None
+        if ids is not None:
+            _walk_json_ids(doc, *ids)
+        try:
+            json_format.ParseDict(doc, message, ignore_unknown_fields=True)
+        except (json_format.ParseError, TypeError, ValueError) as exc:
+            raise DecodeFailure(f"body is not a valid OTLP/JSON {type(message).__name__}: {exc}") from None
+        return message
+    try:
+        message.ParseFromString(body)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise DecodeFailure(f"body is not a valid protobuf {type(message).__name__}: {exc}") from None
+    return message
+
+
+def parse_traces(body: bytes, json_body: bool = False) -> ExportTraceServiceRequest:
+    return _parse(body, json_body, ExportTraceServiceRequest(), ("resourceSpans", "scopeSpans", "spans"))
+
+
+def parse_logs(body: bytes, json_body: bool = False) -> ExportLogsServiceRequest:
+    return _parse(body, json_body, ExportLogsServiceRequest(), ("resourceLogs", "scopeLogs", "logRecords"))
+
+
+def parse_metrics(body: bytes, json_body: bool = False) -> ExportMetricsServiceRequest:
+    return _parse(body, json_body, ExportMetricsServiceRequest(), None)
+
+
+def count_data_points(req: ExportMetricsServiceRequest) -> int:
+    """Metric data points in a request (metrics are counted, then discarded)."""
+    n = 0
+    for rm in req.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                if kind:
+                    n += len(getattr(m, kind).data_points)
+    return n
+
+
+# ---------------------------------------------------------------- column batches
+
+SPAN_COLUMNS = (
+    "trace_id", "span_id", "parent_span_id", "trace_state", "flags", "name", "kind",
+    "start_time_unix_nano", "end_time_unix_nano", "attributes", "events", "links",
+    "status_code", "status_message", "dropped", "resource", "resource_schema_url",
+    "scope_name", "scope_version", "scope_attributes", "service",
+)
+
+LOG_COLUMNS = (
+    "log_id", "trace_id", "span_id", "time_unix_nano", "observed_time_unix_nano",
+    "severity_number", "severity_text", "event_name", "body", "attributes", "flags",
+    "dropped_attributes_count", "resource", "scope_name", "scope_version", "service",
+)
+
+
+@dataclass
+class SpanBatch:
+    """Spans of one or more requests, column by column, in ``SPAN_COLUMNS`` order."""
+
+    columns: list[list[Any]] = field(default_factory=lambda: [[] for _ in SPAN_COLUMNS])
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def extend(self, other: "SpanBatch") -> None:
+        for mine, theirs in zip(self.columns, other.columns):
+            mine.extend(theirs)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Row view, for tests and small reads; the store never uses it."""
+        return [dict(zip(SPAN_COLUMNS, r)) for r in zip(*self.columns)]
+
+
+@dataclass
+class LogBatch:
+    """Log records of one or more requests, column by column, in ``LOG_COLUMNS`` order."""
+
+    columns: list[list[Any]] = field(default_factory=lambda: [[] for _ in LOG_COLUMNS])
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def extend(self, other: "LogBatch") -> None:
+        for mine, theirs in zip(self.columns, other.columns):
+            mine.extend(theirs)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [dict(zip(LOG_COLUMNS, r)) for r in zip(*self.columns)]
+
+
+_ZERO_TRACE = bytes(16)
+_ZERO_SPAN = bytes(8)
+
+
+def _resource_parts(resource: Any) -> tuple[str, str | None]:
+    attrs = attributes_dict(resource.attributes)
+    service = attrs.get("service.name")
+    return to_json(attrs), service if isinstance(service, str) else None
+
+
+def span_batch(req: ExportTraceServiceRequest) -> tuple[SpanBatch, int, str]:
+    """Walk every span once into columns.
+
+    Returns the batch, the number of spans rejected (bad ids; reported through
+    ``partial_success``) and a message naming the first reason.
+    """
+    batch = SpanBatch()
+    (c_trace, c_span, c_parent, c_state, c_flags, c_name, c_kind, c_start, c_end, c_attrs,
+     c_events, c_links, c_scode, c_smsg, c_dropped, c_res, c_res_url, c_scope, c_scope_v,
+     c_scope_attrs, c_service) = batch.columns
+    rejected = 0
+    reason = ""
+    for rs in req.resource_spans:
+        res_json, service = _resource_parts(rs.resource)
+        res_url = rs.schema_url or None
+        for ss in rs.scope_spans:
+            scope = ss.scope
+            scope_name = scope.name or None
+            scope_version = scope.version or None
+            scope_attrs = to_json(attributes_dict(scope.attributes)) if len(scope.attributes) else None
+            for sp in ss.spans:
+                tid = sp.trace_id
+                sid = sp.span_id
+                if len(tid) != 16 or len(sid) != 8 or tid == _ZERO_TRACE or sid == _ZERO_SPAN:
+                    rejected += 1
+                    if not reason:
+                        reason = (f"span {sp.name!r} has an invalid trace_id/span_id "
+                                  f"({len(tid)} and {len(sid)} bytes, all-zero not allowed)")
+                    continue
+                c_trace.append(tid.hex())
+                c_span.append(sid.hex())
+                parent = sp.parent_span_id
+                c_parent.append(parent.hex() if parent else None)
+                c_state.append(sp.trace_state or None)
+                c_flags.append(sp.flags)
+                c_name.append(sp.name)
+                c_kind.append(sp.kind)
+                c_start.append(sp.start_time_unix_nano)
+                c_end.append(sp.end_time_unix_nano)
+                c_attrs.append(to_json(attributes_dict(sp.attributes)))
+                if sp.events:
+                    c_events.append(to_json([
+                        {"time_unix_nano": e.time_unix_nano, "name": e.name,
+                         "attributes": attributes_dict(e.attributes),
+                         **({"dropped_attributes_count": e.dropped_attributes_count}
+                            if e.dropped_attributes_count else {})}
+                        for e in sp.events
+                    ]))
+                else:
+                    c_events.append(None)
+                if sp.links:
+                    c_links.append(to_json([
+                        {"trace_id": ln.trace_id.hex(), "span_id": ln.span_id.hex(),
+                         "trace_state": ln.trace_state or None, "flags": ln.flags,
+                         "attributes": attributes_dict(ln.attributes)}
+                        for ln in sp.links
+                    ]))
+                else:
+                    c_links.append(None)
+                st = sp.status
+                c_scode.append(st.code)
+                c_smsg.append(st.message or None)
+                if sp.dropped_attributes_count or sp.dropped_events_count or sp.dropped_links_count:
+                    c_dropped.append(to_json({
+                        "attributes": sp.dropped_attributes_count,
+                        "events": sp.dropped_events_count,
+                        "links": sp.dropped_links_count,
+                    }))
+                else:
+                    c_dropped.append(None)
+                c_res.append(res_json)
+                c_res_url.append(res_url)
+                c_scope.append(scope_name)
+                c_scope_v.append(scope_version)
+                c_scope_attrs.append(scope_attrs)
+                c_service.append(service)
+    return batch, rejected, reason
+
+
+def log_batch(req: ExportLogsServiceRequest) -> tuple[LogBatch, int, str]:
+    """Walk every log record once into columns.
+
+    A record has no id of its own, so ``log_id`` is a digest of its resource and
+    its serialized bytes: an OTLP retry of the same record is stored once.
+    """
+    batch = LogBatch()
+    (c_id, c_trace, c_span, c_time, c_obs, c_sev, c_sevtext, c_event, c_body, c_attrs,
+     c_flags, c_dropped, c_res, c_scope, c_scope_v, c_service) = batch.columns
+    rejected = 0
+    reason = ""
+    for rl in req.resource_logs:
+        res_json, service = _resource_parts(rl.resource)
+        res_digest = hashlib.blake2b(res_json.encode(), digest_size=8).digest()
+        for sl in rl.scope_logs:
+            scope_name = sl.scope.name or None
+            scope_version = sl.scope.version or None
+            for rec in sl.log_records:
+                tid = rec.trace_id
+                sid = rec.span_id
+                if (tid and len(tid) != 16) or (sid and len(sid) != 8):
+                    rejected += 1
+                    if not reason:
+                        reason = f"log record has an invalid trace_id/span_id ({len(tid)} and {len(sid)} bytes)"
+                    continue
+                digest = hashlib.blake2b(rec.SerializeToString(deterministic=True),
+                                         digest_size=16, key=res_digest).hexdigest()
+                attrs = attributes_dict(rec.attributes)
+                event_name = rec.event_name or attrs.get("event.name")
+                c_id.append(digest)
+                c_trace.append(tid.hex() if tid and tid != _ZERO_TRACE else None)
+                c_span.append(sid.hex() if sid and sid != _ZERO_SPAN else None)
+                c_time.append(rec.time_unix_nano)
+                c_obs.append(rec.observed_time_unix_nano)
+                c_sev.append(rec.severity_number)
+                c_sevtext.append(rec.severity_text or None)
+                c_event.append(event_name if isinstance(event_name, str) else None)
+                c_body.append(to_json(any_value(rec.body)) if rec.HasField("body") else None)
+                c_attrs.append(to_json(attrs))
+                c_flags.append(rec.flags)
+                c_dropped.append(rec.dropped_attributes_count)
+                c_res.append(res_json)
+                c_scope.append(scope_name)
+                c_scope_v.append(scope_version)
+                c_service.append(service)
+    return batch, rejected, reason
