@@ -34,6 +34,7 @@ class DatabaseLocked(UserError):
 class StoreUnavailable(TracejudgeError):
     """The store refuses new data for now (queue full, shutting down, commit failed)."""
 
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after: float = 1.0, reason: str = "backpressure") -> None:
         self.retry_after = retry_after
+        self.reason = reason
         super().__init__(message)

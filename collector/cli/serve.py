@@ -1,0 +1,28 @@
+"""``tracejudge serve``: run the daemon."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from .common import config_option, load
+
+
+@click.command()
+@config_option
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              envvar="TRACEJUDGE_LOG_LEVEL", show_default=True, show_envvar=True, help="How much to log to stderr.")
+def serve(config_path: Path | None, log_level: str) -> None:
+    """Run the daemon: OTLP receivers (gRPC and HTTP), the DuckDB store and the JSON API.
+
+    Prints where it listens and writes <duckdb path>.daemon.json so other
+    subcommands find it. SIGTERM or Ctrl-C stops intake, commits what is in
+    flight and exits 0.
+    """
+    cfg = load(config_path)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..daemon import serve as run
+
+    run(cfg)

@@ -1,0 +1,159 @@
+"""The daemon: one asyncio loop running the OTLP receivers and the API over one store.
+
+Start: refuse if a daemon already serves this DuckDB file, open the store,
+bind every listener, write the runtime file, print where to look.
+Stop (SIGTERM or SIGINT): stop intake (in-flight requests still get their
+answer after their commit), commit what is queued, close DuckDB, remove the
+runtime file, exit 0.
+
+The daemon never installs a global OpenTelemetry TracerProvider: SDKs used
+inside it would feed its own calls back into ingestion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import TextIO
+
+import grpc
+from aiohttp import web
+
+from .api import API
+from .config import Config
+from .errors import UserError
+from .metrics import Metrics
+from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
+from .runtime import RuntimeInfo, running_daemon
+from .store import Store
+
+log = logging.getLogger("tracejudge.daemon")
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def _start_site(app: web.Application, endpoint: str, tls_ctx: object, what: str) -> tuple[web.AppRunner, int]:
+    # Bodies are inflated by us, with a size bound, not by aiohttp.
+    runner = web.AppRunner(app, access_log=None, auto_decompress=False, handle_signals=False)
+    await runner.setup()
+    host, port = _split(endpoint)
+    site = web.TCPSite(runner, host, port, ssl_context=tls_ctx)  # type: ignore[arg-type]
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise UserError(f"cannot listen on {endpoint} ({what}): {exc.strerror or exc}") from None
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    actual = sockets[0].getsockname()[1] if sockets else port
+    return runner, actual
+
+
+@dataclass
+class Daemon:
+    config: Config
+    out: TextIO = sys.stdout
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        cfg = self.config
+        runtime_path = cfg.runtime_file
+        other = running_daemon(runtime_path)
+        if other is not None and other.pid != os.getpid():
+            raise UserError(f"a tracejudge daemon (pid {other.pid}) already serves {cfg.storage.duckdb.path}; "
+                            f"its API is {other.api}")
+        metrics = Metrics()
+        store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit,
+                      max_queue_spans=cfg.storage.max_queue_spans, max_batch_spans=cfg.storage.max_batch_spans,
+                      metrics=metrics)
+        store.open()
+        rcv = cfg.receivers.otlp
+        intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
+        api = API(store, metrics, cfg.api.auth.bearer_token)
+        runners: list[web.AppRunner] = []
+        gserver: grpc.aio.Server | None = None
+        try:
+            api_runner, api_port = await _start_site(api.app, cfg.api.endpoint, ssl_context(cfg.api.tls), "API")
+            runners.append(api_runner)
+            grpc_addr = http_addr = None
+            if rcv.protocols.grpc is not None:
+                gserver = grpc_server(intake)
+                try:
+                    port = add_grpc_port(gserver, rcv.protocols.grpc.endpoint, rcv.protocols.grpc.tls)
+                except (OSError, RuntimeError) as exc:
+                    raise UserError(f"cannot listen on {rcv.protocols.grpc.endpoint} (OTLP/gRPC): {exc}") from None
+                await gserver.start()
+                grpc_addr = f"{_split(rcv.protocols.grpc.endpoint)[0]}:{port}"
+            if rcv.protocols.http is not None:
+                h = rcv.protocols.http
+                http_runner, port = await _start_site(http_app(intake), h.endpoint, ssl_context(h.tls), "OTLP/HTTP")
+                runners.append(http_runner)
+                http_addr = f"{_split(h.endpoint)[0]}:{port}"
+            api_host = _split(cfg.api.endpoint)[0]
+            scheme = "https" if cfg.api.tls.enabled else "http"
+            api_url = f"{scheme}://{api_host}:{api_port}"
+            RuntimeInfo(
+                pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
+                grpc=grpc_addr, http=http_addr, api=api_url,
+                started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            ).write(runtime_path)
+            api.ready = True
+            self._banner(grpc_addr, http_addr, api_url)
+            if not _loopback(api_host) and not cfg.api.auth.bearer_token:
+                log.warning("the API listens on %s without api.auth.bearer_token: anyone who can reach it "
+                            "can read production conversations", cfg.api.endpoint)
+            await self._wait(stop)
+            log.info("stopping: no new requests; committing what is in flight")
+        finally:
+            api.ready = False
+            if gserver is not None:
+                await gserver.stop(grace=10)
+            for runner in reversed(runners):
+                await runner.cleanup()
+            await asyncio.to_thread(store.close)
+            if RuntimeInfo.read(runtime_path) and RuntimeInfo.read(runtime_path).pid == os.getpid():  # type: ignore[union-attr]
+                runtime_path.unlink(missing_ok=True)
+        log.info("stopped cleanly; %d spans stored this run", int(metrics.spans_stored.value()))
+
+    async def _wait(self, stop: asyncio.Event | None) -> None:
+        event = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, event.set)
+        try:
+            await event.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _banner(self, grpc_addr: str | None, http_addr: str | None, api_url: str) -> None:
+        lines = [f"tracejudge {version('tracejudge')} is running (pid {os.getpid()})"]
+        if grpc_addr:
+            lines.append(f"  OTLP/gRPC   {grpc_addr}")
+        if http_addr:
+            lines.append(f"  OTLP/HTTP   http://{http_addr}/v1/traces  (also /v1/logs, /v1/metrics)")
+        lines += [
+            f"  API         {api_url}  (/healthz, /metrics, /api/spans/count, /api/traces/<trace id>)",
+            f"  DuckDB      {self.config.storage.duckdb.path}",
+            f"  runtime     {self.config.runtime_file}",
+            "Point your bot at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://"
+            f"{grpc_addr or http_addr}  (Ctrl-C or SIGTERM stops it)",
+        ]
+        print("\n".join(lines), file=self.out, flush=True)
+
+
+def serve(config: Config) -> None:
+    """Run the daemon until SIGTERM/SIGINT."""
+    asyncio.run(Daemon(config).run())

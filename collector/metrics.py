@@ -1,0 +1,151 @@
+"""Prometheus metrics for /metrics: counters, gauges and one histogram, thread-safe.
+
+A handful of instruments does not justify a client library; the text format
+is small and stable (https://prometheus.io/docs/instrumenting/exposition_formats/).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Callable
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class _Instrument:
+    kind = ""
+
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.help = help
+        self.labelnames = labelnames
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
+        return tuple(labels[n] for n in self.labelnames)
+
+    def value(self, **labels: str) -> float:
+        return self._values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        with self._lock:
+            items = sorted(self._values.items())
+        for key, val in items:
+            lines.append(f"{self.name}{_labels(dict(zip(self.labelnames, key)))} {_num(val)}")
+        return lines
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(v)
+
+
+class Counter(_Instrument):
+    kind = "counter"
+
+    def declare(self, **labels: str) -> None:
+        """Show this label set as 0 before anything happens, so dashboards see the series."""
+        with self._lock:
+            self._values.setdefault(self._key(labels), 0.0)
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+
+class Gauge(_Instrument):
+    kind = "gauge"
+
+    def set(self, value: float, **labels: str) -> None:
+        with self._lock:
+            self._values[self._key(labels)] = value
+
+
+class Histogram(_Instrument):
+    kind = "histogram"
+    BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+    def __init__(self, name: str, help: str) -> None:
+        super().__init__(name, help)
+        self._counts = [0] * (len(self.BUCKETS) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.BUCKETS, value)] += 1
+            self._sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        with self._lock:
+            counts = list(self._counts)
+            total = self._sum
+        cum = 0
+        for bound, c in zip(self.BUCKETS, counts):
+            cum += c
+            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cum}')
+        cum += counts[-1]
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {cum}')
+        lines.append(f"{self.name}_sum {total!r}")
+        lines.append(f"{self.name}_count {cum}")
+        return lines
+
+
+REJECT_REASONS = ("invalid", "too_large", "unauthenticated", "backpressure", "storage_error")
+
+
+class Metrics:
+    """Every instrument of the daemon; one instance per process."""
+
+    def __init__(self) -> None:
+        self.spans_received = Counter("tracejudge_spans_received_total", "Spans received in OTLP requests.")
+        self.spans_stored = Counter("tracejudge_spans_stored_total", "Spans committed to DuckDB (retries stored once).")
+        self.spans_rejected = Counter(
+            "tracejudge_spans_rejected_total", "Spans refused, by reason: " + ", ".join(REJECT_REASONS) + ".", ("reason",))
+        self.logs_received = Counter("tracejudge_log_records_received_total", "Log records received.")
+        self.logs_stored = Counter("tracejudge_log_records_stored_total", "Log records committed to DuckDB.")
+        self.logs_rejected = Counter("tracejudge_log_records_rejected_total", "Log records refused, by reason.",
+                                     ("reason",))
+        self.metric_points = Counter("tracejudge_metric_points_received_total",
+                                     "Metric data points received and discarded.")
+        self.requests = Counter("tracejudge_requests_total", "OTLP requests by transport, signal and outcome.",
+                                ("transport", "signal", "outcome"))
+        self.queue_depth = Gauge("tracejudge_ingest_queue_depth",
+                                 "Spans and log records waiting for the writer.")
+        self.commit_seconds = Histogram("tracejudge_commit_seconds", "Time of one DuckDB insert+commit.")
+        for reason in REJECT_REASONS:
+            self.spans_rejected.declare(reason=reason)
+            self.logs_rejected.declare(reason=reason)
+        self._extra: list[Callable[[], list[str]]] = []
+
+    def add_collector(self, fn: Callable[[], list[str]]) -> None:
+        """Add lines computed at scrape time (for example counts read from DuckDB)."""
+        self._extra.append(fn)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for inst in (self.spans_received, self.spans_stored, self.spans_rejected, self.logs_received,
+                     self.logs_stored, self.logs_rejected, self.metric_points, self.requests,
+                     self.queue_depth, self.commit_seconds):
+            lines.extend(inst.render())
+        for fn in self._extra:
+            lines.extend(fn())
+        return "\n".join(lines) + "\n"

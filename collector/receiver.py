@@ -1,0 +1,324 @@
+"""OTLP receivers: gRPC and HTTP on one asyncio loop, feeding the store.
+
+A handler only checks, parses, hands off and answers: ``Intake.export`` turns
+one request body into column batches, submits them to the store and awaits
+the commit; the transports map its ``Outcome`` to their status codes:
+
+    outcome        HTTP                      gRPC
+    ok             200 (+ partial_success)   OK (+ partial_success)
+    invalid        400                       INVALID_ARGUMENT
+    too_large      413                       RESOURCE_EXHAUSTED (no RetryInfo: not retryable)
+    unavailable    503 + Retry-After         UNAVAILABLE + RetryInfo
+    unauthorized   401                       UNAUTHENTICATED
+
+grpc's own message limit is set above ours so that our check answers, and
+counts, an oversized request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import ssl
+import zlib
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import grpc
+from aiohttp import web
+from google.protobuf import duration_pb2, json_format
+from google.protobuf.any_pb2 import Any as AnyProto
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+from . import otlp
+from .config import TLS
+from .errors import StoreUnavailable
+from .metrics import Metrics
+from .store import Store
+
+log = logging.getLogger("tracejudge.receiver")
+
+SIGNALS = ("traces", "logs", "metrics")
+MiB = 1024 * 1024
+
+
+@dataclass
+class Outcome:
+    kind: str  # ok | invalid | too_large | unavailable | unauthorized
+    message: str = ""
+    reason: str = ""  # for unavailable: backpressure | storage_error
+    response: Any = None
+    retry_after: float = 0.0
+
+
+def _response(signal: str, rejected: int, message: str) -> Any:
+    if signal == "traces":
+        resp = ExportTraceServiceResponse()
+        if rejected or message:
+            resp.partial_success.rejected_spans = rejected
+            resp.partial_success.error_message = message
+    elif signal == "logs":
+        resp = ExportLogsServiceResponse()
+        if rejected or message:
+            resp.partial_success.rejected_log_records = rejected
+            resp.partial_success.error_message = message
+    else:
+        resp = ExportMetricsServiceResponse()
+    return resp
+
+
+class Intake:
+    """Transport-independent handling of one OTLP export request."""
+
+    def __init__(self, store: Store, metrics: Metrics, max_request_bytes: int, bearer_token: str | None) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.max_bytes = max_request_bytes
+        self.token = bearer_token or None
+
+    def authorized(self, header: str | None) -> bool:
+        if self.token is None:
+            return True
+        expected = f"Bearer {self.token}"
+        return header is not None and hmac.compare_digest(header.strip().encode(), expected.encode())
+
+    def refuse(self, transport: str, signal: str, outcome: Outcome, items: int = 0) -> Outcome:
+        """Count a refusal before it is answered."""
+        self.metrics.requests.inc(transport=transport, signal=signal, outcome=outcome.kind)
+        reason = {"invalid": "invalid", "too_large": "too_large", "unauthorized": "unauthenticated"}.get(
+            outcome.kind, outcome.reason)
+        if items:
+            rejected = self.metrics.spans_rejected if signal == "traces" else self.metrics.logs_rejected
+            rejected.inc(items, reason=reason)
+        return outcome
+
+    async def export(self, signal: str, body: bytes, json_body: bool, transport: str) -> Outcome:
+        if len(body) > self.max_bytes:
+            return self.refuse(transport, signal, Outcome(
+                "too_large", f"request of {len(body)} bytes exceeds max_request_size_mib "
+                             f"({self.max_bytes / MiB:g} MiB)"))
+        try:
+            if signal == "traces":
+                tr = otlp.parse_traces(body, json_body)
+                batch, rejected, reason = otlp.span_batch(tr)
+                self.metrics.spans_received.inc(len(batch) + rejected)
+                if rejected:
+                    self.metrics.spans_rejected.inc(rejected, reason="invalid")
+                spans, logs = batch, None
+            elif signal == "logs":
+                lr = otlp.parse_logs(body, json_body)
+                batch, rejected, reason = otlp.log_batch(lr)
+                self.metrics.logs_received.inc(len(batch) + rejected)
+                if rejected:
+                    self.metrics.logs_rejected.inc(rejected, reason="invalid")
+                spans, logs = None, batch
+            else:
+                mr = otlp.parse_metrics(body, json_body)
+                self.metrics.metric_points.inc(otlp.count_data_points(mr))
+                self.metrics.requests.inc(transport=transport, signal=signal, outcome="ok")
+                return Outcome("ok", response=_response(signal, 0, ""))
+        except otlp.DecodeFailure as exc:
+            return self.refuse(transport, signal, Outcome("invalid", str(exc)))
+        try:
+            await asyncio.wrap_future(self.store.submit(spans, logs))
+        except StoreUnavailable as exc:
+            return self.refuse(transport, signal, Outcome("unavailable", str(exc), exc.reason, exc.retry_after),
+                               items=len(batch))
+        self.metrics.requests.inc(transport=transport, signal=signal, outcome="ok")
+        message = f"{rejected} rejected: {reason}" if rejected else ""
+        return Outcome("ok", response=_response(signal, rejected, message))
+
+
+# ------------------------------------------------------------------ gRPC
+
+_GRPC_SERVICES = {
+    "traces": "opentelemetry.proto.collector.trace.v1.TraceService",
+    "logs": "opentelemetry.proto.collector.logs.v1.LogsService",
+    "metrics": "opentelemetry.proto.collector.metrics.v1.MetricsService",
+}
+_GRPC_CODES = {
+    "invalid": (grpc.StatusCode.INVALID_ARGUMENT, code_pb2.INVALID_ARGUMENT),
+    "too_large": (grpc.StatusCode.RESOURCE_EXHAUSTED, code_pb2.RESOURCE_EXHAUSTED),
+    "unavailable": (grpc.StatusCode.UNAVAILABLE, code_pb2.UNAVAILABLE),
+    "unauthorized": (grpc.StatusCode.UNAUTHENTICATED, code_pb2.UNAUTHENTICATED),
+}
+
+
+def _grpc_handler(intake: Intake, signal: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def export(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        if not intake.authorized(auth if isinstance(auth, str) else None):
+            outcome = intake.refuse("grpc", signal, Outcome("unauthorized", "missing or wrong bearer token"))
+        else:
+            outcome = await intake.export(signal, request, False, "grpc")
+        if outcome.kind == "ok":
+            return outcome.response
+        code, rpc_code = _GRPC_CODES[outcome.kind]
+        status = status_pb2.Status(code=rpc_code, message=outcome.message)
+        if outcome.kind == "unavailable":
+            info = error_details_pb2.RetryInfo(
+                retry_delay=duration_pb2.Duration(seconds=int(outcome.retry_after),
+                                                  nanos=int(outcome.retry_after % 1 * 1e9)))
+            detail = AnyProto()
+            detail.Pack(info)
+            status.details.append(detail)
+        await context.abort(code, outcome.message,
+                            trailing_metadata=(("grpc-status-details-bin", status.SerializeToString()),))
+
+    return export
+
+
+def grpc_server(intake: Intake) -> grpc.aio.Server:
+    """A grpc.aio server with the three OTLP services (ports added by the caller)."""
+    limit = intake.max_bytes * 2 + MiB
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", 4 * MiB),
+    ])
+    handlers = [
+        grpc.method_handlers_generic_handler(service, {
+            "Export": grpc.unary_unary_rpc_method_handler(
+                _grpc_handler(intake, signal), request_deserializer=None,
+                response_serializer=lambda m: m.SerializeToString()),
+        })
+        for signal, service in _GRPC_SERVICES.items()
+    ]
+    server.add_generic_rpc_handlers(handlers)
+    return server
+
+
+def add_grpc_port(server: grpc.aio.Server, endpoint: str, tls: TLS) -> int:
+    """Bind ``endpoint``; returns the actual port (port 0 picks one)."""
+    if tls.enabled:
+        assert tls.cert_file is not None and tls.key_file is not None
+        creds = grpc.ssl_server_credentials([(tls.key_file.read_bytes(), tls.cert_file.read_bytes())])
+        port = server.add_secure_port(endpoint, creds)
+    else:
+        port = server.add_insecure_port(endpoint)
+    if port == 0:
+        raise OSError(f"cannot listen on {endpoint} (OTLP/gRPC): address in use or not available")
+    return port
+
+
+# ------------------------------------------------------------------ HTTP
+
+_HTTP_STATUS = {"invalid": 400, "too_large": 413, "unavailable": 503, "unauthorized": 401}
+_PROTOBUF = "application/x-protobuf"
+_JSON = "application/json"
+
+
+def _signal_of(path: str) -> str | None:
+    for signal in SIGNALS:
+        if path.rstrip("/").endswith(f"/v1/{signal}"):
+            return signal
+    return None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _decompressor(encoding: str) -> Any:
+    if encoding == "gzip":
+        return zlib.decompressobj(wbits=31)
+    if encoding == "deflate":
+        return zlib.decompressobj(wbits=47)  # 32 + 15: zlib or gzip header, auto-detected
+    return None
+
+
+async def _read_body(request: web.Request, limit: int, encoding: str) -> bytes:
+    """Read a body (chunked or not) while counting, and inflate it with a bounded buffer."""
+    length = request.content_length
+    if length is not None and length > limit and not encoding:
+        raise _TooLarge(f"body of {length} bytes exceeds the {limit / MiB:g} MiB limit")
+    raw = bytearray()
+    # Compressed bodies are bounded by the decompressed limit too: a body larger
+    # than that on the wire cannot hold a request we accept, except a tiny margin.
+    wire_limit = limit + 64 * 1024
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        raw += chunk
+        if len(raw) > wire_limit:
+            raise _TooLarge(f"body exceeds the {limit / MiB:g} MiB limit")
+    d = _decompressor(encoding)
+    if d is None:
+        return bytes(raw)
+    try:
+        out = d.decompress(bytes(raw), limit + 1)
+        if len(out) > limit or d.unconsumed_tail:
+            raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
+        out += d.flush()
+        if not d.eof:
+            raise ValueError("truncated stream")
+    except zlib.error as exc:
+        raise ValueError(f"cannot {encoding}-decode the body: {exc}") from None
+    if len(out) > limit:
+        raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
+    return out
+
+
+def _http_error(status: int, message: str, json_reply: bool, retry_after: float = 0.0) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if status == 503 else {}
+    code = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 415: 3, 503: 14}.get(status, 2)
+    st = status_pb2.Status(code=code, message=message)
+    if json_reply:
+        return web.Response(status=status, text=json_format.MessageToJson(st, indent=None),
+                            content_type=_JSON, headers=headers)
+    return web.Response(status=status, body=st.SerializeToString(), content_type=_PROTOBUF, headers=headers)
+
+
+def http_app(intake: Intake) -> web.Application:
+    """aiohttp app answering OTLP/HTTP on any path ending in /v1/traces, /v1/logs or /v1/metrics."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        signal = _signal_of(request.path)
+        json_reply = request.content_type == _JSON
+        if signal is None:
+            return _http_error(404, f"no OTLP endpoint at {request.path}; paths end in "
+                                    "/v1/traces, /v1/logs or /v1/metrics", json_reply)
+        if request.method != "POST":
+            return _http_error(405, f"{request.method} not allowed; OTLP/HTTP uses POST", json_reply)
+        if not intake.authorized(request.headers.get("Authorization")):
+            intake.refuse("http", signal, Outcome("unauthorized"))
+            return _http_error(401, "missing or wrong bearer token", json_reply)
+        if request.content_type not in (_PROTOBUF, _JSON):
+            intake.refuse("http", signal, Outcome("invalid"))
+            return _http_error(415, f"unsupported Content-Type {request.content_type!r}; "
+                                    f"use {_PROTOBUF} or {_JSON}", False)
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding in ("identity", ""):
+            encoding = ""
+        elif encoding not in ("gzip", "deflate"):
+            intake.refuse("http", signal, Outcome("invalid"))
+            return _http_error(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none",
+                               json_reply)
+        try:
+            body = await _read_body(request, intake.max_bytes, encoding)
+        except _TooLarge as exc:
+            intake.refuse("http", signal, Outcome("too_large"))
+            return _http_error(413, str(exc), json_reply)
+        except ValueError as exc:
+            intake.refuse("http", signal, Outcome("invalid"))
+            return _http_error(400, str(exc), json_reply)
+        outcome = await intake.export(signal, body, json_reply, "http")
+        if outcome.kind != "ok":
+            return _http_error(_HTTP_STATUS[outcome.kind], outcome.message, json_reply, outcome.retry_after)
+        if json_reply:
+            return web.Response(text=json_format.MessageToJson(outcome.response, indent=None), content_type=_JSON)
+        return web.Response(body=outcome.response.SerializeToString(), content_type=_PROTOBUF)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def ssl_context(tls: TLS) -> ssl.SSLContext | None:
+    if not tls.enabled:
+        return None
+    assert tls.cert_file is not None and tls.key_file is not None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    return ctx
