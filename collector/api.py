@@ -122,7 +122,7 @@ class API:
                 "SELECT * EXCLUDE (batch_id) FROM spans WHERE trace_id = ? ORDER BY start_time_unix_nano, span_id",
                 [trace_id]))
             logs = _dicts(cur.execute(
-                "SELECT * EXCLUDE (batch_id) FROM logs WHERE trace_id = ? ORDER BY time_unix_nano, log_id",
+                "SELECT * EXCLUDE (batch_id) FROM logs WHERE trace_id = ? ORDER BY coalesce(nullif(time_unix_nano, 0), observed_time_unix_nano), log_id",
                 [trace_id]))
             return {"trace_id": trace_id, "spans": spans, "logs": logs}
 

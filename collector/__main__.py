@@ -1,0 +1,5 @@
+"""``python -m collector`` runs the ``tracejudge`` command."""
+
+from .cli import main
+
+main()
