@@ -1,0 +1,703 @@
+"""Rebuild one conversation's transcript from its stored span and log rows.
+
+Pure and deterministic: the same rows in any order, with any duplicates (OTLP
+retries), give the same ``Transcript``. The rules (DESIGN.md, "Rebuilding
+conversations"):
+
+- content comes from LLM-call spans, their span events or their log records;
+  agent-span content only for a trace where no LLM call has any;
+- one LLM call counts once: spans with the same response id, an LLM span nested
+  in another, or a sibling with the same tokens over the same time (the
+  anthropic SDK's own span beside OpenLLMetry's) are one call, and the member
+  with content and usage speaks for it;
+- each call resends the history, so calls are merged by position (role, text,
+  tool-call ids, in order; never as a set); a shorter history (compaction) is
+  not a deletion;
+- traces are ordered by start time, calls within a trace by start time and
+  parent before child.
+
+Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
+``build_transcript``, ``Transcript`` (with ``to_conversation_v1``),
+``TranscriptMessage``, ``Usage``, ``NO_CONTENT_REASON``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterable, Mapping, Sequence
+
+from collector.normalize import Content, Event, Message, Meta, ToolCall, combine, read_events, read_meta, read_span
+from collector.normalize._model import Attrs, as_str
+
+# genai-semconv.md section 3, in order. A trailing ``*`` matches any key with
+# that prefix (keys compared in sorted order, so the pick is deterministic).
+DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
+    "gen_ai.conversation.id",
+    "langfuse.session.id",
+    "session.id",
+    "traceloop.association.properties.session_id",
+    "traceloop.association.properties.conversation_id",
+    "traceloop.association.properties.chat_id",
+    "traceloop.association.properties.thread_id",
+    "ai.telemetry.metadata.sessionId",
+    "ai.telemetry.metadata.conversationId",
+    "ai.telemetry.metadata.threadId",
+    "ai.settings.context.*",
+    "langsmith.metadata.thread_id",
+    "langsmith.metadata.session_id",
+    "langsmith.metadata.conversation_id",
+    "thread_id",
+    "gen_ai.thread.id",
+    "gcp.vertex.agent.session_id",
+)
+
+NO_CONTENT_REASON = (
+    "no message content was captured (the instrumentation sent only metadata); "
+    "turn capture on, e.g. OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY "
+    "with OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental "
+    "(TRACELOOP_TRACE_CONTENT=true for OpenLLMetry)"
+)
+NO_GENAI_REASON = "no LLM call or agent span in these traces"
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _when(ns: int | None) -> datetime | None:
+    return _EPOCH + timedelta(microseconds=ns // 1000) if ns else None
+
+
+def _rfc3339(dt: datetime | None) -> str | None:
+    return dt.isoformat().replace("+00:00", "Z") if dt is not None else None
+
+
+def _load_obj(text: Any) -> Any:
+    """A JSON column as stored (text), or already decoded by the caller."""
+    if text is None or isinstance(text, (dict, list)):
+        return text
+    return json.loads(text)
+
+
+# ---------------------------------------------------------------- conversation key
+
+
+def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
+    if name.endswith("*"):
+        prefix = name[:-1]
+        for key in sorted(k for k in attrs if k.startswith(prefix)):
+            v = as_str(attrs[key])
+            if v:
+                return v
+        return None
+    return as_str(attrs.get(name))
+
+
+def conversation_key(spans: list[dict[str, Any]],
+                     id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> str | None:
+    """The conversation id of one trace, from any of its span rows.
+
+    For each attribute in ``id_attributes`` order: the span attributes of any
+    span (earliest span first), then their resource attributes. Malformed rows
+    are skipped. Returns None when no span carries one; the caller then keys the
+    trace as ``trace:<trace_id>`` (or chains it, see ``group_traces``).
+    """
+    parsed: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for row in sorted(spans, key=_span_order):
+        try:
+            attrs = _load_obj(row.get("attributes")) or {}
+            resource = _load_obj(row.get("resource")) or {}
+        except ValueError:
+            continue
+        if isinstance(attrs, dict) and isinstance(resource, dict):
+            parsed.append((attrs, resource))
+    for name in id_attributes:
+        for attrs, _ in parsed:
+            v = _lookup(attrs, name)
+            if v:
+                return v
+        for _, resource in parsed:
+            v = _lookup(resource, name)
+            if v:
+                return v
+    return None
+
+
+def _span_order(row: Mapping[str, Any]) -> tuple[int, str]:
+    start = row.get("start_time_unix_nano")
+    return (start if isinstance(start, int) else 0, str(row.get("span_id") or ""))
+
+
+def _response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]:
+    """(response ids, previous-response ids) named by a trace's spans."""
+    ids: set[str] = set()
+    previous: set[str] = set()
+    for row in spans:
+        try:
+            attrs = _load_obj(row.get("attributes"))
+        except ValueError:
+            continue
+        if isinstance(attrs, dict):
+            meta = read_meta(Attrs(attrs), str(row.get("name") or ""))
+            if meta.response_id:
+                ids.add(meta.response_id)
+            if meta.previous_response_id:
+                previous.add(meta.previous_response_id)
+    return ids, previous
+
+
+def group_traces(traces: Mapping[str, list[dict[str, Any]]],
+                 id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> dict[str, list[str]]:
+    """Group whole traces into conversations: ``{conversation id: [trace ids]}``.
+
+    A trace with no id attribute joins the conversation of the trace whose
+    response it continues (``gen_ai.request.previous_response.id``), else stands
+    alone as ``trace:<trace_id>``. For reindexing and tests; the daemon keeps
+    the same map incrementally.
+    """
+    keys: dict[str, str | None] = {t: conversation_key(rows, id_attributes) for t, rows in traces.items()}
+    links = {t: _response_links(rows) for t, rows in traces.items()}
+    owner: dict[str, str] = {}  # response id -> trace id
+    for t in sorted(traces):
+        for rid in sorted(links[t][0]):
+            owner.setdefault(rid, t)
+    resolved: dict[str, str] = {}
+
+    def resolve(t: str, seen: frozenset[str]) -> str:
+        if t in resolved:
+            return resolved[t]
+        key = keys[t]
+        if key is None:
+            for prev in sorted(links[t][1]):
+                parent = owner.get(prev)
+                if parent is not None and parent != t and parent not in seen:
+                    key = resolve(parent, seen | {t})
+                    break
+        resolved[t] = key or f"trace:{t}"
+        return resolved[t]
+
+    groups: dict[str, list[str]] = {}
+    for t in sorted(traces):
+        groups.setdefault(resolve(t, frozenset()), []).append(t)
+    return groups
+
+
+# ---------------------------------------------------------------- transcript model
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens summed over a conversation's LLM calls, each call once."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TranscriptMessage:
+    """One message of the transcript, with where it was first seen."""
+
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    at: datetime | None = None
+    span_id: str | None = None
+    source: str | None = None
+    truncated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The conversation/v1 message object (optional fields only when set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {**({"id": tc.id} if tc.id else {}), "name": tc.name, "arguments": tc.arguments}
+                for tc in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        if self.at is not None:
+            out["at"] = _rfc3339(self.at)
+        if self.span_id:
+            out["span_id"] = self.span_id
+        if self.truncated:
+            out["truncated"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """A conversation rebuilt from its traces.
+
+    Attributes:
+        messages: the transcript, each message once, in order.
+        system: the system instructions (first seen), if captured.
+        models: response (else request) models of the LLM calls, first seen first.
+        usage: tokens summed over the LLM calls, each call counted once.
+        trace_ids: contributing traces, oldest first.
+        service: ``service.name`` of the first span that has one.
+        started_at / ended_at: first span start, last span end (UTC).
+        llm_calls: number of distinct LLM calls.
+        content_captured: False when no message content exists at all; such a
+            conversation is stored and counted but never judged.
+        no_content_reason: why, and how to turn capture on.
+        unparsed_spans / unparsed_logs: rows skipped as malformed.
+        truncated_spans: span ids whose content JSON did not parse (cut by an
+            attribute length limit); their messages may be missing.
+        sources: the dialect/location names the messages came from.
+    """
+
+    messages: tuple[TranscriptMessage, ...] = ()
+    system: str | None = None
+    models: tuple[str, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    trace_ids: tuple[str, ...] = ()
+    service: str | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    llm_calls: int = 0
+    content_captured: bool = False
+    no_content_reason: str | None = None
+    unparsed_spans: int = 0
+    unparsed_logs: int = 0
+    truncated_spans: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+
+    @property
+    def user_turns(self) -> int:
+        """Number of user messages."""
+        return sum(1 for m in self.messages if m.role == "user")
+
+    def content_hash(self) -> str:
+        """A digest of what a judge sees (system + messages); re-judge when it changes."""
+        doc = {"system": self.system, "messages": [
+            {k: v for k, v in m.to_dict().items() if k not in ("at", "span_id")} for m in self.messages]}
+        text = json.dumps(doc, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_conversation_v1(self, conversation_id: str, ended_by: str = "open", *,
+                           sampling: Mapping[str, Any] | None = None,
+                           attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The conversation/v1 record (formats/conversation-v1.md).
+
+        Facts outside the format's table (call count, capture status, sources)
+        go under ``attributes``, as the format requires.
+        """
+        attrs: dict[str, Any] = {
+            "llm_calls": self.llm_calls,
+            "content_captured": self.content_captured,
+            "sources": list(self.sources),
+        }
+        if self.no_content_reason:
+            attrs["no_content_reason"] = self.no_content_reason
+        if self.unparsed_spans or self.unparsed_logs:
+            attrs["unparsed_spans"] = self.unparsed_spans
+            attrs["unparsed_logs"] = self.unparsed_logs
+        if self.truncated_spans:
+            attrs["truncated_spans"] = list(self.truncated_spans)
+        attrs.update(attributes or {})
+        record: dict[str, Any] = {
+            "schema": "conversation/v1",
+            "id": conversation_id,
+            "source": "production",
+            "service": self.service,
+            "started_at": _rfc3339(self.started_at),
+            "ended_at": _rfc3339(self.ended_at),
+            "ended_by": ended_by,
+            "system": self.system,
+            "messages": [m.to_dict() for m in self.messages],
+            "models": list(self.models),
+            "usage": {"input_tokens": self.usage.input_tokens, "output_tokens": self.usage.output_tokens},
+            "trace_ids": list(self.trace_ids),
+            "attributes": attrs,
+        }
+        if sampling is not None:
+            record["sampling"] = dict(sampling)
+        return record
+
+
+# ---------------------------------------------------------------- rows -> spans
+
+
+@dataclass
+class _Span:
+    trace_id: str
+    span_id: str
+    parent: str | None
+    start: int
+    end: int
+    service: str | None
+    meta: Meta
+    content: Content | None
+    depth: int = 0
+
+
+def _pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Duplicates of one span (OTLP retries), most complete first, deterministically."""
+    return sorted(rows, key=lambda r: (-(r.get("end_time_unix_nano") or 0),
+                                       -len(str(r.get("attributes") or "")),
+                                       str(r.get("attributes") or ""), str(r.get("events") or "")))
+
+
+def _span_events(raw: Any) -> list[Event]:
+    events = _load_obj(raw) or []
+    return [Event(e.get("name") or "", e.get("attributes") or {}, None)
+            for e in events if isinstance(e, dict)]
+
+
+def _parse_span(row: dict[str, Any], logs: list[Event]) -> _Span:
+    attrs = _load_obj(row.get("attributes")) or {}
+    if not isinstance(attrs, dict):
+        raise ValueError("attributes is not an object")
+    name = str(row.get("name") or "")
+    meta, content = read_span(attrs, name)
+    content = combine([content, read_events(_span_events(row.get("events")), "span-event"),
+                       read_events(logs, "log")])
+    if meta.kind == "other" and content is not None and content.has_messages():
+        # Content with no classifying attribute: a model call if it names a model.
+        meta.kind = "llm" if (meta.request_model or meta.response_model) else "agent"
+    start = row.get("start_time_unix_nano") or 0
+    end = row.get("end_time_unix_nano") or start
+    parent = row.get("parent_span_id") or None
+    return _Span(str(row["trace_id"]), str(row["span_id"]), parent, int(start), int(end),
+                 as_str(row.get("service")), meta, content)
+
+
+@dataclass
+class _LogGroup:
+    events: list[Event]
+    attrs: dict[str, Any]
+    start: int
+    end: int
+    service: str | None
+
+
+def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None], _LogGroup], int]:
+    """Log rows deduplicated and grouped by (trace, span), in emission order."""
+    seen: dict[str, dict[str, Any]] = {}
+    for row in logs:
+        lid = row.get("log_id") or json.dumps(
+            [row.get(k) for k in ("trace_id", "span_id", "time_unix_nano", "observed_time_unix_nano",
+                                  "event_name", "body", "attributes")], default=str)
+        seen.setdefault(str(lid), row)
+    parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None]] = []
+    bad = 0
+    for lid, row in seen.items():
+        trace = row.get("trace_id")
+        if not trace:
+            continue  # not linked to any trace: cannot belong to a conversation
+        try:
+            attrs = _load_obj(row.get("attributes")) or {}
+            body = _load_obj(row.get("body"))
+            if not isinstance(attrs, dict):
+                raise ValueError("attributes is not an object")
+        except ValueError:
+            bad += 1
+            continue
+        name = row.get("event_name") or attrs.get("event.name") or ""
+        t = row.get("time_unix_nano") or 0
+        obs = row.get("observed_time_unix_nano") or 0
+        # Per-message events of one call often share a zero time: observed time
+        # (set at emission) keeps their order.
+        order = (int(t or obs), int(obs), lid)
+        parsed.append((order, (str(trace), row.get("span_id") or None), Event(str(name), attrs, body),
+                       attrs, as_str(row.get("service"))))
+    parsed.sort(key=lambda p: p[0])
+    groups: dict[tuple[str, str | None], _LogGroup] = {}
+    for order, key, ev, attrs, service in parsed:
+        g = groups.get(key)
+        if g is None:
+            groups[key] = _LogGroup([ev], dict(attrs), order[0], order[0], service)
+        else:
+            g.events.append(ev)
+            g.end = max(g.end, order[0])
+            for k, v in attrs.items():
+                g.attrs.setdefault(k, v)
+    return groups, bad
+
+
+def _orphan_span(trace_id: str, span_id: str | None, g: _LogGroup) -> _Span | None:
+    """A call known only from its log records (its span not stored, or never sent)."""
+    content = read_events(g.events, "log")
+    meta = read_meta(Attrs(g.attrs))
+    if content is None or not content.has_messages():
+        if meta.kind != "llm":
+            return None
+    elif meta.kind not in ("llm", "agent"):
+        meta.kind = "llm"
+    return _Span(trace_id, span_id or f"log:{trace_id}", None, g.start, g.end, g.service, meta, content)
+
+
+# ---------------------------------------------------------------- calls
+
+
+@dataclass
+class _Call:
+    order: tuple[int, int, int, str]
+    span: _Span  # the member that speaks for the call
+    content: Content | None
+    meta: Meta
+
+
+def _depths(spans: dict[str, _Span]) -> None:
+    for sp in spans.values():
+        depth, cur, seen = 0, sp.parent, {sp.span_id}
+        while cur is not None and cur in spans and cur not in seen:
+            seen.add(cur)
+            depth += 1
+            cur = spans[cur].parent
+        sp.depth = depth
+
+
+def _order(sp: _Span) -> tuple[int, int, int, str]:
+    return (sp.start, sp.depth, sp.end, sp.span_id)
+
+
+def _has_messages(c: Content | None) -> bool:
+    return c is not None and c.has_messages()
+
+
+def _llm_calls(spans: dict[str, _Span]) -> list[_Call]:
+    """One entry per distinct LLM call of a trace, in call order."""
+    llm = sorted((s for s in spans.values() if s.meta.kind == "llm"), key=_order)
+    parent_of: dict[str, str] = {s.span_id: s.span_id for s in llm}
+
+    def find(x: str) -> str:
+        while parent_of[x] != x:
+            parent_of[x] = parent_of[parent_of[x]]
+            x = parent_of[x]
+        return x
+
+    def union(a: str, b: str) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent_of[max(ra, rb)] = min(ra, rb)
+
+    by_response: dict[str, str] = {}
+    by_tokens: dict[tuple[str | None, int, int], list[_Span]] = {}
+    for sp in llm:
+        rid = sp.meta.response_id
+        if rid:
+            if rid in by_response:
+                union(sp.span_id, by_response[rid])
+            else:
+                by_response[rid] = sp.span_id
+        cur, seen = sp.parent, {sp.span_id}
+        while cur is not None and cur in spans and cur not in seen:
+            seen.add(cur)
+            if spans[cur].meta.kind == "llm":  # a wrapper's LLM span around the SDK's
+                union(sp.span_id, cur)
+                break
+            cur = spans[cur].parent
+        if sp.meta.input_tokens is not None and sp.meta.output_tokens is not None:
+            bucket = by_tokens.setdefault((sp.parent, sp.meta.input_tokens, sp.meta.output_tokens), [])
+            for other in bucket:
+                # Same parent, same tokens, one inside the other's time: the same call
+                # seen by two instrumentations.
+                if (other.start <= sp.start and sp.end <= other.end) or (
+                        sp.start <= other.start and other.end <= sp.end):
+                    union(sp.span_id, other.span_id)
+            bucket.append(sp)
+    groups: dict[str, list[_Span]] = {}
+    for sp in llm:
+        groups.setdefault(find(sp.span_id), []).append(sp)
+    calls = []
+    for members in groups.values():
+        best = max(members, key=lambda s: (_has_messages(s.content),
+                                           s.meta.input_tokens is not None or s.meta.output_tokens is not None,
+                                           bool(s.content and s.content.output),
+                                           -s.depth, s.span_id))
+        meta = Meta(kind="llm", response_id=best.meta.response_id)
+        for m in [best] + members:
+            if meta.input_tokens is None and meta.output_tokens is None:
+                meta.input_tokens, meta.output_tokens = m.meta.input_tokens, m.meta.output_tokens
+            meta.request_model = meta.request_model or m.meta.request_model
+            meta.response_model = meta.response_model or m.meta.response_model
+        content = next((m.content for m in [best] + members if _has_messages(m.content)), best.content)
+        calls.append(_Call(min(_order(m) for m in members), best, content, meta))
+    calls.sort(key=lambda c: c.order)
+    return calls
+
+
+# ---------------------------------------------------------------- merge by position
+
+
+@dataclass
+class _Entry:
+    msg: Message
+    at: int
+    span_id: str
+    source: str
+
+
+def merge_history(known: list[Message], sent: list[Message]) -> int:
+    """Where the new messages of one call start in ``sent`` (its input + output).
+
+    ``known`` is the transcript so far. Messages are compared in order by role,
+    text and tool-call ids. If ``sent`` extends ``known``, the new ones follow
+    the common prefix. If it diverges (compaction replaced older messages with a
+    summary, or the call saw only a window), the new ones follow the place
+    where ``known``'s last messages reappear in ``sent``, the longest such run
+    winning; failing that, they follow the common prefix. Returns an index into
+    ``sent``; ``len(sent)`` means nothing new.
+    """
+    kk = [m.key for m in known]
+    sk = [m.key for m in sent]
+    lcp = 0
+    n = min(len(kk), len(sk))
+    while lcp < n and kk[lcp] == sk[lcp]:
+        lcp += 1
+    if lcp == len(sk) or lcp == len(kk):
+        return lcp
+    best_q, best_len = -1, 0
+    last = kk[-1]
+    for q in range(len(sk)):
+        if sk[q] != last:
+            continue
+        length = 1
+        while length <= q and length < len(kk) and sk[q - length] == kk[-1 - length]:
+            length += 1
+        if length > best_len:
+            best_q, best_len = q, length
+    return best_q + 1 if best_q >= 0 else lcp
+
+
+def _merge(transcript: list[_Entry], known: list[Message], call: _Call) -> None:
+    c = call.content
+    if c is None:
+        return
+    sent = list(c.input or []) + list(c.output or [])
+    n_in = len(c.input or [])
+    start = merge_history(known, sent)
+    sp = call.span
+    for i in range(start, len(sent)):
+        msg = sent[i]
+        transcript.append(_Entry(msg, sp.start if i < n_in else sp.end, sp.span_id, c.source))
+        known.append(msg)
+
+
+# ---------------------------------------------------------------- build
+
+
+def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) -> Transcript:
+    """Rebuild one conversation from all its stored span and log rows.
+
+    Rows may come in any order and repeat (OTLP retries): spans are
+    deduplicated by (trace_id, span_id), logs by ``log_id``. Each row's JSON
+    columns are parsed once. A row that does not parse is skipped and counted
+    in ``unparsed_spans`` / ``unparsed_logs``; it never fails the build.
+    """
+    log_groups, bad_logs = _log_groups(logs)
+
+    by_id: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    bad_spans = 0
+    for row in spans:
+        tid, sid = row.get("trace_id"), row.get("span_id")
+        if not tid or not sid:
+            bad_spans += 1
+            continue
+        by_id.setdefault((str(tid), str(sid)), []).append(row)
+
+    traces: dict[str, dict[str, _Span]] = {}
+    for (tid, sid), rows in sorted(by_id.items()):
+        g = log_groups.pop((tid, sid), None)
+        parsed = None
+        for row in _pick(rows):
+            try:
+                parsed = _parse_span(row, g.events if g else [])
+                break
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+                continue
+        if parsed is None:
+            bad_spans += 1
+            continue
+        traces.setdefault(tid, {})[sid] = parsed
+    for (tid, sid), g in sorted(log_groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        try:
+            orphan = _orphan_span(tid, sid, g)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            bad_logs += len(g.events)
+            continue
+        if orphan is not None and orphan.span_id not in traces.get(tid, {}):
+            traces.setdefault(tid, {})[orphan.span_id] = orphan
+
+    def trace_start(tid: str) -> tuple[int, str]:
+        return (min((s.start for s in traces[tid].values() if s.start), default=0), tid)
+
+    order = sorted(traces, key=trace_start)
+    transcript: list[_Entry] = []
+    known: list[Message] = []
+    system: str | None = None
+    models: list[str] = []
+    usage_in = usage_out = n_calls = 0
+    genai_seen = False
+    truncated: list[str] = []
+    tool_names: dict[str, str] = {}
+    service: str | None = None
+
+    for tid in order:
+        tspans = traces[tid]
+        _depths(tspans)
+        calls = _llm_calls(tspans)
+        for call in calls:
+            n_calls += 1
+            usage_in += call.meta.input_tokens or 0
+            usage_out += call.meta.output_tokens or 0
+            model = call.meta.response_model or call.meta.request_model
+            if model and model not in models:
+                models.append(model)
+        content_calls = [c for c in calls if _has_messages(c.content)]
+        if not content_calls:  # agent turns speak only for a trace with no LLM content
+            content_calls = [_Call(_order(s), s, s.content, s.meta) for s in sorted(tspans.values(), key=_order)
+                             if s.meta.kind == "agent" and _has_messages(s.content)]
+        for sp in sorted(tspans.values(), key=_order):
+            genai_seen = genai_seen or sp.meta.kind in ("llm", "agent")
+            if sp.content is not None and sp.content.truncated:
+                truncated.append(sp.span_id)
+            if sp.meta.kind == "tool" and sp.meta.tool_call_id and sp.meta.tool_name:
+                tool_names.setdefault(sp.meta.tool_call_id, sp.meta.tool_name)
+            if service is None and sp.service:
+                service = sp.service
+        for call in content_calls:
+            if system is None and call.content is not None and call.content.system:
+                system = call.content.system
+            _merge(transcript, known, call)
+
+    for e in transcript:
+        for tc in e.msg.tool_calls:
+            if tc.id:
+                tool_names.setdefault(tc.id, tc.name)
+    messages = tuple(
+        TranscriptMessage(
+            role=e.msg.role, content=e.msg.content, tool_calls=e.msg.tool_calls,
+            tool_call_id=e.msg.tool_call_id,
+            name=(e.msg.name or tool_names.get(e.msg.tool_call_id or "")) if e.msg.role == "tool" else None,
+            at=_when(e.at), span_id=None if e.span_id.startswith("log:") else e.span_id,
+            source=e.source, truncated=e.msg.truncated)
+        for e in transcript)
+
+    all_spans = [s for t in order for s in traces[t].values()]
+    starts = [s.start for s in all_spans if s.start]
+    ends = [s.end for s in all_spans if s.end]
+    captured = bool(messages)
+    return Transcript(
+        messages=messages,
+        system=system,
+        models=tuple(models),
+        usage=Usage(usage_in, usage_out),
+        trace_ids=tuple(order),
+        service=service,
+        started_at=_when(min(starts)) if starts else None,
+        ended_at=_when(max(ends)) if ends else None,
+        llm_calls=n_calls,
+        content_captured=captured,
+        no_content_reason=None if captured else (NO_CONTENT_REASON if genai_seen else NO_GENAI_REASON),
+        unparsed_spans=bad_spans,
+        unparsed_logs=bad_logs,
+        truncated_spans=tuple(truncated),
+        sources=tuple(sorted({e.source for e in transcript})),
+    )

@@ -1,0 +1,114 @@
+"""Normalizer: any GenAI telemetry dialect -> canonical messages and call facts.
+
+Pure functions over decoded attribute dicts; no I/O. One module per dialect,
+each a ``read(attrs) -> Content | None`` (span attributes) or
+``read_events(events) -> Content | None`` (span events / log records of one
+span), registered below in priority order. Adding a library means a fixture,
+a reader (usually a few key names, as the shared message reader in
+``_messages`` understands OpenAI, Anthropic, OTel parts, Vercel and Gemini
+message shapes) and, for call facts, a row in ``_meta``'s tables.
+
+Lifecycle: stateless; safe to call from any thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+
+from . import langfuse, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
+from ._meta import read_meta, span_kind
+from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated
+
+__all__ = [
+    "Attrs",
+    "Content",
+    "Dialect",
+    "EVENT_READERS",
+    "Event",
+    "Message",
+    "Meta",
+    "SPAN_DIALECTS",
+    "SpanKind",
+    "ToolCall",
+    "Truncated",
+    "combine",
+    "read_events",
+    "read_meta",
+    "read_span",
+    "span_kind",
+]
+
+
+class Dialect(NamedTuple):
+    """A span-attribute reader and the source name it records."""
+
+    name: str
+    read: Callable[[Attrs], Content | None]
+
+
+# First match wins per side (input, output, system); later ones fill gaps.
+# Flattened / raw-payload dialects come after the structured ones so that a
+# span carrying both (OpenInference's input.value, Logfire v2's request_data)
+# is read from the structured copy.
+SPAN_DIALECTS: tuple[Dialect, ...] = (
+    Dialect(otel_genai.NAME, otel_genai.read),
+    Dialect(openllmetry.NAME, openllmetry.read),
+    Dialect(openinference.NAME, openinference.read),
+    Dialect(vercel_ai.NAME, vercel_ai.read),
+    Dialect(langfuse.NAME, langfuse.read),
+    Dialect(logfire.NAME, logfire.read),
+    Dialect(others.ADK, others.read_adk),
+    Dialect(others.SENTRY, others.read_sentry),
+    Dialect(others.PYDANTIC_AI, others.read_pydantic_ai),
+)
+
+EVENT_READERS: tuple[Callable[[Sequence[Event]], Content | None], ...] = (
+    otel_genai.read_events,
+    otel_events.read_events,
+)
+
+
+def combine(contents: Iterable[Content | None]) -> Content | None:
+    """Merge one call's content from several sources, first source first.
+
+    Each side (input, output, system) comes from the first source that has it,
+    so the same text sent twice (SPAN_AND_EVENT mode: attributes and a log
+    record) is taken once. ``source`` names the source of the messages.
+    """
+    out: Content | None = None
+    for c in contents:
+        if c is None:
+            continue
+        if out is None:
+            out = Content(c.source, c.input, c.output, c.system, c.truncated)
+            continue
+        if not out.has_messages() and c.has_messages():
+            out.source = c.source
+        if not out.input and c.input:
+            out.input = c.input
+        if out.output is None and c.output:
+            out.output = c.output
+        if out.system is None:
+            out.system = c.system
+        out.truncated = out.truncated or c.truncated
+    return out
+
+
+def read_span(attributes: Mapping[str, Any], name: str = "") -> tuple[Meta, Content | None]:
+    """Read one span's attributes: its facts and its message content, if any."""
+    attrs = Attrs(attributes)
+    meta = read_meta(attrs, name)
+    return meta, combine(_tag(d.read(attrs), "span") for d in SPAN_DIALECTS)
+
+
+def read_events(events: Sequence[Event], where: str = "event") -> Content | None:
+    """Read the content of one span's events or log records (in emission order)."""
+    if not events:
+        return None
+    return combine(_tag(read(events), where) for read in EVENT_READERS)
+
+
+def _tag(content: Content | None, where: str) -> Content | None:
+    if content is not None:
+        content.source = f"{content.source}/{where}"
+    return content

@@ -1,0 +1,286 @@
+"""One tolerant reader for every message shape the dialects carry.
+
+The dialects differ in where messages live, far less in how one message looks:
+OTel GenAI ``parts``, OpenAI chat (``content`` + ``tool_calls``), Anthropic
+content blocks (``tool_use`` / ``tool_result``), Vercel AI SDK parts
+(``tool-call`` / ``tool-result``), Gemini / ADK parts (``function_call``),
+OpenAI Responses items. So each dialect module only finds the messages and this
+module reads them, with the block types in tables.
+
+A message that carries tool results becomes one ``tool`` message per result
+(Anthropic and pydantic-ai send them as ``user`` messages), followed by a
+message for any remaining text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from ._model import Message, Role, ToolCall, dumps, loads_maybe, parse_json_or_raw
+
+ROLES: dict[str, Role] = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "ai": "assistant", "model": "assistant", "bot": "assistant",
+    "tool": "tool", "function": "tool", "ipython": "tool",
+    "system": "system", "developer": "system",
+}
+
+# Block "type" values, per meaning. Checked in this order.
+TEXT_TYPES = frozenset({"text", "input_text", "output_text", "refusal"})
+SKIP_TYPES = frozenset({
+    "reasoning", "thinking", "redacted_thinking", "compaction",
+    "server_tool_call", "server_tool_call_response", "server_tool_use",
+    "web_search_tool_result", "step-start",
+})
+TOOL_CALL_TYPES = frozenset({"tool_call", "tool_use", "tool-call", "function_call"})
+TOOL_RESULT_TYPES = frozenset({"tool_call_response", "tool_result", "tool-result", "function_call_output"})
+MEDIA_TYPES = frozenset({
+    "blob", "uri", "file", "image", "image_url", "input_image", "input_audio",
+    "input_file", "audio", "video", "document",
+})
+
+# Field names, in order of preference, across the shapes above.
+# Responses API items carry both an item id (fc_...) and the call id the result
+# answers: call_id first.
+_CALL_ID = ("call_id", "id", "toolCallId", "tool_call_id", "tool_use_id")
+_CALL_NAME = ("name", "toolName", "tool_name")
+_CALL_ARGS = ("arguments", "input", "args", "parameters")
+_RESULT_ID = ("id", "tool_use_id", "toolCallId", "call_id", "tool_call_id")
+_RESULT_VALUE = ("response", "content", "output", "result")
+
+
+def _first(d: dict[str, Any], keys: Iterable[str]) -> Any:
+    for k in keys:
+        v = d.get(k)
+        if v is not None:
+            return v
+    return None
+
+
+def role_of(value: Any) -> Role | None:
+    """Map any role spelling (``Human``, ``model``, ``developer``...) to ours."""
+    if not isinstance(value, str):
+        return None
+    return ROLES.get(value.strip().lower())
+
+
+def result_text(value: Any) -> str:
+    """A tool result as text: strings as they are, block lists joined, objects as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        # Vercel AI SDK: {"type": "text"|"json", "value": ...}
+        if "value" in value and set(value) <= {"type", "value"}:
+            return result_text(value["value"])
+        if value.get("type") in TEXT_TYPES and isinstance(value.get("text"), str):
+            return value["text"]
+        return dumps(value)
+    if isinstance(value, list) and value and all(isinstance(b, dict) and "type" in b for b in value):
+        return "".join(result_text(b) for b in value)
+    return dumps(value)
+
+
+def _tool_call(block: dict[str, Any]) -> ToolCall | None:
+    fn = block.get("function")
+    if isinstance(fn, dict):  # OpenAI: {id, type: function, function: {name, arguments}}
+        name = fn.get("name")
+        args = fn.get("arguments")
+    else:
+        name = _first(block, _CALL_NAME)
+        args = _first(block, _CALL_ARGS)
+    if not isinstance(name, str):
+        return None
+    call_id = _first(block, _CALL_ID)
+    return ToolCall(id=call_id if isinstance(call_id, str) and call_id else None,
+                    name=name, arguments=parse_json_or_raw(args if args is not None else {}))
+
+
+def _gemini_block(block: dict[str, Any]) -> tuple[str, Any] | None:
+    """Gemini / ADK parts have no ``type``: the one key says what they are."""
+    for key, kind in (("function_call", "call"), ("functionCall", "call"),
+                      ("function_response", "result"), ("functionResponse", "result")):
+        inner = block.get(key)
+        if isinstance(inner, dict):
+            if kind == "call":
+                return "call", {"id": inner.get("id"), "name": inner.get("name"),
+                                "arguments": inner.get("args", inner.get("arguments"))}
+            return "result", {"id": inner.get("id"), "name": inner.get("name"),
+                              "response": inner.get("response")}
+    if isinstance(block.get("text"), str):
+        return "text", block["text"]
+    return None
+
+
+class _Acc:
+    """Collects one message's pieces while its blocks are walked."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.results: list[tuple[str | None, str | None, str]] = []
+
+    def block(self, block: Any) -> None:
+        if isinstance(block, str):
+            self.texts.append(block)
+            return
+        if not isinstance(block, dict):
+            return
+        btype = block.get("type")
+        if not isinstance(btype, str):
+            g = _gemini_block(block)
+            if g is None:
+                return
+            btype, block = {"text": ("text", {"text": g[1]}), "call": ("tool_call", g[1]),
+                            "result": ("tool_call_response", g[1])}[g[0]]
+        if btype in TEXT_TYPES:
+            text = block.get("content", block.get("text"))
+            if isinstance(text, str):
+                self.texts.append(text)
+        elif btype in TOOL_CALL_TYPES:
+            tc = _tool_call(block)
+            if tc is not None:
+                self.calls.append(tc)
+        elif btype in TOOL_RESULT_TYPES:
+            rid = _first(block, _RESULT_ID)
+            name = _first(block, _CALL_NAME)
+            self.results.append((rid if isinstance(rid, str) else None,
+                                 name if isinstance(name, str) else None,
+                                 result_text(_first(block, _RESULT_VALUE))))
+        elif btype in SKIP_TYPES:
+            return
+        elif btype in MEDIA_TYPES:
+            modality = block.get("modality") or btype
+            self.texts.append(f"[{modality}]")
+        elif isinstance(block.get("content"), str):  # generic part with text
+            self.texts.append(block["content"])
+
+
+def _content_blocks(content: Any) -> list[Any]:
+    """``content`` as a block list; a JSON string of blocks (OpenLLMetry) is opened."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        s = content.lstrip()
+        if s.startswith("[{"):
+            try:
+                parsed = loads_maybe(s)
+            except ValueError:
+                return [content]
+            if isinstance(parsed, list) and all(isinstance(b, dict) and "type" in b for b in parsed):
+                return parsed
+        return [content]
+    if isinstance(content, list):
+        return content
+    if isinstance(content, dict):
+        return [content]
+    return [str(content)]
+
+
+def read_message(obj: Any, truncated: bool = False) -> list[Message]:
+    """Read one message object of any known shape into canonical messages.
+
+    Returns an empty list for anything that is not a message. System messages
+    come back with role ``system``; the caller moves them out of the history.
+    """
+    if not isinstance(obj, dict):
+        return []
+    role = role_of(obj.get("role"))
+    if role is None:
+        # Responses API items and bare blocks have a type but no role.
+        itype = obj.get("type")
+        if itype in TOOL_CALL_TYPES:
+            role, obj = "assistant", {"role": "assistant", "parts": [obj]}
+        elif itype in TOOL_RESULT_TYPES:
+            role, obj = "tool", {"role": "tool", "parts": [obj]}
+        else:
+            return []
+    acc = _Acc()
+    for key in ("parts", "content", "contents"):
+        for block in _content_blocks(obj.get(key)):
+            acc.block(block)
+    for tc in obj.get("tool_calls") or ():
+        if isinstance(tc, dict):
+            call = _tool_call(tc)
+            if call is not None:
+                acc.calls.append(call)
+    fc = obj.get("function_call")
+    if isinstance(fc, dict):
+        call = _tool_call(fc)
+        if call is not None:
+            acc.calls.append(call)
+    name = obj.get("name") if isinstance(obj.get("name"), str) else None
+    text = "\n".join(t for t in acc.texts if t)
+    out: list[Message] = []
+    if role == "tool" and not acc.results:
+        call_id = _first(obj, ("tool_call_id", "id", "call_id"))
+        return [Message("tool", text, tool_call_id=call_id if isinstance(call_id, str) else None,
+                        name=name, truncated=truncated)]
+    for rid, rname, rtext in acc.results:
+        out.append(Message("tool", rtext, tool_call_id=rid, name=rname, truncated=truncated))
+    if acc.results and role != "assistant":
+        if text:  # text sent next to tool results stays a user turn, after them
+            out.append(Message("user", text, truncated=truncated))
+        return out
+    out.insert(0, Message(role, text, tool_calls=tuple(acc.calls), truncated=truncated))
+    return out
+
+
+def read_messages(items: Any, truncated: bool = False) -> list[Message]:
+    """Read a list of message objects (a single object is accepted too)."""
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list):
+        return []
+    out: list[Message] = []
+    for item in items:
+        out.extend(read_message(item, truncated))
+    return out
+
+
+def split_system(messages: list[Message]) -> tuple[list[Message], str | None]:
+    """Move system messages out of a history: (the rest, their text joined)."""
+    rest = [m for m in messages if m.role != "system"]
+    if len(rest) == len(messages):
+        return messages, None
+    texts = [m.content for m in messages if m.role == "system" and m.content]
+    return rest, "\n\n".join(texts) or None
+
+
+def system_text(value: Any) -> str | None:
+    """System instructions given as a string, a part list or a message list."""
+    if isinstance(value, str):
+        return value or None
+    acc = _Acc()
+    for block in value if isinstance(value, list) else [value]:
+        if isinstance(block, dict) and "role" in block:
+            for m in read_message(block):
+                if m.content:
+                    acc.texts.append(m.content)
+        elif isinstance(block, dict) and "parts" in block:
+            for b in block["parts"] or ():
+                acc.block(b)
+        else:
+            acc.block(block)
+    return "\n\n".join(t for t in acc.texts if t) or None
+
+
+def history(items: Any) -> tuple[list[Message], str | None]:
+    """A call's input: (messages without system ones, the system text)."""
+    return split_system(read_messages(items))
+
+
+def answer(items: Any) -> list[Message]:
+    """A call's output: the first choice only.
+
+    Output lists hold one message per choice (n > 1); only one of them goes on
+    into the next call's history, and the first is the one apps use.
+    """
+    if isinstance(items, list):
+        for item in items:
+            msgs = read_message(item)
+            if msgs:
+                return msgs
+        return []
+    return read_messages(items)

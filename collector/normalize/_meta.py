@@ -1,0 +1,156 @@
+"""What a span is (LLM call, agent turn, tool run) and its models, tokens and ids.
+
+Every dialect names these facts differently but flat, so one ordered table per
+fact covers them all; a new library usually needs a row here and nothing else.
+Spans are classified by attributes, never by span name (names are templates in
+Logfire, free text in Langfuse, ``call_llm`` in ADK).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ._model import Attrs, Meta, SpanKind, Truncated, as_int, as_str
+
+# (attribute, value -> kind). The first attribute present decides.
+KIND_RULES: tuple[tuple[str, Mapping[str, SpanKind]], ...] = (
+    ("gen_ai.operation.name", {
+        "chat": "llm", "text_completion": "llm", "generate_content": "llm",
+        "completion": "llm", "responses": "llm", "call_llm": "llm",
+        "invoke_agent": "agent", "create_agent": "agent", "invoke_workflow": "agent",
+        "execute_tool": "tool",
+    }),
+    ("openinference.span.kind", {
+        "LLM": "llm", "AGENT": "agent", "CHAIN": "agent", "TOOL": "tool",
+    }),
+    ("langfuse.observation.type", {
+        "generation": "llm", "agent": "agent", "chain": "agent", "tool": "tool",
+    }),
+    # Vercel AI SDK: the outer call is a multi-step agent turn whose usage sums
+    # its steps; each doGenerate/doStream step is one LLM call.
+    ("ai.operationId", {
+        "ai.generateText.doGenerate": "llm", "ai.streamText.doStream": "llm",
+        "ai.generateObject.doGenerate": "llm", "ai.streamObject.doStream": "llm",
+        "ai.generateText": "agent", "ai.streamText": "agent",
+        "ai.generateObject": "agent", "ai.streamObject": "agent",
+        "ai.toolCall": "tool",
+    }),
+    ("traceloop.span.kind", {
+        "workflow": "agent", "agent": "agent", "task": "agent", "tool": "tool",
+    }),
+    ("llm.request.type", {"chat": "llm", "completion": "llm"}),
+)
+
+# Attributes whose mere presence marks an LLM call when no rule above matched.
+LLM_MARKERS = ("gcp.vertex.agent.llm_request", "gen_ai.request.messages", "request_data")
+
+REQUEST_MODEL_KEYS = ("gen_ai.request.model", "ai.model.id", "llm.request.model")
+RESPONSE_MODEL_KEYS = (
+    "gen_ai.response.model", "ai.response.model", "llm.model_name",
+    "langfuse.observation.model.name", "llm.response.model",
+)
+# (JSON attribute, key in it) tried after the flat keys.
+REQUEST_MODEL_JSON = (("llm.invocation_parameters", "model"), ("request_data", "model"),
+                      ("gcp.vertex.agent.llm_request", "model"))
+RESPONSE_MODEL_JSON = (("response_data", "model"),)
+
+INPUT_TOKEN_KEYS = (
+    "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "llm.token_count.prompt",
+    "ai.usage.inputTokens", "ai.usage.promptTokens", "llm.usage.prompt_tokens",
+)
+OUTPUT_TOKEN_KEYS = (
+    "gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens", "llm.token_count.completion",
+    "ai.usage.outputTokens", "ai.usage.completionTokens", "llm.usage.completion_tokens",
+)
+# JSON usage objects: (attribute, path to the usage object inside it).
+USAGE_JSON = (
+    ("langfuse.observation.usage_details", ()),
+    ("response_data", ("usage",)),
+    ("gcp.vertex.agent.llm_response", ("usage_metadata",)),
+)
+USAGE_INPUT_FIELDS = ("input_tokens", "prompt_tokens", "input", "prompt_token_count", "promptTokenCount")
+USAGE_OUTPUT_FIELDS = ("output_tokens", "completion_tokens", "output", "candidates_token_count",
+                       "candidatesTokenCount")
+
+RESPONSE_ID_KEYS = ("gen_ai.response.id", "ai.response.id", "llm.response.id")
+PREVIOUS_RESPONSE_ID_KEYS = ("gen_ai.request.previous_response.id",
+                             "gen_ai.openai.request.previous_response_id")
+TOOL_CALL_ID_KEYS = ("gen_ai.tool.call.id", "ai.toolCall.id", "tool_call.id")
+TOOL_NAME_KEYS = ("gen_ai.tool.name", "ai.toolCall.name", "tool.name")
+
+
+def _flat(attrs: Attrs, keys: tuple[str, ...]) -> str | None:
+    for k in keys:
+        v = as_str(attrs.get(k))
+        if v is not None:
+            return v
+    return None
+
+
+def _json_field(attrs: Attrs, attr: str, path: tuple[str, ...]) -> Any:
+    try:
+        obj = attrs.json(attr)
+    except Truncated:
+        return None
+    for p in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(p)
+    return obj
+
+
+def _tokens(attrs: Attrs, keys: tuple[str, ...], fields: tuple[str, ...]) -> int | None:
+    for k in keys:
+        n = as_int(attrs.get(k))
+        if n is not None:
+            return n
+    for attr, path in USAGE_JSON:
+        usage = _json_field(attrs, attr, path)
+        if isinstance(usage, dict):
+            for f in fields:
+                n = as_int(usage.get(f))
+                if n is not None:
+                    return n
+    return None
+
+
+def span_kind(attrs: Attrs, name: str = "") -> SpanKind:
+    """Classify a span as ``llm``, ``agent``, ``tool`` or ``other`` by its attributes."""
+    for attr, table in KIND_RULES:
+        value = attrs.get(attr)
+        if isinstance(value, str):
+            kind = table.get(value)
+            if kind is not None:
+                return kind
+            if attr == "gen_ai.operation.name":
+                return "other"  # embeddings, retrieval, rerank...: not a chat turn
+    if any(k in attrs for k in LLM_MARKERS) or name == "call_llm":
+        return "llm"
+    if _flat(attrs, REQUEST_MODEL_KEYS + RESPONSE_MODEL_KEYS) and (
+            _tokens(attrs, INPUT_TOKEN_KEYS, USAGE_INPUT_FIELDS) is not None):
+        return "llm"
+    return "other"
+
+
+def read_meta(attrs: Attrs, name: str = "") -> Meta:
+    """Read kind, models, token usage and ids from one span's (or log's) attributes."""
+    meta = Meta(kind=span_kind(attrs, name))
+    meta.request_model = _flat(attrs, REQUEST_MODEL_KEYS)
+    if meta.request_model is None:
+        for attr, key in REQUEST_MODEL_JSON:
+            meta.request_model = as_str(_json_field(attrs, attr, (key,)))
+            if meta.request_model:
+                break
+    meta.response_model = _flat(attrs, RESPONSE_MODEL_KEYS)
+    if meta.response_model is None:
+        for attr, key in RESPONSE_MODEL_JSON:
+            meta.response_model = as_str(_json_field(attrs, attr, (key,)))
+            if meta.response_model:
+                break
+    meta.input_tokens = _tokens(attrs, INPUT_TOKEN_KEYS, USAGE_INPUT_FIELDS)
+    meta.output_tokens = _tokens(attrs, OUTPUT_TOKEN_KEYS, USAGE_OUTPUT_FIELDS)
+    meta.response_id = _flat(attrs, RESPONSE_ID_KEYS)
+    meta.previous_response_id = _flat(attrs, PREVIOUS_RESPONSE_ID_KEYS)
+    meta.tool_call_id = _flat(attrs, TOOL_CALL_ID_KEYS)
+    meta.tool_name = _flat(attrs, TOOL_NAME_KEYS)
+    return meta

@@ -1,0 +1,56 @@
+"""Pydantic Logfire's own format (``version=1``, the default before 2025).
+
+The raw provider payloads are JSON in ``request_data`` (OpenAI ``messages``, or
+Anthropic ``system`` + ``messages``) and ``response_data`` (``message``, or
+``combined_chunk_content`` for streams); some releases also list semconv-style
+events in an ``events`` attribute. Logfire v2 and ``'latest'`` emit
+``otel_genai`` attributes, read by that module (``request_data`` then holds only
+the model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import otel_events
+from ._messages import answer, history, system_text
+from ._model import Attrs, Content, Event, Message, Truncated
+
+NAME = "logfire"
+
+
+def _events(value: Any) -> Content | None:
+    if not isinstance(value, list):
+        return None
+    evs = [Event(e["event.name"], e, None) for e in value
+           if isinstance(e, dict) and isinstance(e.get("event.name"), str)]
+    got = otel_events.read_events(evs)
+    if got is not None:
+        got.source = NAME
+    return got
+
+
+def read(attrs: Attrs) -> Content | None:
+    """Content from ``request_data`` / ``response_data`` (or ``events``)."""
+    if "request_data" not in attrs and "events" not in attrs:
+        return None
+    content = Content(NAME)
+    try:
+        request = attrs.json("request_data")
+        if isinstance(request, dict) and isinstance(request.get("messages"), list):
+            content.input, content.system = history(request["messages"])
+            if isinstance(request.get("system"), (str, list)):
+                content.system = system_text(request["system"]) or content.system
+        response = attrs.json("response_data")
+        if isinstance(response, dict):
+            if isinstance(response.get("message"), dict):
+                content.output = answer({"role": "assistant", **response["message"]})
+            elif isinstance(response.get("combined_chunk_content"), str):
+                content.output = [Message("assistant", response["combined_chunk_content"])]
+            elif isinstance(response.get("content"), list):  # Anthropic message
+                content.output = answer({"role": "assistant", "content": response["content"]})
+        if not content.has_messages():
+            return _events(attrs.json("events"))
+    except Truncated:
+        content.truncated = True
+    return content if content.has_messages() or content.truncated else None

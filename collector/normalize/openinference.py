@@ -1,0 +1,92 @@
+"""OpenInference (Arize Phoenix): ``llm.input_messages.<i>.message.*`` and ``input.value``.
+
+Messages are flattened as ``message.{role,content,name,tool_call_id}``,
+``message.contents.<k>.message_content.{type,text}`` and
+``message.tool_calls.<j>.tool_call.{id,function.name,function.arguments}``.
+``input.value`` / ``output.value`` repeat the raw request and response; they are
+read only when the flattened messages are absent (AGENT and CHAIN spans carry
+plain text there), so the same text is never counted twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._indexed import unflatten
+from ._messages import answer, history
+from ._model import Attrs, Content, Message, Truncated
+
+NAME = "openinference"
+
+
+def _openai_shape(item: Any) -> Any:
+    """``{message: {...}}`` with OpenInference's nesting -> an OpenAI chat message."""
+    msg = item.get("message") if isinstance(item, dict) else None
+    if not isinstance(msg, dict):
+        return None
+    out: dict[str, Any] = {k: msg[k] for k in ("role", "content", "name", "tool_call_id") if k in msg}
+    contents = msg.get("contents")
+    if isinstance(contents, list) and "content" not in out:
+        out["content"] = [c.get("message_content") for c in contents
+                          if isinstance(c, dict) and isinstance(c.get("message_content"), dict)]
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [c["tool_call"] for c in calls
+                             if isinstance(c, dict) and isinstance(c.get("tool_call"), dict)]
+    return out
+
+
+def _raw_input(value: Any) -> tuple[list[Message], str | None] | None:
+    if isinstance(value, str):
+        return ([Message("user", value)], None) if value else None
+    if isinstance(value, dict) and isinstance(value.get("messages"), list):
+        msgs, system = history(value["messages"])
+        if isinstance(value.get("system"), str):  # Anthropic request
+            system = value["system"]
+        return msgs, system
+    if isinstance(value, list):
+        return history(value)
+    return None
+
+
+def _raw_output(value: Any) -> list[Message] | None:
+    if isinstance(value, str):
+        return [Message("assistant", value)] if value else None
+    if isinstance(value, dict):
+        choices = value.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            return answer(choices[0].get("message"))
+        if "role" in value and "content" in value:  # Anthropic response
+            return answer(value)
+    return None
+
+
+def _value(attrs: Attrs, side: str) -> Any:
+    """``input.value`` / ``output.value``, parsed unless its mime type says plain text."""
+    if attrs.get(f"{side}.mime_type") == "text/plain":
+        return attrs.get(f"{side}.value")
+    return attrs.json(f"{side}.value")
+
+
+def read(attrs: Attrs) -> Content | None:
+    """Content from flattened messages, else from the raw input/output values."""
+    inputs = unflatten(attrs.raw, "llm.input_messages.")
+    outputs = unflatten(attrs.raw, "llm.output_messages.")
+    if inputs or outputs:
+        content = Content(NAME)
+        if inputs:
+            content.input, content.system = history([_openai_shape(i) for i in inputs])
+        if outputs:
+            content.output = answer([_openai_shape(o) for o in outputs])
+        return content
+    if "openinference.span.kind" not in attrs:
+        return None  # input.value alone is too generic a key to claim
+    content = Content(NAME)
+    try:
+        raw_in = _raw_input(_value(attrs, "input"))
+        if raw_in is not None:
+            content.input, content.system = raw_in
+        content.output = _raw_output(_value(attrs, "output"))
+    except Truncated:
+        content.truncated = True
+    return content if content.has_messages() or content.truncated else None

@@ -1,0 +1,91 @@
+"""OpenTelemetry GenAI per-message events, v1.28-1.36 (deprecated in v1.37).
+
+One event per message: ``gen_ai.{system,user,assistant,tool}.message`` for the
+history and ``gen_ai.choice`` for the answer. Python SDKs send them as log
+records (body = the message, name in ``event_name`` or the ``event.name``
+attribute); Azure SDKs and custom code attach span events whose message is JSON
+in ``gen_ai.event.content`` or spread over the event's attributes. The caller
+passes one span's events in emission order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ._messages import read_message, split_system
+from ._model import Content, Event, Message, Truncated, loads_maybe
+
+NAME = "otel-events"
+
+# event name -> role of the message it carries; None marks the answer.
+EVENT_ROLES: Mapping[str, str | None] = {
+    "gen_ai.system.message": "system",
+    "gen_ai.user.message": "user",
+    "gen_ai.assistant.message": "assistant",
+    "gen_ai.tool.message": "tool",
+    "gen_ai.choice": None,
+}
+# Keys that, when present, say the event carries content (capture was on).
+CONTENT_FIELDS = ("content", "tool_calls", "parts")
+
+
+def _payload(ev: Event) -> Any:
+    if isinstance(ev.body, dict):
+        return ev.body
+    if isinstance(ev.body, str) and ev.body:
+        try:
+            parsed = loads_maybe(ev.body)
+        except Truncated:
+            return None
+        return parsed if isinstance(parsed, dict) else {"content": ev.body}
+    raw = ev.attributes.get("gen_ai.event.content")
+    if raw is not None:
+        parsed = loads_maybe(raw)
+        return parsed if isinstance(parsed, dict) else None
+    return dict(ev.attributes)
+
+
+def _message(ev: Event, role: str | None) -> list[Message] | None:
+    payload = _payload(ev)
+    if not isinstance(payload, dict):
+        return None
+    if role is None:  # gen_ai.choice: {index, finish_reason, message: {...}}
+        if payload.get("index") not in (None, 0, "0"):
+            return None
+        inner = payload.get("message")
+        payload = dict(inner) if isinstance(inner, dict) else {
+            k: v for k, v in payload.items() if k in CONTENT_FIELDS}
+        payload.setdefault("role", "assistant")
+    elif "role" not in payload:
+        payload = {**payload, "role": role}
+    if not any(payload.get(f) not in (None, "", []) for f in CONTENT_FIELDS):
+        return None  # capture was off: the event says a message was sent, not what
+    return read_message(payload)
+
+
+def read_events(events: Sequence[Event]) -> Content | None:
+    """History and answer from one span's per-message events, in order."""
+    history: list[Message] = []
+    output: list[Message] | None = None
+    truncated = False
+    for ev in events:
+        if ev.name not in EVENT_ROLES:
+            continue
+        role = EVENT_ROLES[ev.name]
+        try:
+            msgs = _message(ev, role)
+        except Truncated:
+            truncated = True
+            continue
+        if msgs is None:
+            continue
+        if role is None:
+            if output is None:
+                output = msgs
+        else:
+            history.extend(msgs)
+    if not history and output is None:
+        return Content(NAME, truncated=True) if truncated else None
+    rest, system = split_system(history)
+    return Content(NAME, input=rest if history else None, output=output, system=system,
+                   truncated=truncated)

@@ -1,0 +1,80 @@
+"""Best-effort dialects without a captured fixture yet: Google ADK, Sentry, pydantic-ai.
+
+- ADK: ``gcp.vertex.agent.llm_request`` (JSON ``{model, contents: [{role,
+  parts}], config: {system_instruction}}``) and ``gcp.vertex.agent.llm_response``
+  (``{content: {role, parts}, usage_metadata}``), Gemini parts.
+- Sentry: ``gen_ai.request.messages`` (JSON message list), answer in
+  ``gen_ai.response.text`` (a string or a JSON list of strings) and
+  ``gen_ai.response.tool_calls``.
+- pydantic-ai agent spans: ``pydantic_ai.all_messages`` (OTel parts format, the
+  whole run), used only as agent-turn content.
+
+Azure SDK span events are per-message events, read by ``otel_events``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._messages import answer, history, read_messages, system_text
+from ._model import Attrs, Content, Message, Truncated
+
+ADK = "adk"
+SENTRY = "sentry"
+PYDANTIC_AI = "pydantic-ai"
+
+
+def read_adk(attrs: Attrs) -> Content | None:
+    """Content from ADK's ``llm_request`` / ``llm_response`` JSON."""
+    if "gcp.vertex.agent.llm_request" not in attrs and "gcp.vertex.agent.llm_response" not in attrs:
+        return None
+    content = Content(ADK)
+    try:
+        request = attrs.json("gcp.vertex.agent.llm_request")
+        if isinstance(request, dict):
+            content.input, content.system = history(request.get("contents"))
+            config = request.get("config")
+            if isinstance(config, dict) and config.get("system_instruction") is not None:
+                content.system = system_text(config["system_instruction"]) or content.system
+        response = attrs.json("gcp.vertex.agent.llm_response")
+        if isinstance(response, dict) and isinstance(response.get("content"), dict):
+            content.output = answer(response["content"])
+    except Truncated:
+        content.truncated = True
+    return content if content.has_messages() or content.truncated else None
+
+
+def _sentry_text(value: Any) -> str | None:
+    if isinstance(value, list):
+        return "\n".join(v for v in value if isinstance(v, str)) or None
+    return value if isinstance(value, str) and value else None
+
+
+def read_sentry(attrs: Attrs) -> Content | None:
+    """Content from Sentry's ``gen_ai.request.messages`` and ``gen_ai.response.*``."""
+    if "gen_ai.request.messages" not in attrs:
+        return None
+    content = Content(SENTRY)
+    try:
+        content.input, content.system = history(attrs.json("gen_ai.request.messages"))
+        text = _sentry_text(attrs.json("gen_ai.response.text"))
+        calls = read_messages({"role": "assistant",
+                               "tool_calls": attrs.json("gen_ai.response.tool_calls") or []})
+        tool_calls = calls[0].tool_calls if calls else ()
+        if text is not None or tool_calls:
+            content.output = [Message("assistant", text or "", tool_calls=tool_calls)]
+    except Truncated:
+        content.truncated = True
+    return content if content.has_messages() or content.truncated else None
+
+
+def read_pydantic_ai(attrs: Attrs) -> Content | None:
+    """The whole run's messages from a pydantic-ai agent span."""
+    if "pydantic_ai.all_messages" not in attrs:
+        return None
+    content = Content(PYDANTIC_AI)
+    try:
+        content.input, content.system = history(attrs.json("pydantic_ai.all_messages"))
+    except Truncated:
+        content.truncated = True
+    return content
