@@ -1,0 +1,98 @@
+"""judges: criteria as data, one judge per criterion, verdicts with checked evidence.
+
+The same library grades an offline simulation suite and production samples; it
+needs no daemon, no DuckDB and no OpenTelemetry::
+
+    from judges import load_criteria, read_conversations, run_judges, AnthropicProvider
+
+    run = run_judges(load_criteria("criteria.yaml"), read_conversations("runs.jsonl"),
+                     AnthropicProvider("claude-haiku-5-5"))
+
+Everything public is listed in ``__all__``; the modules named ``_*`` are private.
+"""
+
+from ._cache import CacheKey, DiskCache, MemoryCache, VerdictCache
+from ._checks import AppliesIf, CheckParams, CodeCheck, register_check
+from ._criteria import CodeCriterion, Criterion, LLMCriterion, load_criteria
+from ._errors import (
+    ConversationError,
+    CriteriaError,
+    InputError,
+    JudgesError,
+    ProviderError,
+    ProviderSetupError,
+)
+from ._evidence import verify_evidence
+from ._prompt import FRAME, JudgeRequest
+from ._providers import (
+    AnthropicProvider,
+    OpenAICompatibleProvider,
+    Provider,
+    ProviderReply,
+    ScriptedProvider,
+    make_provider,
+    register_provider,
+)
+from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges
+from ._stats import Summary, summarize
+from ._transcript import (
+    Conversation,
+    Message,
+    ToolCall,
+    Usage,
+    parse_conversations,
+    read_conversations,
+    render_transcript,
+    transcript_sha256,
+)
+from ._verdict import CheckResult, JudgeInfo, NotRun, Verdict
+
+__all__ = [
+    "AnthropicProvider",
+    "AppliesIf",
+    "Budget",
+    "CacheKey",
+    "CheckParams",
+    "CheckResult",
+    "CodeCheck",
+    "CodeCriterion",
+    "Conversation",
+    "ConversationError",
+    "CriteriaError",
+    "Criterion",
+    "DiskCache",
+    "FRAME",
+    "InputError",
+    "JudgeInfo",
+    "JudgeRequest",
+    "JudgeRun",
+    "JudgesError",
+    "LLMCriterion",
+    "MemoryCache",
+    "Message",
+    "NotRun",
+    "OpenAICompatibleProvider",
+    "Provider",
+    "ProviderError",
+    "ProviderReply",
+    "ProviderSetupError",
+    "RetryPolicy",
+    "ScriptedProvider",
+    "Summary",
+    "ToolCall",
+    "Usage",
+    "Verdict",
+    "VerdictCache",
+    "arun_judges",
+    "load_criteria",
+    "make_provider",
+    "parse_conversations",
+    "read_conversations",
+    "register_check",
+    "register_provider",
+    "render_transcript",
+    "run_judges",
+    "summarize",
+    "transcript_sha256",
+    "verify_evidence",
+]

@@ -1,0 +1,167 @@
+"""Criteria files: the team's criteria as data (see formats/criteria.md).
+
+Every problem in a file is reported at once, each naming the file, the
+criterion id and the key, so a domain expert can fix a file in one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._checks import CHECKS, AppliesIf, CheckParams
+from ._errors import CriteriaError
+
+_ID = r"^[a-z0-9]+(?:-[a-z0-9]+)*$"
+
+
+class _Criterion(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=_ID)
+    """Stable, kebab-case."""
+    version: int = Field(ge=1)
+    """Bumped when the meaning changes; part of the cache key."""
+    severity: Literal["high", "medium", "low"] = "medium"
+    group: str | None = None
+    """For per-group reporting."""
+
+
+class LLMCriterion(_Criterion):
+    """A criterion an LLM judge decides from a prompt written by the team."""
+
+    kind: Literal["llm"] = "llm"
+    prompt: str = Field(min_length=1)
+    """The criterion in the team's words; ``{transcript}`` places the transcript."""
+
+
+class CodeCriterion(_Criterion):
+    """A criterion decided in code by a registered check."""
+
+    kind: Literal["code"] = "code"
+    check: str
+    """The check's name in ``CHECKS``."""
+    params: CheckParams
+    """The check's parameters: the criterion's other keys, validated by the check."""
+    applies_if: AppliesIf | None = None
+    """When it does not hold, the verdict is ``not_applicable``."""
+
+
+Criterion = LLMCriterion | CodeCriterion
+
+_CODE_KEYS = {"id", "version", "kind", "severity", "group", "check", "applies_if"}
+
+
+def _loc(prefix: str | None, loc: tuple[Any, ...]) -> str:
+    parts = [prefix] if prefix else []
+    parts += [str(p) for p in loc if not str(p).startswith("function-")]
+    return ".".join(parts)
+
+
+def _problems(exc: ValidationError, prefix: str | None = None) -> list[tuple[str, str]]:
+    out = []
+    for e in exc.errors():
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        if e["type"] == "missing":
+            msg = "missing"
+        out.append((_loc(prefix, e["loc"]), msg))
+    return out
+
+
+def _parse_one(raw: dict[str, Any], base: Path) -> tuple[Criterion | None, list[tuple[str, str]]]:
+    """Validate one criterion mapping; returns it, or the (key, message) problems."""
+    kind = raw.get("kind")
+    try:
+        if kind == "llm":
+            return LLMCriterion.model_validate(raw), []
+        if kind != "code":
+            return None, [("kind", "missing" if kind is None else f"{kind!r} is not llm or code")]
+    except ValidationError as exc:
+        return None, _problems(exc)
+    common = {k: v for k, v in raw.items() if k in _CODE_KEYS}
+    problems: list[tuple[str, str]] = []
+    check_name = raw.get("check")
+    check = CHECKS.get(check_name) if isinstance(check_name, str) else None
+    params: CheckParams | None = None
+    if check_name is None:
+        problems.append(("check", "missing"))
+    elif check is None:
+        problems.append(("check", f"unknown check {check_name!r} (known: {', '.join(sorted(CHECKS))})"))
+    else:
+        rest = {k: v for k, v in raw.items() if k not in _CODE_KEYS}
+        try:
+            params = check.Params.model_validate(rest, context={"base": base})
+        except ValidationError as exc:
+            problems += _problems(exc)
+    try:
+        crit = CodeCriterion.model_validate({**common, "params": params or CheckParams()})
+    except ValidationError as exc:
+        problems += [(k, m) for k, m in _problems(exc) if k != "params"]
+        crit = None
+    return (crit if not problems else None), problems
+
+
+def _load_file(path: Path) -> list[Criterion]:
+    file = str(path)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CriteriaError(file, [(None, None, f"cannot read: {exc.strerror}")]) from None
+    except yaml.YAMLError as exc:
+        raise CriteriaError(file, [(None, None, "not valid YAML: " + str(exc).replace("\n", " "))]) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("criteria"), list):
+        raise CriteriaError(file, [(None, "criteria", "the file must be a mapping with a 'criteria' list")])
+    extra = sorted(set(doc) - {"criteria"})
+    problems: list[tuple[str | None, str | None, str]] = [(None, k, "unknown key") for k in extra]
+    out: list[Criterion] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(doc["criteria"]):
+        if not isinstance(raw, dict):
+            problems.append((None, f"criteria[{i}]", "expected a mapping"))
+            continue
+        cid = raw.get("id")
+        name = str(cid) if cid is not None else None
+        crit, found = _parse_one(raw, path.resolve().parent)
+        if name is None:
+            problems += [(None, f"criteria[{i}].{k}", m) for k, m in found]
+        else:
+            problems += [(name, k, m) for k, m in found]
+        if name is not None and name in seen:
+            problems.append((name, "id", "duplicate id"))
+        if name is not None:
+            seen.add(name)
+        if crit is not None:
+            out.append(crit)
+    if problems:
+        raise CriteriaError(file, problems)
+    return out
+
+
+def load_criteria(paths: str | Path | Iterable[str | Path]) -> list[Criterion]:
+    """Load and validate criteria files.
+
+    Args:
+        paths: one file or several; ids must be unique across all of them.
+
+    Returns:
+        The criteria in file order.
+
+    Raises:
+        CriteriaError: naming the file, the criterion id and the key of every
+            problem (unknown check, missing prompt, duplicate id, bad regex, a
+            ``python`` check whose function cannot be imported, ...).
+    """
+    files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    out: list[Criterion] = []
+    where: dict[str, Path] = {}
+    for path in files:
+        for crit in _load_file(path):
+            if crit.id in where:
+                raise CriteriaError(str(path), [(crit.id, "id", f"duplicate id (also in {where[crit.id]})")])
+            where[crit.id] = path
+            out.append(crit)
+    return out

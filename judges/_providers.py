@@ -1,0 +1,379 @@
+"""Judge providers: a plain ``send`` of one request to one model, nothing more.
+
+Retries, timeouts and budgets are the runner's wrappers around ``send``; a
+provider only turns one request into one reply or one ``ProviderError`` that
+says whether trying again may help (429, 529, 5xx, a lost connection) and how
+long the server asked us to wait.
+
+Built-in providers register in ``PROVIDERS`` exactly as outside ones do with
+``register_provider``. Their client libraries are imported when first used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+from ._errors import ProviderError, ProviderSetupError
+from ._prompt import JudgeRequest
+from ._transcript import Usage
+
+Stop = Literal["end", "refusal", "max_tokens", "other"]
+
+
+@dataclass(frozen=True)
+class ProviderReply:
+    """What a model answered to one request."""
+
+    text: str
+    """The reply text as received (the raw reply kept on the verdict)."""
+    usage: Usage
+    stop: Stop = "end"
+    """Why the model stopped: ``end`` is a finished answer; anything else becomes an ``error`` verdict."""
+    stop_detail: str = ""
+    """The provider's own stop reason, for the error message."""
+
+
+class Provider(Protocol):
+    """A model that judges ``kind: llm`` criteria.
+
+    Lifecycle: ``send`` may be called by many tasks at once on one event loop;
+    ``aclose`` releases connections (the runner calls it when a run ends) and a
+    later ``send`` opens them again, on whatever loop is running then.
+    """
+
+    name: str
+    """The provider type, recorded on every verdict."""
+    model: str
+    """The model, recorded on every verdict and part of the cache key."""
+
+    async def send(self, request: JudgeRequest) -> ProviderReply:
+        """Make one call.
+
+        Raises:
+            ProviderError: the call failed; ``retryable`` says whether to try again.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...
+
+
+def _setting(value: str | None, env: str, environ: Mapping[str, str]) -> str | None:
+    """A configured value, else the environment variable; an empty string counts as unset."""
+    return value or environ.get(env) or None
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds from ``retry-after-ms`` or ``retry-after`` (seconds or an HTTP date)."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return max(0.0, float(value) * scale)
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value) if name == "retry-after" else None
+            if when is not None:
+                return max(0.0, when.timestamp() - time.time())
+    return None
+
+
+def _status_error(status: int, headers: Mapping[str, str], body: str) -> ProviderError:
+    retryable = status in (408, 409, 429) or status >= 500
+    code = {429: "rate_limited", 529: "overloaded"}.get(status, "server_error" if status >= 500 else "http_error")
+    return ProviderError(code, f"HTTP {status}: {body[:300]}", retryable=retryable,
+                         retry_after=_retry_after(headers), raw=body)
+
+
+class _PerLoop:
+    """Holds one client per event loop: clients bind their connections to the loop that made them."""
+
+    def __init__(self, make: Callable[[], Any], close: Callable[[Any], Awaitable[None]]) -> None:
+        self._make = make
+        self._close = close
+        self._client: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            self._client, self._loop = self._make(), loop
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client, self._loop = self._client, None, None
+        if client is not None:
+            await self._close(client)
+
+
+class AnthropicProvider:
+    """Claude through the official ``anthropic`` client, with structured output.
+
+    The reply is asked for with ``output_config`` (a JSON schema of just
+    ``reasoning``, ``evidence`` and ``result``) and validated by the runner, so
+    a reply that does not validate is kept raw. The client's own retries are
+    off: the runner retries. Sampling parameters are not sent: the Messages API
+    rejects ``temperature`` since API version 2026-10-21.
+
+    Args:
+        model: the model; else ``$ANTHROPIC_MODEL``.
+        api_key: else ``$ANTHROPIC_API_KEY`` (or the client's other credential sources).
+        base_url: else ``$ANTHROPIC_BASE_URL``, else the public API.
+        max_tokens: the reply's token limit; a reply cut there is an ``error``.
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ProviderSetupError: no model given.
+    """
+
+    name = "anthropic"
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"model", "api_key", "base_url", "max_tokens"})
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        max_tokens: int = 1024,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        resolved = _setting(model, "ANTHROPIC_MODEL", env)
+        if resolved is None:
+            raise ProviderSetupError("anthropic: no model (set judges.provider.model or $ANTHROPIC_MODEL)")
+        self.model = resolved
+        self.max_tokens = max_tokens
+        self._api_key = _setting(api_key, "ANTHROPIC_API_KEY", env)
+        # Passed explicitly so an empty $ANTHROPIC_BASE_URL means "the public API", not "".
+        self.base_url = _setting(base_url, "ANTHROPIC_BASE_URL", env) or "https://api.anthropic.com"
+        self._clients = _PerLoop(self._make_client, lambda c: c.close())
+
+    def _make_client(self) -> Any:
+        try:
+            import anthropic
+        except ImportError:  # pragma: no cover - anthropic is a dependency of the project
+            raise ProviderSetupError("the anthropic provider needs the anthropic package: pip install anthropic") from None
+        # open_telemetry=False: inside the daemon, the client's own spans would feed
+        # its judge calls back into ingestion.
+        return anthropic.AsyncAnthropic(
+            api_key=self._api_key, base_url=self.base_url, max_retries=0, open_telemetry=False
+        )
+
+    async def send(self, request: JudgeRequest) -> ProviderReply:
+        """Make one Messages API call (see ``Provider.send``)."""
+        import anthropic
+
+        client = self._clients.get()
+        try:
+            message = await client.messages.create(
+                model=self.model,
+                max_tokens=self.max_tokens,
+                system=request.system,
+                messages=[{"role": "user", "content": request.prompt}],
+                output_config={"format": {"type": "json_schema", "schema": request.schema}},
+            )
+        except anthropic.APIStatusError as exc:
+            raise _status_error(exc.status_code, exc.response.headers, exc.response.text) from None
+        except anthropic.APITimeoutError:
+            raise ProviderError("timeout", "the anthropic client timed out") from None
+        except anthropic.APIConnectionError as exc:
+            raise ProviderError("connection", str(exc), retryable=True) from None
+        except (anthropic.APIResponseValidationError, ValueError) as exc:
+            raise ProviderError("bad_response", f"not a Messages API response: {exc}") from None
+        if not isinstance(message, anthropic.types.Message):
+            # The client hands back the body as a string when it is not JSON.
+            raise ProviderError("bad_response", "not a Messages API response", raw=str(message))
+        text = "".join(block.text for block in message.content if block.type == "text")
+        usage = Usage(input_tokens=message.usage.input_tokens, output_tokens=message.usage.output_tokens)
+        reason = message.stop_reason or ""
+        stop: Stop = (
+            "end" if reason in ("end_turn", "stop_sequence")
+            else reason if reason in ("refusal", "max_tokens") else "other"  # type: ignore[assignment]
+        )
+        return ProviderReply(text=text, usage=usage, stop=stop, stop_detail=reason)
+
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        await self._clients.aclose()
+
+
+class OpenAICompatibleProvider:
+    """Any ``/v1/chat/completions`` server with JSON-schema response formats (Ollama, vLLM, llama.cpp).
+
+    Args:
+        model: the model; else ``$OPENAI_MODEL``.
+        base_url: the API root including ``/v1`` (``http://127.0.0.1:8080/v1``); else ``$OPENAI_BASE_URL``.
+        api_key: sent as a bearer token; else ``$OPENAI_API_KEY``; none for local servers.
+        max_tokens: the reply's token limit; a reply cut there is an ``error``.
+        temperature: sent when given.
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ProviderSetupError: no model or no base_url.
+    """
+
+    name = "openai_compatible"
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"model", "api_key", "base_url", "max_tokens", "temperature"})
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_tokens: int = 1024,
+        temperature: float | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        resolved_model = _setting(model, "OPENAI_MODEL", env)
+        resolved_url = _setting(base_url, "OPENAI_BASE_URL", env)
+        if resolved_model is None:
+            raise ProviderSetupError("openai_compatible: no model (set judges.provider.model or $OPENAI_MODEL)")
+        if resolved_url is None:
+            raise ProviderSetupError("openai_compatible: no base_url (set judges.provider.base_url or $OPENAI_BASE_URL)")
+        self.model = resolved_model
+        self.base_url = resolved_url.rstrip("/")
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self._api_key = _setting(api_key, "OPENAI_API_KEY", env)
+        self._sessions = _PerLoop(self._make_session, lambda s: s.close())
+
+    def _make_session(self) -> Any:
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        # No client-side total timeout: the runner's per-call timeout bounds every call.
+        return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None))
+
+    async def send(self, request: JudgeRequest) -> ProviderReply:
+        """Make one chat completion call (see ``Provider.send``)."""
+        import aiohttp
+
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": request.system},
+                {"role": "user", "content": request.prompt},
+            ],
+            "max_tokens": self.max_tokens,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "verdict", "strict": True, "schema": request.schema},
+            },
+        }
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        session = self._sessions.get()
+        try:
+            async with session.post(self.base_url + "/chat/completions", json=body) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise _status_error(resp.status, resp.headers, text)
+        except aiohttp.ClientError as exc:
+            raise ProviderError("connection", f"{type(exc).__name__}: {exc}", retryable=True) from None
+        return _chat_reply(text)
+
+    async def aclose(self) -> None:
+        """Close the HTTP session."""
+        await self._sessions.aclose()
+
+
+def _chat_reply(body: str) -> ProviderReply:
+    try:
+        data = json.loads(body)
+        choice = data["choices"][0]
+        message = choice["message"]
+        usage = data.get("usage") or {}
+        tokens = Usage(input_tokens=int(usage.get("prompt_tokens") or 0),
+                       output_tokens=int(usage.get("completion_tokens") or 0))
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ProviderError("bad_response", f"not a chat completion ({type(exc).__name__}: {exc})", raw=body) from None
+    reason = choice.get("finish_reason") or ""
+    if message.get("refusal"):
+        return ProviderReply(text=str(message["refusal"]), usage=tokens, stop="refusal", stop_detail="refusal")
+    stop: Stop = {"stop": "end", "length": "max_tokens", "content_filter": "refusal"}.get(reason, "other")  # type: ignore[assignment]
+    return ProviderReply(text=message.get("content") or "", usage=tokens, stop=stop, stop_detail=reason)
+
+
+Reply = str | ProviderReply | ProviderError
+
+
+class ScriptedProvider:
+    """A provider that answers from a script: a real implementation for tests and offline dry runs.
+
+    Args:
+        script: a function of the request returning the reply text, a
+            ``ProviderReply`` or a ``ProviderError`` (raised); or one fixed text.
+        model: recorded on verdicts.
+        delay: seconds each call waits before answering (for benchmarks).
+    """
+
+    name = "scripted"
+
+    def __init__(self, script: Callable[[JudgeRequest], Reply] | str, model: str = "scripted", delay: float = 0.0) -> None:
+        self._script = script
+        self.model = model
+        self.delay = delay
+        self.requests: list[JudgeRequest] = []
+        """Every request received, in order."""
+
+    async def send(self, request: JudgeRequest) -> ProviderReply:
+        """Answer from the script (see ``Provider.send``)."""
+        self.requests.append(request)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        out = self._script if isinstance(self._script, str) else self._script(request)
+        if isinstance(out, ProviderError):
+            raise out
+        return out if isinstance(out, ProviderReply) else ProviderReply(text=out, usage=Usage())
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+ProviderFactory = Callable[..., Provider]
+
+PROVIDERS: dict[str, ProviderFactory] = {
+    "anthropic": AnthropicProvider,
+    "openai_compatible": OpenAICompatibleProvider,
+}
+"""Provider type (as in ``judges.provider.type``) -> factory taking keyword settings."""
+
+
+def register_provider(name: str, factory: ProviderFactory) -> None:
+    """Make a provider available to ``make_provider`` (and the config) under ``name``."""
+    PROVIDERS[name] = factory
+
+
+def make_provider(type: str, **settings: Any) -> Provider:
+    """Build a provider from settings as found in a config file.
+
+    Settings that are None are left to the provider's defaults and environment.
+
+    Args:
+        type: a key of ``PROVIDERS``.
+        **settings: ``model``, ``base_url``, ``api_key``, ``max_tokens``, ``temperature``, ...
+
+    Raises:
+        ProviderSetupError: unknown type, a setting the provider does not take, or
+            one it needs is missing.
+    """
+    factory = PROVIDERS.get(type)
+    if factory is None:
+        raise ProviderSetupError(f"unknown provider type {type!r} (known: {', '.join(sorted(PROVIDERS))})")
+    given = {k: v for k, v in settings.items() if v is not None}
+    allowed = getattr(factory, "SETTINGS", None)
+    if allowed is not None and (extra := sorted(set(given) - allowed)):
+        why = " (the Messages API rejects sampling parameters)" if type == "anthropic" and "temperature" in extra else ""
+        raise ProviderSetupError(f"{type}: does not take {', '.join(extra)}{why}")
+    return factory(**given)

@@ -1,0 +1,272 @@
+"""The transcript model (conversation/v1), its hash, and its rendering for a judge.
+
+A judge reads the transcript as one message per line (``USER: ...``,
+``BOT: ...``, ``TOOL name: ...``). Production messages are hostile input: a user
+may type ``</transcript>`` or a fake ``BOT:`` line to steer the judge. The
+rendering keeps the frame's structure unforgeable: frame tags inside content
+are defused and every continuation line of a message is indented, so only the
+renderer writes a line that starts with a speaker label.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ._errors import ConversationError
+
+SCHEMA = "conversation/v1"
+
+EndedBy = Literal[
+    "handover", "bot_closed", "idle", "open", "unknown",
+    "goal_reached", "user_done", "user_left", "turn_limit", "unanswered",
+]
+
+
+class _Record(BaseModel):
+    # conversation/v1 says readers ignore unknown fields, so these models do too.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ToolCall(_Record):
+    """A tool call the assistant made."""
+
+    id: str | None = None
+    """The call id that the tool message answers."""
+    name: str
+    """The tool's name."""
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    """An object when the arguments parse as JSON, else the raw string."""
+
+
+class Message(_Record):
+    """One message of a transcript."""
+
+    role: Literal["user", "assistant", "tool"]
+    """Who spoke."""
+    content: str
+    """The text; ``""`` for an assistant turn that only calls tools."""
+    tool_calls: list[ToolCall] = []
+    """Tool calls the assistant made."""
+    tool_call_id: str | None = None
+    """On a tool message: the call it answers."""
+    name: str | None = None
+    """On a tool message: the tool's name."""
+    at: AwareDatetime | None = None
+    """When the message was sent or received."""
+    span_id: str | None = None
+    """The span it was first seen in."""
+    truncated: bool = False
+    """The instrumentation cut this content."""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_content(cls, v: Any) -> Any:
+        # Some writers send null for a tool-only assistant turn; the format says "".
+        return "" if v is None else v
+
+
+class Sampling(_Record):
+    """How a production conversation was picked for judging."""
+
+    probability: float = Field(gt=0, le=1)
+    """Its inclusion probability; a conversation sampled at 10% stands for ten."""
+    rule: str = ""
+    """The sampling rule that decided it."""
+
+
+class Usage(BaseModel):
+    """Tokens spent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class Conversation(_Record):
+    """A conversation/v1 record: a production conversation or a simulated one."""
+
+    schema_: Literal["conversation/v1"] = Field(SCHEMA, alias="schema")
+    """Format tag."""
+    id: str
+    """Conversation key."""
+    source: Literal["production", "simulation"]
+    """Where it came from."""
+    service: str | None = None
+    started_at: AwareDatetime | None = None
+    ended_at: AwareDatetime | None = None
+    ended_by: EndedBy
+    """How it ended."""
+    system: str | None = None
+    """The system instructions, if captured."""
+    messages: list[Message]
+    """The transcript, each message once, in order."""
+    models: list[str] = []
+    usage: Usage | None = None
+    trace_ids: list[str] = []
+    persona_id: str | None = None
+    """Simulation: the scenario id; records with the same persona_id are replicates."""
+    expected: dict[str, Any] | None = None
+    """Simulation: the scenario's ``expected:`` block."""
+    sampling: Sampling | None = None
+    """Production: the inclusion probability and the rule that decided it."""
+    attributes: dict[str, Any] = {}
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    @property
+    def user_turns(self) -> int:
+        """How many messages the user sent."""
+        return sum(1 for m in self.messages if m.role == "user")
+
+    def to_json(self) -> str:
+        """One conversation/v1 JSON line (no trailing newline)."""
+        return self.model_dump_json(by_alias=True, exclude_defaults=False, exclude_none=True)
+
+
+def transcript_sha256(messages: Iterable[Message]) -> str:
+    """SHA-256 of the transcript a judge reads.
+
+    The hash covers each message's ``role``, ``content``, ``tool_calls`` (name
+    and arguments) and ``tool_call_id`` as canonical JSON (sorted keys, no
+    spaces, UTF-8), every key present on every message (``[]`` / ``null`` when
+    absent), so timestamps and span ids never change it.
+
+    Args:
+        messages: the transcript.
+
+    Returns:
+        The lowercase hex digest.
+    """
+    reduced = [
+        {
+            "role": m.role,
+            "content": m.content,
+            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in m.tool_calls],
+            "tool_call_id": m.tool_call_id,
+        }
+        for m in messages
+    ]
+    canonical = json.dumps(reduced, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+# Tags the judge frame uses; in content they are defused (``<`` -> ``‹``) so the
+# transcript cannot close its own block or open a new criterion.
+FRAME_TAGS = ("transcript", "criterion", "instructions", "verdict")
+_TAG = re.compile(r"<(\s*/?\s*(?:" + "|".join(FRAME_TAGS) + r")\b[^<>]*)>", re.IGNORECASE)
+_LABEL_NOT_OURS = "  "  # indentation of continuation lines
+
+
+def neutralize(text: str) -> str:
+    """Defuse text that imitates the judge frame.
+
+    Frame tags (``<transcript>``, ``</criterion>``, ...) become ``‹transcript›``;
+    line breaks are kept but every following line is indented, so no content can
+    start a line with a speaker label of its own.
+
+    Args:
+        text: message content (or a quote of it).
+
+    Returns:
+        The text as the judge sees it.
+    """
+    text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text.replace("\n", "\n" + _LABEL_NOT_OURS)
+
+
+def _label(name: str) -> str:
+    # A tool name is a label in the frame: nothing in it may end the label early.
+    return re.sub(r"[^\w.\-]", "_", name) or "tool"
+
+
+def tool_call_text(call: ToolCall) -> str:
+    """How a tool call appears on its BOT line: ``[calls name {json arguments}]``."""
+    args = call.arguments if isinstance(call.arguments, str) else json.dumps(
+        call.arguments, ensure_ascii=False, sort_keys=True
+    )
+    return f"[calls {_label(call.name)} {args}]"
+
+
+def render_lines(messages: Iterable[Message]) -> Iterator[str]:
+    """Yield the transcript one rendered message at a time (see ``render_transcript``)."""
+    names: dict[str, str] = {}
+    for m in messages:
+        if m.role == "user":
+            yield "USER: " + neutralize(m.content)
+        elif m.role == "assistant":
+            parts = [neutralize(m.content)] if m.content else []
+            for call in m.tool_calls:
+                if call.id:
+                    names[call.id] = call.name
+                parts.append(neutralize(tool_call_text(call)))
+            yield "BOT: " + " ".join(parts)
+        else:
+            name = m.name or names.get(m.tool_call_id or "", "")
+            yield f"TOOL {_label(name)}: " + neutralize(m.content)
+
+
+def render_transcript(messages: Iterable[Message]) -> str:
+    """Render a transcript for a judge, inside ``<transcript>`` tags.
+
+    One message per line: ``USER: ...``, ``BOT: ...`` (tool calls appended as
+    ``[calls name {json arguments}]``), ``TOOL name: ...``. Content is passed
+    through ``neutralize``.
+
+    Args:
+        messages: the transcript.
+
+    Returns:
+        The ``<transcript>`` block.
+    """
+    return "<transcript>\n" + "\n".join(render_lines(messages)) + "\n</transcript>"
+
+
+def read_conversations(path: str | Path) -> list[Conversation]:
+    """Read a conversation/v1 JSONL file.
+
+    Args:
+        path: the file; blank lines are skipped.
+
+    Returns:
+        The conversations in file order.
+
+    Raises:
+        ConversationError: unreadable file, bad JSON, wrong ``schema`` or an
+            invalid record, naming the file and line.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConversationError(f"{path}: cannot read: {exc.strerror}") from None
+    return list(parse_conversations(text.splitlines(), source=str(path)))
+
+
+def parse_conversations(lines: Iterable[str], source: str = "<input>") -> Iterator[Conversation]:
+    """Parse conversation/v1 JSON lines (see ``read_conversations``)."""
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConversationError(f"{source}:{n}: not JSON ({exc.msg})") from None
+        if not isinstance(raw, dict):
+            raise ConversationError(f"{source}:{n}: expected a JSON object")
+        if raw.get("schema") != SCHEMA:
+            raise ConversationError(f"{source}:{n}: schema is {raw.get('schema')!r}, expected {SCHEMA!r}")
+        try:
+            yield Conversation.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                ".".join(str(p) for p in e["loc"]) + ": " + e["msg"] for e in exc.errors()
+            )
+            raise ConversationError(f"{source}:{n}: {problems}") from None
