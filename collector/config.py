@@ -26,6 +26,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from .errors import ConfigError
@@ -119,10 +120,21 @@ class Listener(Section):
 
 
 class Protocols(Section):
+    """As in the Collector: once ``protocols`` is written, only the protocols listed listen."""
+
     grpc: Listener | None = Listener(endpoint="127.0.0.1:4317")
-    """OTLP/gRPC listener; null turns it off."""
+    """OTLP/gRPC listener; ``grpc:`` with no value listens on the default endpoint."""
     http: Listener | None = Listener(endpoint="127.0.0.1:4318")
     """OTLP/HTTP listener (protobuf and JSON, any path ending in /v1/traces, /v1/logs, /v1/metrics)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _listed_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data:
+            defaults = {"grpc": {"endpoint": "127.0.0.1:4317"}, "http": {"endpoint": "127.0.0.1:4318"}}
+            return {k: (defaults[k] if data.get(k) is None else data[k]) if k in data else None
+                    for k in set(defaults) | set(data)}
+        return data
 
 
 class OTLPReceiver(Section):
@@ -231,9 +243,13 @@ def _substitute(value: Any, environ: dict[str, str]) -> Any:
 
 
 def _drop_none(value: Any) -> Any:
-    """An unset ``${env:...}`` means "use the default", so drop keys whose value is None."""
+    """An unset ``${env:...}`` means "use the default", so drop keys whose value is None.
+
+    ``protocols`` keeps its keys: there ``grpc:`` with no value means "on, with defaults".
+    """
     if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+        return {k: ({} if v is None else _drop_none(v)) if k == "protocols" else _drop_none(v)
+                for k, v in value.items() if v is not None or k in ("grpc", "http")}
     if isinstance(value, list):
         return [_drop_none(v) for v in value]
     return value

@@ -137,6 +137,8 @@ def _snake(camel: str) -> str:
 
 def _parse(body: bytes, json_body: bool, message: Any, ids: tuple[str, str, str] | None) -> Any:
     if json_body:
+        if not body.strip():
+            return message  # an empty request is a valid, empty export
         try:
             doc = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

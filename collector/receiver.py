@@ -252,7 +252,7 @@ async def _read_body(request: web.Request, limit: int, encoding: str) -> bytes:
             raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
         out += d.flush()
         if not d.eof:
-            raise ValueError("truncated stream")
+            raise ValueError(f"cannot {encoding}-decode the body: the compressed stream is truncated")
     except zlib.error as exc:
         raise ValueError(f"cannot {encoding}-decode the body: {exc}") from None
     if len(out) > limit:

@@ -1,0 +1,129 @@
+"""The config model: substitution, paths, defaults, and every error with its key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from collector.config import Config, load_config, parse_duration
+from collector.errors import ConfigError
+
+from .conftest import REPO, clean_env, run_cli
+
+TESTDATA = Path(__file__).parent / "testdata" / "config"
+
+
+def test_good_config_substitutes_env_and_resolves_paths() -> None:
+    cfg, warnings = load_config(TESTDATA / "good.yaml", environ={"TJ_TEST_MAX_MIB": "4", "TJ_TEST_TOKEN": ""})
+    assert cfg.receivers.otlp.max_request_size_mib == 4  # ${env:...} alone takes YAML's type
+    assert cfg.receivers.otlp.protocols.grpc is not None
+    assert cfg.receivers.otlp.protocols.grpc.endpoint == "127.0.0.1:0"  # default inside a longer string
+    assert cfg.receivers.otlp.auth.bearer_token is None  # empty counts as unset
+    assert cfg.storage.duckdb.path == TESTDATA / "data" / "db.duckdb"  # relative to the config's folder
+    assert cfg.storage.max_queue_spans == 200_000  # default
+    assert cfg.runtime_file == TESTDATA / "data" / "db.duckdb.daemon.json"
+    assert sorted(cfg.unbuilt) == ["review", "sampling"]
+    assert any("'sampling' is not used" in w for w in warnings)
+
+
+def test_env_default_used_when_unset_and_value_when_set() -> None:
+    cfg, _ = load_config(TESTDATA / "good.yaml", environ={"TJ_TEST_GRPC_PORT": "4999", "TJ_TEST_TOKEN": "t"})
+    assert cfg.receivers.otlp.protocols.grpc.endpoint == "127.0.0.1:4999"  # type: ignore[union-attr]
+    assert cfg.receivers.otlp.max_request_size_mib == 8
+    assert cfg.receivers.otlp.auth.bearer_token == "t"
+
+
+@pytest.mark.parametrize("name, problems", [
+    ("typo.yaml", ["receivers.otlp.protocols.grcp: unknown key"]),
+    ("bad_duration.yaml", ["storage.retry_after: '5 minutes' is not a duration",
+                           "judges.timeout: 30 has no unit"]),
+    ("unknown_key.yaml", ["storage.duckdb.mode: unknown key", "api.endpoint: 'localhost' is not host:port"]),
+    ("unknown_section.yaml", ["processors: unknown section"]),
+    ("not_a_mapping.yaml", ["the top level must be a mapping"]),
+])
+def test_bad_configs_name_every_key(name: str, problems: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TESTDATA / name, environ={})
+    text = str(err.value)
+    for p in problems:
+        assert p in text, text
+    assert len(err.value.problems) == len(problems)
+
+
+@pytest.mark.parametrize("name, key", [
+    ("typo.yaml", "receivers.otlp.protocols.grcp"),
+    ("bad_duration.yaml", "storage.retry_after"),
+    ("unknown_key.yaml", "storage.duckdb.mode"),
+])
+def test_serve_with_bad_config_exits_2_with_one_line(name: str, key: str) -> None:
+    res = run_cli("serve", "--config", str(TESTDATA / name))
+    assert res.returncode == 2
+    assert key in res.stderr
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_missing_config_file_is_exit_2() -> None:
+    res = run_cli("serve", "--config", "/nonexistent/otel-config.yaml")
+    assert res.returncode == 2 and "file not found" in res.stderr
+
+
+def test_config_from_env_variable(tmp_path: Path) -> None:
+    res = run_cli("serve", env=clean_env(TRACEJUDGE_CONFIG=str(TESTDATA / "typo.yaml")))
+    assert res.returncode == 2 and "grcp" in res.stderr
+
+
+def test_usage_error_is_exit_2() -> None:
+    assert run_cli("serve", "--no-such-flag").returncode == 2
+    assert run_cli("no-such-command").returncode == 2
+
+
+def test_shipped_config_spells_out_every_default() -> None:
+    """otel-config.yaml holds exactly the built-in defaults for every built section."""
+    shipped, warnings = load_config(REPO / "otel-config.yaml", environ={})
+    defaults, _ = load_config(None, environ={})
+    assert warnings == []
+    dump = lambda c: c.model_dump(exclude={"source", "unbuilt"})  # noqa: E731
+    shipped_d, default_d = dump(shipped), dump(defaults)
+    # Paths resolve against different folders; compare their names.
+    assert shipped_d["storage"]["duckdb"]["path"].name == default_d["storage"]["duckdb"]["path"].name
+    shipped_d["storage"]["duckdb"]["path"] = default_d["storage"]["duckdb"]["path"] = None
+    assert shipped_d == default_d
+    raw = yaml.safe_load((REPO / "otel-config.yaml").read_text())
+    _every_field_written(Config, raw, "")
+
+
+def _every_field_written(model: type, raw: dict, where: str) -> None:  # type: ignore[type-arg]
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+        if name in ("source", "unbuilt"):
+            continue
+        assert name in raw, f"otel-config.yaml does not spell out {where}{name}"
+        sub = field.annotation
+        args = getattr(sub, "__args__", ())
+        target = next((a for a in (sub, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if target is not None and isinstance(raw[name], dict) and name != "tls":
+            _every_field_written(target, raw[name], f"{where}{name}.")
+
+
+def test_durations() -> None:
+    assert parse_duration("500ms") == 0.5
+    assert parse_duration("15m") == 900
+    assert parse_duration("1h") == 3600
+    for bad in ("10", "1 week", "", "-5s", True):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_only_listed_protocols_listen() -> None:
+    from collector.config import validate_config
+
+    cfg, _ = validate_config({"receivers": {"otlp": {"protocols": {"http": None}}}}, Path("."), "t")
+    assert cfg.receivers.otlp.protocols.grpc is None
+    assert cfg.receivers.otlp.protocols.http is not None
+    assert cfg.receivers.otlp.protocols.http.endpoint == "127.0.0.1:4318"
+    cfg, _ = validate_config({}, Path("."), "t")
+    assert cfg.receivers.otlp.protocols.grpc is not None and cfg.receivers.otlp.protocols.http is not None
