@@ -77,8 +77,8 @@ def result_text(value: Any) -> str:
         if value.get("type") in TEXT_TYPES and isinstance(value.get("text"), str):
             return value["text"]
         return dumps(value)
-    if isinstance(value, list) and value and all(isinstance(b, dict) and "type" in b for b in value):
-        return "".join(result_text(b) for b in value)
+    if isinstance(value, list) and value and all(_is_block(b) for b in value):
+        return "".join(result_text(b if "type" in b else (_keyed_block(b) or b)) for b in value)
     return dumps(value)
 
 
@@ -97,20 +97,34 @@ def _tool_call(block: dict[str, Any]) -> ToolCall | None:
                     name=name, arguments=parse_json_or_raw(args if args is not None else {}))
 
 
-def _gemini_block(block: dict[str, Any]) -> tuple[str, Any] | None:
-    """Gemini / ADK parts have no ``type``: the one key says what they are."""
-    for key, kind in (("function_call", "call"), ("functionCall", "call"),
-                      ("function_response", "result"), ("functionResponse", "result")):
+# Blocks without a "type" (Gemini / ADK, Bedrock Converse as sent by Strands):
+# the one key names the kind, and the inner fields are renamed to ours.
+_KEYED_BLOCKS: dict[str, tuple[str, dict[str, str]]] = {
+    "function_call": ("tool_call", {"id": "id", "name": "name", "args": "arguments"}),
+    "functionCall": ("tool_call", {"id": "id", "name": "name", "args": "arguments"}),
+    "toolUse": ("tool_call", {"toolUseId": "id", "name": "name", "input": "arguments"}),
+    "function_response": ("tool_call_response", {"id": "id", "name": "name", "response": "response"}),
+    "functionResponse": ("tool_call_response", {"id": "id", "name": "name", "response": "response"}),
+    "toolResult": ("tool_call_response", {"toolUseId": "id", "content": "response"}),
+}
+
+
+def _keyed_block(block: dict[str, Any]) -> dict[str, Any] | None:
+    for key, (btype, fields) in _KEYED_BLOCKS.items():
         inner = block.get(key)
         if isinstance(inner, dict):
-            if kind == "call":
-                return "call", {"id": inner.get("id"), "name": inner.get("name"),
-                                "arguments": inner.get("args", inner.get("arguments"))}
-            return "result", {"id": inner.get("id"), "name": inner.get("name"),
-                              "response": inner.get("response")}
+            out = {ours: inner.get(theirs) for theirs, ours in fields.items()}
+            out["type"] = btype
+            return out
     if isinstance(block.get("text"), str):
-        return "text", block["text"]
+        return {"type": "text", "text": block["text"]}
+    if "json" in block:  # Bedrock tool result content
+        return {"type": "text", "text": dumps(block["json"])}
     return None
+
+
+def _is_block(b: Any) -> bool:
+    return isinstance(b, dict) and ("type" in b or any(k in b for k in _KEYED_BLOCKS) or "text" in b)
 
 
 class _Acc:
@@ -129,11 +143,10 @@ class _Acc:
             return
         btype = block.get("type")
         if not isinstance(btype, str):
-            g = _gemini_block(block)
-            if g is None:
+            keyed = _keyed_block(block)
+            if keyed is None:
                 return
-            btype, block = {"text": ("text", {"text": g[1]}), "call": ("tool_call", g[1]),
-                            "result": ("tool_call_response", g[1])}[g[0]]
+            block, btype = keyed, keyed["type"]
         if btype in TEXT_TYPES:
             text = block.get("content", block.get("text"))
             if isinstance(text, str):
@@ -168,7 +181,7 @@ def _content_blocks(content: Any) -> list[Any]:
                 parsed = loads_maybe(s)
             except ValueError:
                 return [content]
-            if isinstance(parsed, list) and all(isinstance(b, dict) and "type" in b for b in parsed):
+            if isinstance(parsed, list) and all(_is_block(b) for b in parsed):
                 return parsed
         return [content]
     if isinstance(content, list):
@@ -200,7 +213,10 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
     for key in ("parts", "content", "contents"):
         for block in _content_blocks(obj.get(key)):
             acc.block(block)
-    for tc in obj.get("tool_calls") or ():
+    calls = obj.get("tool_calls")
+    if isinstance(calls, str):  # span events spread a message over string attributes
+        calls = loads_maybe(calls)
+    for tc in calls if isinstance(calls, list) else ():
         if isinstance(tc, dict):
             call = _tool_call(tc)
             if call is not None:
@@ -267,7 +283,21 @@ def system_text(value: Any) -> str | None:
 
 
 def history(items: Any) -> tuple[list[Message], str | None]:
-    """A call's input: (messages without system ones, the system text)."""
+    """A call's input: (messages without system ones, the system text).
+
+    Accepts a message list, one message, or a request object holding
+    ``messages`` (with an Anthropic-style top-level ``system``).
+    """
+    if isinstance(items, dict) and "role" not in items:
+        msgs = items.get("messages")
+        if msgs is None:
+            msgs = items.get("contents", items.get("input"))
+        if isinstance(msgs, str):
+            msgs = [{"role": "user", "content": msgs}]
+        rest, system = split_system(read_messages(msgs))
+        if items.get("system") is not None:
+            system = system_text(items["system"]) or system
+        return rest, system
     return split_system(read_messages(items))
 
 
@@ -277,6 +307,16 @@ def answer(items: Any) -> list[Message]:
     Output lists hold one message per choice (n > 1); only one of them goes on
     into the next call's history, and the first is the one apps use.
     """
+    if isinstance(items, dict) and "role" not in items:
+        choices = items.get("choices", items.get("candidates"))
+        if isinstance(choices, list):  # OpenAI / Gemini response
+            return answer([c.get("message", c.get("content")) if isinstance(c, dict) else c
+                           for c in choices])
+        if isinstance(items.get("message"), dict):
+            return answer(items["message"])
+        if "content" in items:  # Anthropic response without its role
+            return read_message({"role": "assistant", **items})
+        return []
     if isinstance(items, list):
         for item in items:
             msgs = read_message(item)

@@ -22,16 +22,9 @@ OUTPUT_KEY = "langfuse.observation.output"
 def _input(value: Any) -> tuple[list[Message], str | None] | None:
     if isinstance(value, str):
         return ([Message("user", value)], None) if value else None
-    if isinstance(value, dict):
-        if isinstance(value.get("messages"), list):
-            msgs, system = history(value["messages"])
-            if isinstance(value.get("system"), str):
-                system = value["system"]
-            return msgs, system
-        if "role" in value:
-            return history([value])
-        return None
-    if isinstance(value, list):
+    if isinstance(value, dict) and not ("role" in value or "messages" in value):
+        return None  # app-defined input of a span observation
+    if isinstance(value, (dict, list)):
         return history(value)
     return None
 
@@ -39,16 +32,10 @@ def _input(value: Any) -> tuple[list[Message], str | None] | None:
 def _output(value: Any) -> list[Message] | None:
     if isinstance(value, str):
         return [Message("assistant", value)] if value else None
-    if isinstance(value, dict):
-        choices = value.get("choices")
-        if isinstance(choices, list) and choices:
-            first = choices[0]
-            return answer(first.get("message") if isinstance(first, dict) else None)
-        if "role" in value or "content" in value:
-            return answer({"role": "assistant", **value})
-        return None
-    if isinstance(value, list):
-        return answer(value)
+    if isinstance(value, dict) and "role" not in value and "content" in value:
+        value = {"role": "assistant", **value}
+    if isinstance(value, (dict, list)):
+        return answer(value) or None
     return None
 
 

@@ -40,24 +40,17 @@ def _raw_input(value: Any) -> tuple[list[Message], str | None] | None:
     if isinstance(value, str):
         return ([Message("user", value)], None) if value else None
     if isinstance(value, dict) and isinstance(value.get("messages"), list):
-        msgs, system = history(value["messages"])
-        if isinstance(value.get("system"), str):  # Anthropic request
-            system = value["system"]
-        return msgs, system
+        return history(value)
     if isinstance(value, list):
         return history(value)
-    return None
+    return None  # a chain's app-defined input object
 
 
 def _raw_output(value: Any) -> list[Message] | None:
     if isinstance(value, str):
         return [Message("assistant", value)] if value else None
-    if isinstance(value, dict):
-        choices = value.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            return answer(choices[0].get("message"))
-        if "role" in value and "content" in value:  # Anthropic response
-            return answer(value)
+    if isinstance(value, dict) and ("choices" in value or "role" in value):
+        return answer(value) or None
     return None
 
 

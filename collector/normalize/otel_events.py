@@ -53,6 +53,8 @@ def _message(ev: Event, role: str | None) -> list[Message] | None:
         if payload.get("index") not in (None, 0, "0"):
             return None
         inner = payload.get("message")
+        if isinstance(inner, str):  # Strands: the message content as a JSON string
+            inner = {"content": inner}
         payload = dict(inner) if isinstance(inner, dict) else {
             k: v for k, v in payload.items() if k in CONTENT_FIELDS}
         payload.setdefault("role", "assistant")
