@@ -77,7 +77,7 @@ class Daemon:
         metrics = Metrics()
         store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit,
                       max_queue_spans=cfg.storage.max_queue_spans, max_batch_spans=cfg.storage.max_batch_spans,
-                      metrics=metrics)
+                      retry_after=cfg.storage.retry_after, metrics=metrics)
         store.open()
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)

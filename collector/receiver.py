@@ -126,7 +126,8 @@ class Intake:
         try:
             await asyncio.wrap_future(self.store.submit(spans, logs))
         except StoreUnavailable as exc:
-            return self.refuse(transport, signal, Outcome("unavailable", str(exc), exc.reason, exc.retry_after),
+            return self.refuse(transport, signal, Outcome("unavailable", str(exc), reason=exc.reason,
+                                                             retry_after=exc.retry_after),
                                items=len(batch))
         self.metrics.requests.inc(transport=transport, signal=signal, outcome="ok")
         message = f"{rejected} rejected: {reason}" if rejected else ""

@@ -168,11 +168,12 @@ class Store:
     """The DuckDB file and its single writer thread."""
 
     def __init__(self, path: Path, *, memory_limit: str = "256MB", max_queue_spans: int = 200_000,
-                 max_batch_spans: int = 8192, metrics: Metrics | None = None) -> None:
+                 max_batch_spans: int = 8192, retry_after: float = 1.0, metrics: Metrics | None = None) -> None:
         self.path = path
         self.memory_limit = memory_limit
         self.max_queue = max_queue_spans
         self.max_batch = max_batch_spans
+        self.retry_after = retry_after
         self.metrics = metrics or Metrics()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = 0
@@ -238,7 +239,8 @@ class Store:
             # empty: otherwise it could never be stored.
             if self._pending and self._pending + size > self.max_queue:
                 raise StoreUnavailable(
-                    f"ingest queue full ({self._pending} of {self.max_queue} spans and log records waiting)")
+                    f"ingest queue full ({self._pending} of {self.max_queue} spans and log records waiting)",
+                    retry_after=self.retry_after)
             self._pending += size
             self.metrics.queue_depth.set(self._pending)
         self._queue.put(item)
