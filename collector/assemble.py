@@ -30,7 +30,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping, Sequence
 
 from collector.normalize import Content, Event, Message, Meta, ToolCall, combine, read_events, read_meta, read_span
-from collector.normalize._model import Attrs, as_str
+from collector.normalize._model import Attrs, as_int, as_str
 
 # genai-semconv.md section 3, in order. A trailing ``*`` matches any key with
 # that prefix (keys compared in sorted order, so the pick is deterministic).
@@ -360,11 +360,11 @@ def _parse_span(row: dict[str, Any], logs: list[Event]) -> _Span:
     if meta.kind == "other" and content is not None and content.has_messages():
         # Content with no classifying attribute: a model call if it names a model.
         meta.kind = "llm" if (meta.request_model or meta.response_model) else "agent"
-    start = row.get("start_time_unix_nano") or 0
-    end = row.get("end_time_unix_nano") or start
-    parent = row.get("parent_span_id") or None
-    return _Span(str(row["trace_id"]), str(row["span_id"]), parent, int(start), int(end),
-                 as_str(row.get("service")), meta, content)
+    start = as_int(row.get("start_time_unix_nano")) or 0
+    end = as_int(row.get("end_time_unix_nano")) or start
+    parent = row.get("parent_span_id")
+    return _Span(str(row["trace_id"]), str(row["span_id"]), parent if isinstance(parent, str) and parent else None,
+                 start, end, as_str(row.get("service")), meta, content)
 
 
 @dataclass
@@ -399,12 +399,14 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
             bad += 1
             continue
         name = row.get("event_name") or attrs.get("event.name") or ""
-        t = row.get("time_unix_nano") or 0
-        obs = row.get("observed_time_unix_nano") or 0
+        t = as_int(row.get("time_unix_nano")) or 0
+        obs = as_int(row.get("observed_time_unix_nano")) or 0
         # Per-message events of one call often share a zero time: observed time
         # (set at emission) keeps their order.
         order = (int(t or obs), int(obs), lid)
-        parsed.append((order, (str(trace), row.get("span_id") or None), Event(str(name), attrs, body),
+        span = row.get("span_id")
+        parsed.append((order, (str(trace), span if isinstance(span, str) and span else None),
+                       Event(str(name), attrs, body),
                        attrs, as_str(row.get("service"))))
     parsed.sort(key=lambda p: p[0])
     groups: dict[tuple[str, str | None], _LogGroup] = {}
@@ -461,6 +463,18 @@ def _has_messages(c: Content | None) -> bool:
     return c is not None and c.has_messages()
 
 
+def _same_call(a: _Span, b: _Span) -> bool:
+    """Two sibling LLM spans with equal tokens: one call seen by two instrumentations?
+
+    Only if one lies inside the other's time, at most one of them has content
+    (the SDK's own span carries none), and their response ids do not differ:
+    two real calls that happen to use the same tokens stay two.
+    """
+    nested = (a.start <= b.start and b.end <= a.end) or (b.start <= a.start and a.end <= b.end)
+    ids_differ = bool(a.meta.response_id and b.meta.response_id and a.meta.response_id != b.meta.response_id)
+    return nested and not ids_differ and not (_has_messages(a.content) and _has_messages(b.content))
+
+
 def _llm_calls(spans: dict[str, _Span]) -> list[_Call]:
     """One entry per distinct LLM call of a trace, in call order."""
     llm = sorted((s for s in spans.values() if s.meta.kind == "llm"), key=_order)
@@ -496,10 +510,7 @@ def _llm_calls(spans: dict[str, _Span]) -> list[_Call]:
         if sp.meta.input_tokens is not None and sp.meta.output_tokens is not None:
             bucket = by_tokens.setdefault((sp.parent, sp.meta.input_tokens, sp.meta.output_tokens), [])
             for other in bucket:
-                # Same parent, same tokens, one inside the other's time: the same call
-                # seen by two instrumentations.
-                if (other.start <= sp.start and sp.end <= other.end) or (
-                        sp.start <= other.start and other.end <= sp.end):
+                if _same_call(sp, other):
                     union(sp.span_id, other.span_id)
             bucket.append(sp)
     groups: dict[str, list[_Span]] = {}
