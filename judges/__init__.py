@@ -34,7 +34,7 @@ from ._providers import (
     register_provider,
 )
 from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges
-from ._stats import Summary, summarize
+from ._stats import Proportion, RateStats, Summary, summarize
 from ._transcript import (
     Conversation,
     Message,
@@ -72,10 +72,12 @@ __all__ = [
     "Message",
     "NotRun",
     "OpenAICompatibleProvider",
+    "Proportion",
     "Provider",
     "ProviderError",
     "ProviderReply",
     "ProviderSetupError",
+    "RateStats",
     "RetryPolicy",
     "ScriptedProvider",
     "Summary",

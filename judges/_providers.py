@@ -355,25 +355,30 @@ def register_provider(name: str, factory: ProviderFactory) -> None:
     PROVIDERS[name] = factory
 
 
-def make_provider(type: str, **settings: Any) -> Provider:
+def make_provider(type: str, *, on_unused: Callable[[str], None] | None = None, **settings: Any) -> Provider:
     """Build a provider from settings as found in a config file.
 
     Settings that are None are left to the provider's defaults and environment.
 
     Args:
         type: a key of ``PROVIDERS``.
+        on_unused: called with each setting the provider does not take, which is
+            then dropped; without it such a setting is an error.
         **settings: ``model``, ``base_url``, ``api_key``, ``max_tokens``, ``temperature``, ...
 
     Raises:
-        ProviderSetupError: unknown type, a setting the provider does not take, or
-            one it needs is missing.
+        ProviderSetupError: unknown type, a setting the provider does not take
+            (without ``on_unused``), or one it needs is missing.
     """
     factory = PROVIDERS.get(type)
     if factory is None:
         raise ProviderSetupError(f"unknown provider type {type!r} (known: {', '.join(sorted(PROVIDERS))})")
     given = {k: v for k, v in settings.items() if v is not None}
     allowed = getattr(factory, "SETTINGS", None)
-    if allowed is not None and (extra := sorted(set(given) - allowed)):
-        why = " (the Messages API rejects sampling parameters)" if type == "anthropic" and "temperature" in extra else ""
-        raise ProviderSetupError(f"{type}: does not take {', '.join(extra)}{why}")
+    extra = sorted(set(given) - allowed) if allowed is not None else []
+    if extra and on_unused is None:
+        raise ProviderSetupError(f"{type}: does not take {', '.join(extra)}")
+    for key in extra:
+        on_unused(key)  # type: ignore[misc]
+        del given[key]
     return factory(**given)

@@ -330,6 +330,7 @@ def run_judges(
     budget: Budget | None = None,
     cache: VerdictCache | None = None,
     on_result: Callable[[Verdict | NotRun], None] | None = None,
+    sleep: Sleep = asyncio.sleep,
 ) -> JudgeRun:
     """Judge every conversation on every criterion, blocking until done.
 
@@ -338,5 +339,5 @@ def run_judges(
     """
     return asyncio.run(arun_judges(
         criteria, conversations, provider, concurrency=concurrency, timeout=timeout, retry=retry,
-        budget=budget, cache=cache, on_result=on_result,
+        budget=budget, cache=cache, on_result=on_result, sleep=sleep,
     ))

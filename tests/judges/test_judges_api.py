@@ -11,7 +11,7 @@ EXPORTED = [
     "FRAME", "AnthropicProvider", "AppliesIf", "Budget", "CacheKey", "CheckParams", "CheckResult", "CodeCheck",
     "CodeCriterion", "Conversation", "ConversationError", "CriteriaError", "Criterion", "DiskCache", "InputError",
     "JudgeInfo", "JudgeRequest", "JudgeRun", "JudgesError", "LLMCriterion", "MemoryCache", "Message", "NotRun",
-    "OpenAICompatibleProvider", "Provider", "ProviderError", "ProviderReply", "ProviderSetupError", "RetryPolicy",
+    "OpenAICompatibleProvider", "Proportion", "Provider", "ProviderError", "ProviderReply", "ProviderSetupError", "RateStats", "RetryPolicy",
     "ScriptedProvider", "Summary", "ToolCall", "Usage", "Verdict", "VerdictCache", "arun_judges", "load_criteria",
     "make_provider", "parse_conversations", "read_conversations", "register_check", "register_provider",
     "render_transcript", "run_judges", "summarize", "transcript_sha256", "verify_evidence",

@@ -1,0 +1,225 @@
+"""``tracejudge judge``: grade conversation/v1 records on criteria files, offline.
+
+A thin shell over ``judges``: read criteria and conversations, build the
+provider from ``--provider/--model/--base-url`` or the ``judges.provider``
+section of the config, run, write verdicts as JSON lines and print a table per
+criterion with counts and 95% intervals (``--json`` for machines).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from judges import (
+    Budget,
+    DiskCache,
+    InputError,
+    JudgeRun,
+    NotRun,
+    Proportion,
+    Provider,
+    ProviderSetupError,
+    RateStats,
+    Summary,
+    Verdict,
+    load_criteria,
+    make_provider,
+    read_conversations,
+    run_judges,
+    summarize,
+)
+
+from ..config import Config, parse_duration
+from ..errors import UserError
+from .common import config_option, json_option, load
+
+FAIL_ON = ("fail", "error", "flagged", "not_run")
+
+
+def _provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
+    """The provider from the flags, else the config; None when neither names one."""
+    section = cfg.judges.provider
+    chosen = type_ or section.type
+    if chosen is None:
+        return None
+    # Config settings belong to the configured provider type: a --provider of
+    # another type does not inherit its model, URL or key.
+    same = chosen == section.type
+    settings: dict[str, Any] = {
+        "model": model or (section.model if same else None),
+        "base_url": base_url or (section.base_url if same else None),
+        "api_key": section.api_key if same else None,
+        "max_tokens": section.max_tokens if same else None,
+        "temperature": section.temperature if same and "temperature" in section.model_fields_set else None,
+    }
+    def unused(key: str) -> None:
+        click.echo(f"tracejudge: warning: judges.provider.{key} is not used by the {chosen} provider", err=True)
+
+    try:
+        return make_provider(chosen, on_unused=unused, **settings)
+    except ProviderSetupError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _rate(p: Proportion | None) -> str:
+    if p is None:
+        return "-"
+    if p.method == "rule_of_three":
+        return f"0% (at most {p.high:.1%}, rule of three)"
+    return f"{p.estimate:.1%} ({p.low:.1%} to {p.high:.1%})"
+
+
+def _row(name: str, s: RateStats) -> list[str]:
+    c = s.counts
+    rate = _rate(s.failure_rate)
+    if s.weighted_failure_rate is not None:
+        rate += f"  weighted {_rate(s.weighted_failure_rate)}"
+    return [name, str(c.pass_), str(c.pass_unverified), str(c.fail), str(c.flagged), str(c.not_applicable),
+            str(c.error), str(c.not_run), rate]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(r) - 1)] + [r[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+HEADER = ["criterion", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run", "failure rate (95% CI)"]
+
+
+def _report(summary: Summary, run: JudgeRun) -> str:
+    out = [_table([HEADER] + [_row(s.criterion_id, s) for s in summary.criteria])]
+    if summary.groups:
+        out.append(_table([["group"] + HEADER[1:]] + [_row(g.group, g) for g in summary.groups]))
+    failing = [s for s in summary.scenarios if s.failing]
+    if failing:
+        out.append("failing scenarios (a scenario is failing if any replicate failed):\n" + "\n".join(
+            f"  {s.persona_id}  {s.criterion_id}: FAILING, passed {s.passes} of {s.runs}" for s in failing))
+    notes = ["pass? = passes whose quoted evidence was not found in the transcript (not clean passes, "
+             "not in the rate); flagged = fails with no verified quote"]
+    for s in summary.criteria:
+        for reason, n in sorted(s.not_run_reasons.items()):
+            notes.append(f"{s.criterion_id}: {n} not run: {reason}")
+        for code, n in sorted(s.errors.items()):
+            notes.append(f"{s.criterion_id}: {n} error: {code}")
+    e = summary.expected
+    if e is not None:
+        for label, p in (("sensitivity", e.sensitivity), ("over-triage", e.over_triage)):
+            if p is not None:
+                notes.append(f"{label}: {p.count} of {p.n}, {_rate(p)}")
+        for cid, p in e.omissions.items():
+            notes.append(f"omissions {cid}: {p.count} of {p.n}, {_rate(p)}")
+    used = f"tokens: {run.usage.input_tokens} in, {run.usage.output_tokens} out; {run.cached} verdicts from cache"
+    notes.append(used + (f"; cost {run.cost:.4f}" if run.cost else ""))
+    if run.stopped:
+        notes.append(f"stopped early: {run.stopped}")
+    out.append("\n".join(notes))
+    return "\n\n".join(out)
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[Verdict | NotRun], None] | None]:
+    if not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=total, label="judging", file=sys.stderr) as bar:
+        yield lambda _: bar.update(1)
+
+
+@click.command()
+@click.argument("conversations", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--criteria", "criteria_paths", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Criteria file (repeatable) [default: judges.criteria from the config].")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write verdicts here as JSON lines.")
+@click.option("--fail-on", multiple=True, type=click.Choice(FAIL_ON),
+              help="Exit 1 when any verdict has this outcome (repeatable).")
+@click.option("--provider", "provider_type", envvar="TRACEJUDGE_JUDGE_PROVIDER", show_envvar=True,
+              help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type].")
+@click.option("--model", envvar="TRACEJUDGE_JUDGE_MODEL", show_envvar=True,
+              help="Judge model [default: judges.provider.model].")
+@click.option("--base-url", envvar="TRACEJUDGE_JUDGE_BASE_URL", show_envvar=True,
+              help="Provider base URL [default: judges.provider.base_url].")
+@click.option("--concurrency", type=click.IntRange(1, 1024), envvar="TRACEJUDGE_JUDGE_CONCURRENCY",
+              show_envvar=True, help="Judge calls in flight [default: judges.concurrency].")
+@click.option("--timeout", "timeout_text", envvar="TRACEJUDGE_JUDGE_TIMEOUT", show_envvar=True,
+              help="Per judge call, like 30s [default: judges.timeout].")
+@click.option("--cache", "cache_path", type=click.Path(dir_okay=False, path_type=Path),
+              envvar="TRACEJUDGE_JUDGE_CACHE", show_envvar=True,
+              help="Verdict cache file [default: .tracejudge-cache.jsonl beside --out, or here].")
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the verdict cache.")
+@click.option("--budget-tokens", type=click.IntRange(1), help="Stop making judge calls after this many tokens.")
+@click.option("--budget-cost", type=click.FloatRange(0, min_open=True),
+              help="Stop making judge calls at this cost (needs --price-input/--price-output).")
+@click.option("--price-input", type=click.FloatRange(0), default=0.0, help="Price of a million input tokens.")
+@click.option("--price-output", type=click.FloatRange(0), default=0.0, help="Price of a million output tokens.")
+@config_option
+@json_option
+def judge(
+    conversations: Path, criteria_paths: tuple[Path, ...], out: Path | None, fail_on: tuple[str, ...],
+    provider_type: str | None, model: str | None, base_url: str | None, concurrency: int | None,
+    timeout_text: str | None, cache_path: Path | None, no_cache: bool, budget_tokens: int | None,
+    budget_cost: float | None, price_input: float, price_output: float, config_path: Path | None, as_json: bool,
+) -> None:
+    """Judge CONVERSATIONS (conversation/v1 JSON lines) on criteria files.
+
+    Code criteria run in code; LLM criteria need a provider, else they are
+    reported as not run. Records with the same persona_id are replicates of one
+    scenario: a scenario that fails once is shown as failing. Exit 1 when
+    --fail-on matches, 2 on bad input.
+    """
+    cfg = load(config_path)
+    paths = list(criteria_paths) or list(cfg.judges.criteria)
+    if not paths:
+        raise UserError("no criteria: pass --criteria FILE or set judges.criteria in the config")
+    if budget_cost is not None and not (price_input or price_output):
+        raise UserError("--budget-cost needs --price-input and/or --price-output")
+    try:
+        timeout = parse_duration(timeout_text) if timeout_text else cfg.judges.timeout
+    except ValueError as exc:
+        raise UserError(f"--timeout: {exc}") from None
+    try:
+        criteria = load_criteria(paths)
+        convs = read_conversations(conversations)
+    except InputError as exc:
+        raise UserError(str(exc)) from None
+    provider = _provider(cfg, provider_type, model, base_url)
+    cache = None
+    if not no_cache:
+        cache = DiskCache(cache_path or (out.parent if out else Path.cwd()) / ".tracejudge-cache.jsonl")
+    budget = None
+    if budget_tokens is not None or budget_cost is not None:
+        budget = Budget(tokens=budget_tokens, cost=budget_cost,
+                        input_cost_per_mtok=price_input, output_cost_per_mtok=price_output)
+    with _progress(len(convs) * len(criteria)) as tick:
+        run = run_judges(criteria, convs, provider, concurrency=concurrency or cfg.judges.concurrency,
+                         timeout=timeout, budget=budget, cache=cache, on_result=tick)
+    if out is not None:
+        with out.open("w", encoding="utf-8") as f:
+            for v in run.verdicts:
+                f.write(v.model_dump_json() + "\n")
+    summary = summarize(run.verdicts, criteria=criteria, conversations=convs, not_run=run.not_run)
+    if as_json:
+        doc = {"summary": summary.model_dump(mode="json", by_alias=True),
+               "not_run": [r.model_dump(mode="json") for r in run.not_run],
+               "usage": run.usage.model_dump(), "cost": run.cost, "cached": run.cached, "stopped": run.stopped}
+        click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+    else:
+        click.echo(_report(summary, run))
+    hits = {
+        "fail": any(v.result == "fail" for v in run.verdicts),
+        "error": any(v.result == "error" for v in run.verdicts),
+        "flagged": any(v.flagged for v in run.verdicts),
+        "not_run": bool(run.not_run),
+    }
+    if any(hits[k] for k in fail_on):
+        sys.exit(1)
