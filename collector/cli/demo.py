@@ -1,0 +1,128 @@
+"""``tracejudge demo``: a daemon on a demo config, real traffic through the OpenTelemetry SDK."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from ..config import load_config
+from ..errors import UserError
+from ..runtime import RuntimeInfo, running_daemon
+
+DEMO_CONFIG = """\
+# tracejudge demo configuration (written by `tracejudge demo`; edit freely).
+receivers:
+  otlp:
+    protocols:
+      grpc: {{endpoint: "127.0.0.1:{grpc}"}}
+      http: {{endpoint: "127.0.0.1:{http}"}}
+storage:
+  duckdb: {{path: ./demo.duckdb}}
+api:
+  endpoint: "127.0.0.1:{api}"
+"""
+
+
+def _start_daemon(config_path: Path, log_path: Path, runtime_file: Path) -> tuple[subprocess.Popen[bytes], RuntimeInfo]:
+    runtime_file.unlink(missing_ok=True)
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(config_path)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+            raise UserError(f"the demo daemon did not start: {' / '.join(tail)} (full log: {log_path})")
+        info = RuntimeInfo.read(runtime_file)
+        if info is not None and info.pid == proc.pid:
+            return proc, info
+        time.sleep(0.1)
+    proc.terminate()
+    raise UserError(f"the demo daemon did not become ready within 60s; see {log_path}")
+
+
+def _get(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (our own loopback API)
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+@click.command()
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=Path("tracejudge-demo"),
+              show_default=True, envvar="TRACEJUDGE_DEMO_DIR", show_envvar=True,
+              help="Folder for the demo's config, DuckDB file and daemon log.")
+@click.option("--ephemeral-ports", is_flag=True, help="Listen on free ports instead of 4317/4318/8318.")
+@click.option("--exit", "exit_after", is_flag=True,
+              help="Stop the daemon this command started once the traffic is in, instead of serving until Ctrl-C.")
+def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
+    """See tracejudge work: start a daemon on a demo config and send it chatbot traffic.
+
+    Writes DIR/otel-config.yaml (unless it exists), starts `tracejudge serve` on it
+    (unless a demo daemon already runs there), then plays scripted multi-turn
+    conversations through the real OpenTelemetry SDK and OTLP/gRPC exporter:
+    several personas, a tool call, Italian and Arabic, a long message and a
+    handover to a person. It ends by printing where to look, and keeps the
+    daemon serving until Ctrl-C (or stops it with --exit).
+    """
+    from ..demo import PERSONAS, send_demo_traffic
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / "otel-config.yaml"
+    if not config_path.exists() or ephemeral_ports:
+        ports = {"grpc": 0, "http": 0, "api": 0} if ephemeral_ports else {"grpc": 4317, "http": 4318, "api": 8318}
+        config_path.write_text(DEMO_CONFIG.format(**ports), encoding="utf-8")
+    cfg, _ = load_config(config_path)
+    runtime_file = cfg.runtime_file
+    proc = None
+    info = running_daemon(runtime_file)
+    if info is not None:
+        click.echo(f"Using the demo daemon already running (pid {info.pid}).")
+    else:
+        click.echo(f"Starting a demo daemon on {config_path} ...")
+        proc, info = _start_daemon(config_path, folder / "daemon.log", runtime_file)
+    if info.grpc is None:
+        raise UserError(f"{config_path}: the demo needs the OTLP/gRPC receiver")
+
+    click.echo(f"Sending {len(PERSONAS)} conversations through the OpenTelemetry SDK to {info.grpc}:")
+    try:
+        sent = send_demo_traffic(info.grpc, progress=click.echo)
+    except RuntimeError as exc:
+        raise UserError(str(exc)) from None
+    counts = _get(info.api + "/api/spans/count")
+    api = info.api
+    click.echo(f"""
+Stored: {counts['spans']} spans in {counts['traces']} traces ({sent['spans']} sent this run).
+
+Where to look:
+  metrics       curl {api}/metrics
+  span count    curl {api}/api/spans/count
+  one trace     curl {api}/api/traces/<trace id>
+  daemon log    {folder / 'daemon.log'}
+  DuckDB file   {cfg.storage.duckdb.path}   (open it with SQL once the daemon stops:
+                SELECT name, attributes->>'gen_ai.conversation.id' FROM spans LIMIT 20)
+Send your own bot's traces: OTEL_EXPORTER_OTLP_ENDPOINT=http://{info.grpc}""")
+    if proc is None:
+        return
+    if exit_after:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        click.echo("Demo daemon stopped.")
+        return
+    click.echo(f"\nThe demo daemon keeps serving (pid {proc.pid}); Ctrl-C stops it.")
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        proc.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = proc.wait()
+    click.echo("Demo daemon stopped.")
+    sys.exit(0 if code in (0, -signal.SIGTERM) else 1)

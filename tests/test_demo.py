@@ -1,0 +1,53 @@
+"""`tracejudge demo`: a daemon of its own and real SDK traffic, then where to look."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import yaml
+
+from .conftest import DaemonProcess, run_cli
+
+
+def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path) -> None:
+    res = run_cli("demo", "--dir", str(tmp_path), "--ephemeral-ports", "--exit")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for words in ("Starting a demo daemon", "Where to look", "/metrics", "DuckDB file", "Demo daemon stopped"):
+        assert words in out
+    assert not (tmp_path / "demo.duckdb.daemon.json").exists()
+
+    con = duckdb.connect(str(tmp_path / "demo.duckdb"), read_only=True)
+    try:
+        convs = con.execute("SELECT count(DISTINCT attributes->>'gen_ai.conversation.id') FROM spans "
+                            "WHERE name = 'invoke_agent ShopBot'").fetchone()
+        assert convs == (4,)
+        handover = con.execute("SELECT count(*) FROM spans WHERE (attributes->>'app.handover')::BOOLEAN").fetchone()
+        assert handover == (1,)
+        texts = " ".join(r[0] for r in con.execute(
+            "SELECT attributes->>'gen_ai.input.messages' FROM spans WHERE name LIKE 'chat %'").fetchall())
+        assert "أريد استرجاع" in texts and "Dov'è" in texts and "tool_call_response" in texts
+        longest = con.execute("SELECT max(length(attributes->>'gen_ai.input.messages')) FROM spans").fetchone()
+        assert longest is not None and longest[0] > 2000
+        tools = con.execute("SELECT count(*) FROM spans WHERE name = 'execute_tool lookup_order'").fetchone()
+        assert tools == (3,)
+    finally:
+        con.close()
+
+
+def test_demo_reuses_a_running_demo_daemon(tmp_path: Path) -> None:
+    first = run_cli("demo", "--dir", str(tmp_path / "d"), "--ephemeral-ports", "--exit")
+    assert first.returncode == 0, first.stderr
+    # Start the demo daemon by hand, then the demo must use it rather than start another.
+    cfg = yaml.safe_load((tmp_path / "d" / "otel-config.yaml").read_text())
+    cfg["storage"]["duckdb"]["path"] = str(tmp_path / "d" / "demo.duckdb")
+    daemon = DaemonProcess(tmp_path / "d", cfg).start()
+    try:
+        second = run_cli("demo", "--dir", str(tmp_path / "d"))
+        assert second.returncode == 0, second.stderr
+        assert f"already running (pid {daemon.proc.pid})" in second.stdout
+        assert daemon.counts()["spans"] == 2 * 26
+    finally:
+        assert daemon.stop() == 0
+        daemon.log.close()
