@@ -169,7 +169,7 @@ def neutralize(text: str) -> str:
     """Defuse text that imitates the judge frame.
 
     Frame tags (``<transcript>``, ``</criterion>``, ...) become ``‹transcript›``;
-    line breaks are kept but every following line is indented, so no content can
+    line breaks (any Unicode line boundary) become ``\n`` and every following line is indented, so no content can
     start a line with a speaker label of its own.
 
     Args:
@@ -179,8 +179,8 @@ def neutralize(text: str) -> str:
         The text as the judge sees it.
     """
     text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text.replace("\n", "\n" + _LABEL_NOT_OURS)
+    # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
+    return ("\n" + _LABEL_NOT_OURS).join(text.splitlines())
 
 
 def _label(name: str) -> str:
