@@ -343,6 +343,10 @@ def _pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                        str(r.get("attributes") or ""), str(r.get("events") or "")))
 
 
+def _row_start(rows: list[dict[str, Any]]) -> int:
+    return min((as_int(r.get("start_time_unix_nano")) or 0 for r in rows), default=0)
+
+
 def _span_events(raw: Any) -> list[Event]:
     events = _load_obj(raw) or []
     return [Event(e.get("name") or "", e.get("attributes") or {}, None)
@@ -386,13 +390,24 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
         seen.setdefault(str(lid), row)
     parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None]] = []
     bad = 0
+    # Per-message events repeat the same bodies and attributes in every call of
+    # a conversation: parse each distinct text once (nothing mutates the result).
+    texts: dict[str, Any] = {}
+
+    def load(text: Any) -> Any:
+        if not isinstance(text, str):
+            return _load_obj(text)
+        if text not in texts:
+            texts[text] = _load_obj(text)
+        return texts[text]
+
     for lid, row in seen.items():
         trace = row.get("trace_id")
         if not trace:
             continue  # not linked to any trace: cannot belong to a conversation
         try:
-            attrs = _load_obj(row.get("attributes")) or {}
-            body = _load_obj(row.get("body"))
+            attrs = load(row.get("attributes")) or {}
+            body = load(row.get("body"))
             if not isinstance(attrs, dict):
                 raise ValueError("attributes is not an object")
         except ValueError:
@@ -614,7 +629,9 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
         by_id.setdefault((str(tid), str(sid)), []).append(row)
 
     traces: dict[str, dict[str, _Span]] = {}
-    for (tid, sid), rows in sorted(by_id.items()):
+    # Time order lets consecutive calls share their parsed history (see
+    # normalize._messages); the result does not depend on this order.
+    for (tid, sid), rows in sorted(by_id.items(), key=lambda kv: (_row_start(kv[1]), kv[0])):
         g = log_groups.pop((tid, sid), None)
         parsed = None
         for row in _pick(rows):

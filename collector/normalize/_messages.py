@@ -14,6 +14,7 @@ message for any remaining text.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable
 
 from ._model import Message, Role, ToolCall, dumps, loads_maybe, parse_json_or_raw
@@ -243,15 +244,42 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
     return out
 
 
+class _LastHistory(threading.local):
+    """The last long message list read on this thread, item by item, with its messages.
+
+    Each LLM call resends the whole history, so consecutive calls share a long
+    prefix of equal message objects. Comparing a raw item with the previous
+    call's (a C-level dict compare) is far cheaper than reading it again, which
+    keeps a rebuild's Python work proportional to the new messages.
+    """
+
+    items: list[Any] | None = None
+    read: list[list[Message]] | None = None
+
+
+_last = _LastHistory()
+
+
 def read_messages(items: Any, truncated: bool = False) -> list[Message]:
     """Read a list of message objects (a single object is accepted too)."""
     if isinstance(items, dict):
         items = [items]
     if not isinstance(items, list):
         return []
+    prev, prev_read = (_last.items, _last.read) if not truncated else (None, None)
+    reuse = prev is not None and prev_read is not None
+    per_item: list[list[Message]] = []
     out: list[Message] = []
-    for item in items:
-        out.extend(read_message(item, truncated))
+    for i, item in enumerate(items):
+        if reuse and i < len(prev) and type(item) is dict and prev[i] == item:  # type: ignore[arg-type]
+            msgs = prev_read[i]  # type: ignore[index]
+        else:
+            reuse = False
+            msgs = read_message(item, truncated)
+        per_item.append(msgs)
+        out.extend(msgs)
+    if len(items) > 1 and not truncated:  # a one-message answer must not evict the history
+        _last.items, _last.read = items, per_item
     return out
 
 

@@ -10,6 +10,7 @@ passes one span's events in emission order.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping, Sequence
 
 from ._messages import read_message, split_system
@@ -65,20 +66,43 @@ def _message(ev: Event, role: str | None) -> list[Message] | None:
     return read_message(payload)
 
 
+class _LastEvents(threading.local):
+    """The previous span's events and what they read as (see ``_messages._LastHistory``).
+
+    Every call re-emits the whole history as events, so a span's events mostly
+    equal the previous span's, position by position.
+    """
+
+    events: Sequence[Event] = ()
+    read: list[list[Message] | None] = []
+
+
+_last = _LastEvents()
+
+
 def read_events(events: Sequence[Event]) -> Content | None:
     """History and answer from one span's per-message events, in order."""
     history: list[Message] = []
     output: list[Message] | None = None
     truncated = False
-    for ev in events:
-        if ev.name not in EVENT_ROLES:
+    prev, prev_read = _last.events, _last.read
+    reuse = True
+    per_event: list[list[Message] | None] = []
+    for i, ev in enumerate(events):
+        role = EVENT_ROLES.get(ev.name, "")
+        if role == "":
+            per_event.append(None)
             continue
-        role = EVENT_ROLES[ev.name]
-        try:
-            msgs = _message(ev, role)
-        except Truncated:
-            truncated = True
-            continue
+        if reuse and i < len(prev) and prev[i] == ev:
+            msgs = prev_read[i]
+        else:
+            reuse = False
+            try:
+                msgs = _message(ev, role)
+            except Truncated:
+                truncated = True
+                msgs = None
+        per_event.append(msgs)
         if msgs is None:
             continue
         if role is None:
@@ -86,6 +110,8 @@ def read_events(events: Sequence[Event]) -> Content | None:
                 output = msgs
         else:
             history.extend(msgs)
+    if not truncated:
+        _last.events, _last.read = events, per_event
     if not history and output is None:
         return Content(NAME, truncated=True) if truncated else None
     rest, system = split_system(history)
