@@ -23,36 +23,27 @@ Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from collector.normalize import Content, Event, Message, Meta, ToolCall, combine, read_events, read_meta, read_span
+from collector.conversation_keys import DEFAULT_ID_ATTRIBUTES, conversation_key, group_traces, load_json_column
+from collector.normalize import Content, Event, Message, Meta, combine, read_events, read_meta, read_span
 from collector.normalize._model import Attrs, as_int, as_str
+from collector.transcript import Transcript, TranscriptMessage, Usage, from_unix_nano
 
-# genai-semconv.md section 3, in order. A trailing ``*`` matches any key with
-# that prefix (keys compared in sorted order, so the pick is deterministic).
-DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
-    "gen_ai.conversation.id",
-    "langfuse.session.id",
-    "session.id",
-    "traceloop.association.properties.session_id",
-    "traceloop.association.properties.conversation_id",
-    "traceloop.association.properties.chat_id",
-    "traceloop.association.properties.thread_id",
-    "ai.telemetry.metadata.sessionId",
-    "ai.telemetry.metadata.conversationId",
-    "ai.telemetry.metadata.threadId",
-    "ai.settings.context.*",
-    "langsmith.metadata.thread_id",
-    "langsmith.metadata.session_id",
-    "langsmith.metadata.conversation_id",
-    "thread_id",
-    "gen_ai.thread.id",
-    "gcp.vertex.agent.session_id",
-)
+__all__ = [
+    "DEFAULT_ID_ATTRIBUTES",
+    "NO_CONTENT_REASON",
+    "NO_GENAI_REASON",
+    "Transcript",
+    "TranscriptMessage",
+    "Usage",
+    "build_transcript",
+    "conversation_key",
+    "group_traces",
+    "merge_history",
+]
 
 NO_CONTENT_REASON = (
     "no message content was captured (the instrumentation sent only metadata); "
@@ -61,263 +52,6 @@ NO_CONTENT_REASON = (
     "(TRACELOOP_TRACE_CONTENT=true for OpenLLMetry)"
 )
 NO_GENAI_REASON = "no LLM call or agent span in these traces"
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-def _when(ns: int | None) -> datetime | None:
-    return _EPOCH + timedelta(microseconds=ns // 1000) if ns else None
-
-
-def _rfc3339(dt: datetime | None) -> str | None:
-    return dt.isoformat().replace("+00:00", "Z") if dt is not None else None
-
-
-def _load_obj(text: Any) -> Any:
-    """A JSON column as stored (text), or already decoded by the caller."""
-    if text is None or isinstance(text, (dict, list)):
-        return text
-    return json.loads(text)
-
-
-# ---------------------------------------------------------------- conversation key
-
-
-def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
-    if name.endswith("*"):
-        prefix = name[:-1]
-        for key in sorted(k for k in attrs if k.startswith(prefix)):
-            v = as_str(attrs[key])
-            if v:
-                return v
-        return None
-    return as_str(attrs.get(name))
-
-
-def conversation_key(spans: list[dict[str, Any]],
-                     id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> str | None:
-    """The conversation id of one trace, from any of its span rows.
-
-    For each attribute in ``id_attributes`` order: the span attributes of any
-    span (earliest span first), then their resource attributes. Malformed rows
-    are skipped. Returns None when no span carries one; the caller then keys the
-    trace as ``trace:<trace_id>`` (or chains it, see ``group_traces``).
-    """
-    parsed: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for row in sorted(spans, key=_span_order):
-        try:
-            attrs = _load_obj(row.get("attributes")) or {}
-            resource = _load_obj(row.get("resource")) or {}
-        except ValueError:
-            continue
-        if isinstance(attrs, dict) and isinstance(resource, dict):
-            parsed.append((attrs, resource))
-    for name in id_attributes:
-        for attrs, _ in parsed:
-            v = _lookup(attrs, name)
-            if v:
-                return v
-        for _, resource in parsed:
-            v = _lookup(resource, name)
-            if v:
-                return v
-    return None
-
-
-def _span_order(row: Mapping[str, Any]) -> tuple[int, str]:
-    start = row.get("start_time_unix_nano")
-    return (start if isinstance(start, int) else 0, str(row.get("span_id") or ""))
-
-
-def _response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]:
-    """(response ids, previous-response ids) named by a trace's spans."""
-    ids: set[str] = set()
-    previous: set[str] = set()
-    for row in spans:
-        try:
-            attrs = _load_obj(row.get("attributes"))
-        except ValueError:
-            continue
-        if isinstance(attrs, dict):
-            meta = read_meta(Attrs(attrs), str(row.get("name") or ""))
-            if meta.response_id:
-                ids.add(meta.response_id)
-            if meta.previous_response_id:
-                previous.add(meta.previous_response_id)
-    return ids, previous
-
-
-def group_traces(traces: Mapping[str, list[dict[str, Any]]],
-                 id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> dict[str, list[str]]:
-    """Group whole traces into conversations: ``{conversation id: [trace ids]}``.
-
-    A trace with no id attribute joins the conversation of the trace whose
-    response it continues (``gen_ai.request.previous_response.id``), else stands
-    alone as ``trace:<trace_id>``. For reindexing and tests; the daemon keeps
-    the same map incrementally.
-    """
-    keys: dict[str, str | None] = {t: conversation_key(rows, id_attributes) for t, rows in traces.items()}
-    links = {t: _response_links(rows) for t, rows in traces.items()}
-    owner: dict[str, str] = {}  # response id -> trace id
-    for t in sorted(traces):
-        for rid in sorted(links[t][0]):
-            owner.setdefault(rid, t)
-    resolved: dict[str, str] = {}
-
-    def resolve(t: str, seen: frozenset[str]) -> str:
-        if t in resolved:
-            return resolved[t]
-        key = keys[t]
-        if key is None:
-            for prev in sorted(links[t][1]):
-                parent = owner.get(prev)
-                if parent is not None and parent != t and parent not in seen:
-                    key = resolve(parent, seen | {t})
-                    break
-        resolved[t] = key or f"trace:{t}"
-        return resolved[t]
-
-    groups: dict[str, list[str]] = {}
-    for t in sorted(traces):
-        groups.setdefault(resolve(t, frozenset()), []).append(t)
-    return groups
-
-
-# ---------------------------------------------------------------- transcript model
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Tokens summed over a conversation's LLM calls, each call once."""
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TranscriptMessage:
-    """One message of the transcript, with where it was first seen."""
-
-    role: str
-    content: str
-    tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: str | None = None
-    name: str | None = None
-    at: datetime | None = None
-    span_id: str | None = None
-    source: str | None = None
-    truncated: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """The conversation/v1 message object (optional fields only when set)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [
-                {**({"id": tc.id} if tc.id else {}), "name": tc.name, "arguments": tc.arguments}
-                for tc in self.tool_calls
-            ]
-        if self.tool_call_id:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name:
-            out["name"] = self.name
-        if self.at is not None:
-            out["at"] = _rfc3339(self.at)
-        if self.span_id:
-            out["span_id"] = self.span_id
-        if self.truncated:
-            out["truncated"] = True
-        return out
-
-
-@dataclass(frozen=True)
-class Transcript:
-    """A conversation rebuilt from its traces.
-
-    Attributes:
-        messages: the transcript, each message once, in order.
-        system: the system instructions (first seen), if captured.
-        models: response (else request) models of the LLM calls, first seen first.
-        usage: tokens summed over the LLM calls, each call counted once.
-        trace_ids: contributing traces, oldest first.
-        service: ``service.name`` of the first span that has one.
-        started_at / ended_at: first span start, last span end (UTC).
-        llm_calls: number of distinct LLM calls.
-        content_captured: False when no message content exists at all; such a
-            conversation is stored and counted but never judged.
-        no_content_reason: why, and how to turn capture on.
-        unparsed_spans / unparsed_logs: rows skipped as malformed.
-        truncated_spans: span ids whose content JSON did not parse (cut by an
-            attribute length limit); their messages may be missing.
-        sources: the dialect/location names the messages came from.
-    """
-
-    messages: tuple[TranscriptMessage, ...] = ()
-    system: str | None = None
-    models: tuple[str, ...] = ()
-    usage: Usage = field(default_factory=Usage)
-    trace_ids: tuple[str, ...] = ()
-    service: str | None = None
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
-    llm_calls: int = 0
-    content_captured: bool = False
-    no_content_reason: str | None = None
-    unparsed_spans: int = 0
-    unparsed_logs: int = 0
-    truncated_spans: tuple[str, ...] = ()
-    sources: tuple[str, ...] = ()
-
-    @property
-    def user_turns(self) -> int:
-        """Number of user messages."""
-        return sum(1 for m in self.messages if m.role == "user")
-
-    def content_hash(self) -> str:
-        """A digest of what a judge sees (system + messages); re-judge when it changes."""
-        doc = {"system": self.system, "messages": [
-            {k: v for k, v in m.to_dict().items() if k not in ("at", "span_id")} for m in self.messages]}
-        text = json.dumps(doc, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def to_conversation_v1(self, conversation_id: str, ended_by: str = "open", *,
-                           sampling: Mapping[str, Any] | None = None,
-                           attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The conversation/v1 record (formats/conversation-v1.md).
-
-        Facts outside the format's table (call count, capture status, sources)
-        go under ``attributes``, as the format requires.
-        """
-        attrs: dict[str, Any] = {
-            "llm_calls": self.llm_calls,
-            "content_captured": self.content_captured,
-            "sources": list(self.sources),
-        }
-        if self.no_content_reason:
-            attrs["no_content_reason"] = self.no_content_reason
-        if self.unparsed_spans or self.unparsed_logs:
-            attrs["unparsed_spans"] = self.unparsed_spans
-            attrs["unparsed_logs"] = self.unparsed_logs
-        if self.truncated_spans:
-            attrs["truncated_spans"] = list(self.truncated_spans)
-        attrs.update(attributes or {})
-        record: dict[str, Any] = {
-            "schema": "conversation/v1",
-            "id": conversation_id,
-            "source": "production",
-            "service": self.service,
-            "started_at": _rfc3339(self.started_at),
-            "ended_at": _rfc3339(self.ended_at),
-            "ended_by": ended_by,
-            "system": self.system,
-            "messages": [m.to_dict() for m in self.messages],
-            "models": list(self.models),
-            "usage": {"input_tokens": self.usage.input_tokens, "output_tokens": self.usage.output_tokens},
-            "trace_ids": list(self.trace_ids),
-            "attributes": attrs,
-        }
-        if sampling is not None:
-            record["sampling"] = dict(sampling)
-        return record
 
 
 # ---------------------------------------------------------------- rows -> spans
@@ -348,13 +82,13 @@ def _row_start(rows: list[dict[str, Any]]) -> int:
 
 
 def _span_events(raw: Any) -> list[Event]:
-    events = _load_obj(raw) or []
+    events = load_json_column(raw) or []
     return [Event(e.get("name") or "", e.get("attributes") or {}, None)
             for e in events if isinstance(e, dict)]
 
 
 def _parse_span(row: dict[str, Any], logs: list[Event]) -> _Span:
-    attrs = _load_obj(row.get("attributes")) or {}
+    attrs = load_json_column(row.get("attributes")) or {}
     if not isinstance(attrs, dict):
         raise ValueError("attributes is not an object")
     name = str(row.get("name") or "")
@@ -396,9 +130,9 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
 
     def load(text: Any) -> Any:
         if not isinstance(text, str):
-            return _load_obj(text)
+            return load_json_column(text)
         if text not in texts:
-            texts[text] = _load_obj(text)
+            texts[text] = load_json_column(text)
         return texts[text]
 
     for lid, row in seen.items():
@@ -638,7 +372,7 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
             try:
                 parsed = _parse_span(row, g.events if g else [])
                 break
-            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            except Exception:  # noqa: BLE001 - one bad row is skipped and counted, never fatal
                 continue
         if parsed is None:
             bad_spans += 1
@@ -647,7 +381,7 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
     for (tid, sid), g in sorted(log_groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         try:
             orphan = _orphan_span(tid, sid, g)
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        except Exception:  # noqa: BLE001 - as above
             bad_logs += len(g.events)
             continue
         if orphan is not None and orphan.span_id not in traces.get(tid, {}):
@@ -704,7 +438,7 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
             role=e.msg.role, content=e.msg.content, tool_calls=e.msg.tool_calls,
             tool_call_id=e.msg.tool_call_id,
             name=(e.msg.name or tool_names.get(e.msg.tool_call_id or "")) if e.msg.role == "tool" else None,
-            at=_when(e.at), span_id=None if e.span_id.startswith("log:") else e.span_id,
+            at=from_unix_nano(e.at), span_id=None if e.span_id.startswith("log:") else e.span_id,
             source=e.source, truncated=e.msg.truncated)
         for e in transcript)
 
@@ -719,8 +453,8 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
         usage=Usage(usage_in, usage_out),
         trace_ids=tuple(order),
         service=service,
-        started_at=_when(min(starts)) if starts else None,
-        ended_at=_when(max(ends)) if ends else None,
+        started_at=from_unix_nano(min(starts)) if starts else None,
+        ended_at=from_unix_nano(max(ends)) if ends else None,
         llm_calls=n_calls,
         content_captured=captured,
         no_content_reason=None if captured else (NO_CONTENT_REASON if genai_seen else NO_GENAI_REASON),

@@ -504,7 +504,7 @@ def test_garbage_columns_never_crash(column: str, value: Any) -> None:
 
 
 def test_conversation_v1_record_shape() -> None:
-    turns = [[{"role": "user", "content": "order?"},
+    turns: list[list[dict[str, Any]]] = [[{"role": "user", "content": "order?"},
               {"role": "assistant", "content": "", "tool_calls": [
                   {"id": "c1", "name": "lookup", "arguments": {"id": 1}},
                   {"id": "c2", "name": "track", "arguments": {"id": 2}}]},

@@ -11,6 +11,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from collector.assemble import (
     DEFAULT_ID_ATTRIBUTES,
@@ -357,3 +359,41 @@ def test_group_traces_chains_previous_response() -> None:
         "t4": [_row("t4", "d", {"gen_ai.request.previous_response.id": "unknown"})],
     }
     assert group_traces(traces) == {"c": ["t1", "t2", "t3"], "trace:t4": ["t4"]}
+
+
+# ---------------------------------------------------------------- fuzz
+
+CONTENT_KEYS = [
+    "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions", "gen_ai.prompt",
+    "gen_ai.completion", "gen_ai.prompt.0.content", "gen_ai.prompt.0.role", "gen_ai.prompt.0.tool_calls.0.arguments",
+    "gen_ai.completion.0.tool_calls.0.name", "llm.input_messages.0.message.content",
+    "llm.input_messages.0.message.contents.0.message_content.text",
+    "llm.output_messages.0.message.tool_calls.0.tool_call.function.arguments", "input.value", "output.value",
+    "openinference.span.kind", "ai.prompt.messages", "ai.prompt", "ai.response.toolCalls", "ai.response.text",
+    "langfuse.observation.input", "langfuse.observation.output", "langfuse.observation.type",
+    "langfuse.observation.usage_details", "request_data", "response_data", "events",
+    "gcp.vertex.agent.llm_request", "gcp.vertex.agent.llm_response", "gen_ai.request.messages",
+    "gen_ai.response.text", "gen_ai.response.tool_calls", "pydantic_ai.all_messages", "gen_ai.usage.input_tokens",
+    "llm.invocation_parameters", "gen_ai.operation.name",
+]
+EVENT_NAMES = ["gen_ai.system.message", "gen_ai.user.message", "gen_ai.assistant.message", "gen_ai.tool.message",
+               "gen_ai.choice", "gen_ai.client.inference.operation.details", "gen_ai.content.prompt",
+               "gen_ai.content.completion"]
+_WORDS = st.sampled_from(["role", "parts", "content", "type", "text", "tool_calls", "id", "name", "arguments",
+                          "function", "messages", "message", "choices", "system", "user", "assistant", "tool",
+                          "tool_call", "tool_call_response", "tool_use", "tool_result", "toolUse", "function_call",
+                          "response", "value", "input", "output", "0", "LLM", "generation"])
+_JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), _WORDS, st.text(max_size=8)),
+                        lambda c: st.lists(c, max_size=4) | st.dictionaries(_WORDS, c, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(attrs=st.dictionaries(st.sampled_from(CONTENT_KEYS),
+                             st.one_of(_JSONISH, _JSONISH.map(json.dumps),
+                                       _JSONISH.map(lambda v: json.dumps(v)[:-1])), max_size=6))
+def test_readers_never_raise_on_odd_values(attrs: dict[str, Any]) -> None:
+    read_span(attrs)
+    for name in EVENT_NAMES:
+        read_events([Event(name, attrs, v) for v in attrs.values()])
+        read_events([Event(name, {"gen_ai.event.content": v, **attrs}, None) for v in attrs.values()])
+        read_events([Event(name, {k: v}, None) for k, v in attrs.items()])

@@ -75,8 +75,9 @@ def result_text(value: Any) -> str:
         # Vercel AI SDK: {"type": "text"|"json", "value": ...}
         if "value" in value and set(value) <= {"type", "value"}:
             return result_text(value["value"])
-        if value.get("type") in TEXT_TYPES and isinstance(value.get("text"), str):
-            return value["text"]
+        text = value.get("text")
+        if value.get("type") in TEXT_TYPES and isinstance(text, str):
+            return text
         return dumps(value)
     if isinstance(value, list) and value and all(_is_block(b) for b in value):
         return "".join(result_text(b if "type" in b else (_keyed_block(b) or b)) for b in value)
@@ -204,6 +205,8 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
     if role is None:
         # Responses API items and bare blocks have a type but no role.
         itype = obj.get("type")
+        if not isinstance(itype, str):
+            return []
         if itype in TOOL_CALL_TYPES:
             role, obj = "assistant", {"role": "assistant", "parts": [obj]}
         elif itype in TOOL_RESULT_TYPES:
@@ -266,13 +269,14 @@ def read_messages(items: Any, truncated: bool = False) -> list[Message]:
         items = [items]
     if not isinstance(items, list):
         return []
-    prev, prev_read = (_last.items, _last.read) if not truncated else (None, None)
-    reuse = prev is not None and prev_read is not None
+    prev: list[Any] = (_last.items or []) if not truncated else []
+    prev_read: list[list[Message]] = _last.read or []
+    reuse = True
     per_item: list[list[Message]] = []
     out: list[Message] = []
     for i, item in enumerate(items):
-        if reuse and i < len(prev) and type(item) is dict and prev[i] == item:  # type: ignore[arg-type]
-            msgs = prev_read[i]  # type: ignore[index]
+        if reuse and i < len(prev) and type(item) is dict and prev[i] == item:
+            msgs = prev_read[i]
         else:
             reuse = False
             msgs = read_message(item, truncated)
@@ -303,7 +307,7 @@ def system_text(value: Any) -> str | None:
                 if m.content:
                     acc.texts.append(m.content)
         elif isinstance(block, dict) and "parts" in block:
-            for b in block["parts"] or ():
+            for b in _content_blocks(block["parts"]):
                 acc.block(b)
         else:
             acc.block(block)

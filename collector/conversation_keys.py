@@ -1,0 +1,149 @@
+"""Which conversation a trace belongs to, from its span and resource attributes.
+
+Ids often sit only on the root span (or only on the app's agent span), so the
+key is resolved per trace: an id on any span applies to the whole trace.
+
+Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Mapping, Sequence
+
+from collector.normalize import read_meta
+from collector.normalize._model import Attrs, as_str
+
+# genai-semconv.md section 3, in order. A trailing ``*`` matches any key with
+# that prefix (keys compared in sorted order, so the pick is deterministic).
+DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
+    "gen_ai.conversation.id",
+    "langfuse.session.id",
+    "session.id",
+    "traceloop.association.properties.session_id",
+    "traceloop.association.properties.conversation_id",
+    "traceloop.association.properties.chat_id",
+    "traceloop.association.properties.thread_id",
+    "ai.telemetry.metadata.sessionId",
+    "ai.telemetry.metadata.conversationId",
+    "ai.telemetry.metadata.threadId",
+    "ai.settings.context.*",
+    "langsmith.metadata.thread_id",
+    "langsmith.metadata.session_id",
+    "langsmith.metadata.conversation_id",
+    "thread_id",
+    "gen_ai.thread.id",
+    "gcp.vertex.agent.session_id",
+)
+
+
+def load_json_column(text: Any) -> Any:
+    """A JSON column as stored (text), or already decoded by the caller.
+
+    Raises ``ValueError`` for text that is not JSON and for any other type.
+    """
+    if text is None or isinstance(text, (dict, list)):
+        return text
+    if not isinstance(text, (str, bytes)):
+        raise ValueError(f"JSON column holds a {type(text).__name__}")
+    return json.loads(text)
+
+
+def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
+    if name.endswith("*"):
+        prefix = name[:-1]
+        for key in sorted(k for k in attrs if k.startswith(prefix)):
+            v = as_str(attrs[key])
+            if v:
+                return v
+        return None
+    return as_str(attrs.get(name))
+
+
+def conversation_key(spans: list[dict[str, Any]],
+                     id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> str | None:
+    """The conversation id of one trace, from any of its span rows.
+
+    For each attribute in ``id_attributes`` order: the span attributes of any
+    span (earliest span first), then their resource attributes. Malformed rows
+    are skipped. Returns None when no span carries one; the caller then keys the
+    trace as ``trace:<trace_id>`` (or chains it, see ``group_traces``).
+    """
+    parsed: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for row in sorted(spans, key=_span_order):
+        try:
+            attrs = load_json_column(row.get("attributes")) or {}
+            resource = load_json_column(row.get("resource")) or {}
+        except ValueError:
+            continue
+        if isinstance(attrs, dict) and isinstance(resource, dict):
+            parsed.append((attrs, resource))
+    for name in id_attributes:
+        for attrs, _ in parsed:
+            v = _lookup(attrs, name)
+            if v:
+                return v
+        for _, resource in parsed:
+            v = _lookup(resource, name)
+            if v:
+                return v
+    return None
+
+
+def _span_order(row: Mapping[str, Any]) -> tuple[int, str]:
+    start = row.get("start_time_unix_nano")
+    return (start if isinstance(start, int) else 0, str(row.get("span_id") or ""))
+
+
+def _response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]:
+    """(response ids, previous-response ids) named by a trace's spans."""
+    ids: set[str] = set()
+    previous: set[str] = set()
+    for row in spans:
+        try:
+            attrs = load_json_column(row.get("attributes"))
+        except ValueError:
+            continue
+        if isinstance(attrs, dict):
+            meta = read_meta(Attrs(attrs), str(row.get("name") or ""))
+            if meta.response_id:
+                ids.add(meta.response_id)
+            if meta.previous_response_id:
+                previous.add(meta.previous_response_id)
+    return ids, previous
+
+
+def group_traces(traces: Mapping[str, list[dict[str, Any]]],
+                 id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> dict[str, list[str]]:
+    """Group whole traces into conversations: ``{conversation id: [trace ids]}``.
+
+    A trace with no id attribute joins the conversation of the trace whose
+    response it continues (``gen_ai.request.previous_response.id``), else stands
+    alone as ``trace:<trace_id>``. For reindexing and tests; the daemon keeps
+    the same map incrementally.
+    """
+    keys: dict[str, str | None] = {t: conversation_key(rows, id_attributes) for t, rows in traces.items()}
+    links = {t: _response_links(rows) for t, rows in traces.items()}
+    owner: dict[str, str] = {}  # response id -> trace id
+    for t in sorted(traces):
+        for rid in sorted(links[t][0]):
+            owner.setdefault(rid, t)
+    resolved: dict[str, str] = {}
+
+    def resolve(t: str, seen: frozenset[str]) -> str:
+        if t in resolved:
+            return resolved[t]
+        key = keys[t]
+        if key is None:
+            for prev in sorted(links[t][1]):
+                parent = owner.get(prev)
+                if parent is not None and parent != t and parent not in seen:
+                    key = resolve(parent, seen | {t})
+                    break
+        resolved[t] = key or f"trace:{t}"
+        return resolved[t]
+
+    groups: dict[str, list[str]] = {}
+    for t in sorted(traces):
+        groups.setdefault(resolve(t, frozenset()), []).append(t)
+    return groups
