@@ -27,7 +27,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from collector.conversation_keys import DEFAULT_ID_ATTRIBUTES, conversation_key, group_traces, load_json_column
+from collector.conversation_keys import (
+    DEFAULT_ID_ATTRIBUTES,
+    conversation_key,
+    group_traces,
+    load_json_column,
+    response_links,
+)
 from collector.normalize import Content, Event, Message, Meta, combine, read_events, read_meta, read_span
 from collector.normalize._model import Attrs, as_int, as_str
 from collector.transcript import Transcript, TranscriptMessage, Usage, from_unix_nano
@@ -43,6 +49,7 @@ __all__ = [
     "conversation_key",
     "group_traces",
     "merge_history",
+    "response_links",
 ]
 
 NO_CONTENT_REASON = (

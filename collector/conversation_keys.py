@@ -3,7 +3,8 @@
 Ids often sit only on the root span (or only on the app's agent span), so the
 key is resolved per trace: an id on any span applies to the whole trace.
 
-Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``.
+Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
+``response_links``, ``load_json_column``.
 """
 
 from __future__ import annotations
@@ -95,8 +96,12 @@ def _span_order(row: Mapping[str, Any]) -> tuple[int, str]:
     return (start if isinstance(start, int) else 0, str(row.get("span_id") or ""))
 
 
-def _response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]:
-    """(response ids, previous-response ids) named by a trace's spans."""
+def response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]:
+    """(response ids, previous-response ids) named by a trace's span rows.
+
+    For chaining traces that carry no conversation id: a trace whose previous
+    response id is another trace's response id continues that conversation.
+    """
     ids: set[str] = set()
     previous: set[str] = set()
     for row in spans:
@@ -123,7 +128,7 @@ def group_traces(traces: Mapping[str, list[dict[str, Any]]],
     the same map incrementally.
     """
     keys: dict[str, str | None] = {t: conversation_key(rows, id_attributes) for t, rows in traces.items()}
-    links = {t: _response_links(rows) for t, rows in traces.items()}
+    links = {t: response_links(rows) for t, rows in traces.items()}
     owner: dict[str, str] = {}  # response id -> trace id
     for t in sorted(traces):
         for rid in sorted(links[t][0]):

@@ -189,6 +189,32 @@ def _openinference_attrs(system: str, hist: list[dict[str, Any]], out: dict[str,
     return attrs
 
 
+def _anthropic_msg(m: dict[str, Any]) -> dict[str, Any]:
+    if m["role"] == "tool":  # Anthropic: tool results are user turns
+        return {"role": "user", "parts": [{"type": "tool_call_response", "id": m["tool_call_id"],
+                                           "response": m["content"]}]}
+    return _a_msg(m)
+
+
+def _anthropic_attrs(system: str, hist: list[dict[str, Any]], out: dict[str, Any]) -> dict[str, Any]:
+    msgs: list[dict[str, Any]] = []
+    for m in map(_anthropic_msg, hist):
+        if msgs and m["role"] == "user" and msgs[-1]["role"] == "user" and m["parts"][0]["type"] != "text":
+            msgs[-1]["parts"].extend(m["parts"])  # parallel results share one user message
+        else:
+            msgs.append(m)
+    return {"gen_ai.system_instructions": J([{"type": "text", "content": system}]),
+            "gen_ai.input.messages": J(msgs, ensure_ascii=False),
+            "gen_ai.output.messages": J([_a_msg(out)], ensure_ascii=False)}
+
+
+def _langfuse_attrs(system: str, hist: list[dict[str, Any]], out: dict[str, Any]) -> dict[str, Any]:
+    return {"langfuse.observation.type": "generation",
+            "langfuse.observation.input": J({"tools": [], "messages": [{"role": "system", "content": system}]
+                                             + [_openai_msg(m) for m in hist]}, ensure_ascii=False),
+            "langfuse.observation.output": J(_openai_msg(out), ensure_ascii=False)}
+
+
 def _details_logs(w: Writer, trace: str, span: str, system: str, hist: list[dict[str, Any]],
                   out: dict[str, Any]) -> None:
     w.log(trace, span, "gen_ai.client.inference.operation.details", None, {
@@ -234,6 +260,8 @@ ENCODERS: dict[str, Encoder] = {
     "legacy log events": Encoder(_no_attrs, _legacy_logs),
     "openllmetry indexed": Encoder(_openllmetry_attrs, _no_logs),
     "openinference": Encoder(_openinference_attrs, _no_logs),
+    "anthropic parts": Encoder(_anthropic_attrs, _no_logs),
+    "langfuse openai": Encoder(_langfuse_attrs, _no_logs),
     "no content": Encoder(_no_attrs, _no_logs),
 }
 
