@@ -31,10 +31,14 @@ def fold(text: str) -> str:
 
 
 class EvidenceIndex:
-    """A transcript prepared for looking up quotes; build it once per conversation."""
+    """A transcript prepared for looking up quotes; build it once per conversation.
 
-    def __init__(self, messages: Iterable[Message]) -> None:
-        self._lines = [fold(line) for line in render_lines(messages)]
+    Args:
+        rendered: the transcript's lines as ``render_lines`` gives them.
+    """
+
+    def __init__(self, rendered: Iterable[str]) -> None:
+        self._lines = [fold(line) for line in rendered]
         self._joined = " ".join(self._lines)
 
     def _speaker_lines(self, speaker: str) -> list[str]:
@@ -85,6 +89,6 @@ def verify_evidence(evidence: Iterable[str], messages: Iterable[Message]) -> boo
         messages: the transcript it judged.
 
     Returns:
-        True when every quote was found (after folding; see ``EvidenceIndex``).
+        True when every quote was found (after folding; see the module docstring).
     """
-    return EvidenceIndex(messages).verify(evidence)
+    return EvidenceIndex(render_lines(messages)).verify(evidence)

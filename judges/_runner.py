@@ -25,7 +25,7 @@ from ._errors import ProviderError
 from ._evidence import EvidenceIndex
 from ._prompt import JudgeRequest, ReplyError, build_request, parse_reply, prompt_sha256
 from ._providers import Provider, ProviderReply
-from ._transcript import Conversation, Usage, render_transcript, transcript_sha256
+from ._transcript import Conversation, Usage, render_lines, transcript_block, transcript_sha256
 from ._verdict import JudgeInfo, NotRun, Verdict
 
 Send = Callable[[JudgeRequest], Awaitable[ProviderReply]]
@@ -139,11 +139,12 @@ class _Prepared:
 
 def _prepare(conversation: Conversation) -> _Prepared:
     msgs = conversation.messages
+    lines = list(render_lines(msgs))
     return _Prepared(
         conversation=conversation,
         sha256=transcript_sha256(msgs),
-        block=render_transcript(msgs),
-        index=EvidenceIndex(msgs),
+        block=transcript_block(lines),
+        index=EvidenceIndex(lines),
         has_content=any(m.content or m.tool_calls for m in msgs),
     )
 
@@ -276,7 +277,8 @@ async def arun_judges(
     Args:
         criteria: from ``load_criteria``.
         conversations: conversation/v1 records (simulated or production).
-        provider: judges ``kind: llm`` criteria; closed (``aclose``) when the run ends.
+        provider: judges ``kind: llm`` criteria. It stays open for the next run
+            (connections are reused); close it with ``await provider.aclose()``.
         concurrency: judge calls in flight at once.
         timeout: seconds per call.
         retry: how retryable failures are retried.
@@ -304,13 +306,9 @@ async def arun_judges(
             if st.on_verdict is not None:
                 st.on_verdict(out)
 
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for _ in range(concurrency):
-                tg.create_task(worker())
-    finally:
-        if provider is not None:
-            await provider.aclose()
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(concurrency):
+            tg.create_task(worker())
     results.sort(key=lambda r: r[0])
     return JudgeRun(
         verdicts=[r for _, r in results if isinstance(r, Verdict)],
@@ -336,8 +334,17 @@ def run_judges(
 
     The same as ``arun_judges``, for code with no event loop of its own, such
     as an offline simulation suite. It cannot be called from a running loop.
+    The provider is closed when the run ends (its connections belong to the
+    loop this call runs); a later run opens them again.
     """
-    return asyncio.run(arun_judges(
-        criteria, conversations, provider, concurrency=concurrency, timeout=timeout, retry=retry,
-        budget=budget, cache=cache, on_result=on_result, sleep=sleep,
-    ))
+    async def run() -> JudgeRun:
+        try:
+            return await arun_judges(
+                criteria, conversations, provider, concurrency=concurrency, timeout=timeout, retry=retry,
+                budget=budget, cache=cache, on_result=on_result, sleep=sleep,
+            )
+        finally:
+            if provider is not None:
+                await provider.aclose()
+
+    return asyncio.run(run())

@@ -178,7 +178,8 @@ def neutralize(text: str) -> str:
     Returns:
         The text as the judge sees it.
     """
-    text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
+    if "<" in text:
+        text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
     # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
     return ("\n" + _LABEL_NOT_OURS).join(text.splitlines())
 
@@ -227,7 +228,12 @@ def render_transcript(messages: Iterable[Message]) -> str:
     Returns:
         The ``<transcript>`` block.
     """
-    return "<transcript>\n" + "\n".join(render_lines(messages)) + "\n</transcript>"
+    return transcript_block(render_lines(messages))
+
+
+def transcript_block(lines: Iterable[str]) -> str:
+    """Wrap rendered lines in the ``<transcript>`` tags."""
+    return "<transcript>\n" + "\n".join(lines) + "\n</transcript>"
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

@@ -55,7 +55,7 @@ def invoke(folder: Path, *args: str) -> Result:
 def write_config(folder: Path, provider: dict[str, object]) -> Path:
     path = folder / "otel-config.yaml"
     path.write_text(yaml.safe_dump({"judges": {"criteria": ["criteria.yaml"], "provider": provider,
-                                               "concurrency": 4, "timeout": "5s"}}), encoding="utf-8")
+                                               "concurrency": 4, "timeout": "30s"}}), encoding="utf-8")
     return path
 
 

@@ -209,12 +209,25 @@ def test_on_result_sees_every_outcome() -> None:
     assert len(seen) == 4 and len(run.verdicts) + len(run.not_run) == 4
 
 
-def test_async_api_in_a_running_loop() -> None:
-    async def main() -> list[str]:
-        run = await arun_judges([LLM], [chest_pain()], ScriptedProvider(na))
-        return [v.result for v in run.verdicts]
+def test_async_api_in_a_running_loop_keeps_the_provider_open() -> None:
+    closed: list[bool] = []
 
-    assert asyncio.run(main()) == ["not_applicable"]
+    class Tracking(ScriptedProvider):
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def main() -> list[str]:
+        provider = Tracking(na)
+        first = await arun_judges([LLM], [chest_pain()], provider)
+        second = await arun_judges([LLM], [chest_pain("b")], provider)
+        assert closed == []
+        await provider.aclose()
+        return [v.result for v in first.verdicts + second.verdicts]
+
+    assert asyncio.run(main()) == ["not_applicable", "not_applicable"]
+    provider = Tracking(na)
+    run_judges([LLM], [chest_pain()], provider)
+    assert closed == [True, True]
 
 
 def test_retry_policy_delays() -> None:
