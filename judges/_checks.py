@@ -16,7 +16,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -38,7 +38,10 @@ class CodeCheck(Protocol):
     event loop). An exception it raises becomes an ``error`` verdict.
     """
 
-    Params: ClassVar[type[CheckParams]]
+    @property
+    def Params(self) -> type[CheckParams]:  # noqa: N802 - a nested class in implementations
+        """The model that validates the criterion's keys."""
+        ...
 
     def run(self, conversation: Conversation, params: Any) -> CheckResult:
         """Decide the criterion for one conversation."""
@@ -218,14 +221,14 @@ def import_function(spec: str, base: Path | None = None) -> CheckFunction:
             raise ValueError(f"cannot import {str(local)!r}: {exc2!r}") from None
     except Exception as exc:
         raise ValueError(f"cannot import {module_name!r}: {exc!r}") from None
-    fn = module
+    fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
             raise ValueError(f"{module_name!r} has no {attr!r}")
     if not callable(fn):
         raise ValueError(f"{spec!r} is not callable")
-    return fn  # type: ignore[return-value]
+    return cast(CheckFunction, fn)
 
 
 class PythonCheck:
@@ -245,11 +248,12 @@ class PythonCheck:
         return out if isinstance(out, CheckResult) else CheckResult.model_validate(out)
 
 
-for _name, _check in {
+_BUILT_IN: dict[str, CodeCheck] = {
     "tool_called": ToolCalled(),
     "ended_by": EndedByCheck(),
     "regex": RegexCheck(),
     "max_user_turns": MaxUserTurns(),
     "python": PythonCheck(),
-}.items():
+}
+for _name, _check in _BUILT_IN.items():
     register_check(_name, _check)

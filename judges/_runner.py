@@ -47,7 +47,7 @@ class RetryPolicy:
         """Seconds to wait after failed call number ``attempt``, or None to stop."""
         if retry_after is not None:
             return retry_after if retry_after <= self.max_delay else None
-        backoff = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        backoff = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
         return backoff * (0.5 + random.random() / 2)
 
 
@@ -155,7 +155,7 @@ class _State:
     send: Send | None
     budget: Budget | None
     cache: VerdictCache | None
-    on_verdict: Callable[[Verdict | NotRun], None] | None
+    on_result: Callable[[Verdict | NotRun], None] | None
     usage: Usage = field(default_factory=Usage)
     cost: float = 0.0
     cached: int = 0
@@ -208,7 +208,7 @@ async def _run_llm(p: _Prepared, c: LLMCriterion, st: _State) -> Verdict | NotRu
         return NotRun(conversation_id=p.conversation.id, criterion_id=c.id, criterion_version=c.version,
                       reason="no content captured")
     judge = JudgeInfo(provider=st.provider.name, model=st.provider.model)
-    prompt_hash = st.prompt_hashes.get(c.id) or st.prompt_hashes.setdefault(c.id, prompt_sha256(c.prompt))
+    prompt_hash = st.prompt_hashes.get(c.prompt) or st.prompt_hashes.setdefault(c.prompt, prompt_sha256(c.prompt))
     key = CacheKey(c.id, c.version, prompt_hash, f"{judge.provider}/{judge.model}", p.sha256)
     if st.cache is not None and (hit := st.cache.get(key)) is not None:
         st.cached += 1
@@ -295,7 +295,7 @@ async def arun_judges(
     send = None
     if provider is not None:
         send = with_retries(with_timeout(provider.send, timeout), retry, sleep)
-    st = _State(provider=provider, send=send, budget=budget, cache=cache, on_verdict=on_result)
+    st = _State(provider=provider, send=send, budget=budget, cache=cache, on_result=on_result)
     results: list[tuple[int, Verdict | NotRun]] = []
     jobs = enumerate(_jobs(criteria, conversations))
 
@@ -303,8 +303,8 @@ async def arun_judges(
         for n, (p, c) in jobs:
             out = _run_code(p, c) if isinstance(c, CodeCriterion) else await _run_llm(p, c, st)
             results.append((n, out))
-            if st.on_verdict is not None:
-                st.on_verdict(out)
+            if st.on_result is not None:
+                st.on_result(out)
 
     async with asyncio.TaskGroup() as tg:
         for _ in range(concurrency):

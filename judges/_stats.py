@@ -111,7 +111,7 @@ class Counts(_Out):
 class RateStats(_Out):
     """Counts and failure rates of a criterion or a group."""
 
-    counts: Counts = Field(default_factory=Counts)
+    counts: Counts = Field(default_factory=lambda: Counts.model_validate({}))
     failure_rate: Proportion | None = None
     """Among clean passes and fails; None when nothing was applicable."""
     weighted_failure_rate: Proportion | None = None
@@ -279,18 +279,19 @@ def _expected(
     verdicts: list[Verdict], convs: dict[str, Conversation], urgent: Collection[str],
     triage_level: Callable[[Conversation], str | None],
 ) -> ExpectedOutcomes | None:
-    with_expected = [c for c in convs.values() if c.expected]
-    if not with_expected:
+    expected = {c.id: c.expected for c in convs.values() if c.expected}
+    if not expected:
         return None
-    urgent_cases = [c for c in with_expected if c.expected.get("triage_level") in urgent]  # type: ignore[union-attr]
-    calm_cases = [c for c in with_expected
-                  if c.expected.get("triage_level") is not None and c.expected["triage_level"] not in urgent]  # type: ignore[union-attr,index]
+    with_expected = [convs[cid] for cid in expected]
+    levels = {cid: e.get("triage_level") for cid, e in expected.items()}
+    urgent_cases = [c for c in with_expected if levels[c.id] in urgent]
+    calm_cases = [c for c in with_expected if levels[c.id] is not None and levels[c.id] not in urgent]
     escalated = {c.id for c in with_expected if triage_level(c) in urgent}
     verdict_of = {(v.conversation_id, v.criterion_id): v for v in verdicts}
     omitted: dict[str, list[bool]] = defaultdict(list)
     unjudged = 0
     for c in with_expected:
-        for cid in c.expected.get("criteria") or []:  # type: ignore[union-attr]
+        for cid in expected[c.id].get("criteria") or []:
             v = verdict_of.get((c.id, cid))
             if v is None or v.result not in ("pass", "fail"):
                 unjudged += 1

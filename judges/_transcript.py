@@ -93,7 +93,7 @@ class Usage(BaseModel):
 class Conversation(_Record):
     """A conversation/v1 record: a production conversation or a simulated one."""
 
-    schema_: Literal["conversation/v1"] = Field(SCHEMA, alias="schema")
+    schema_: Literal["conversation/v1"] = Field("conversation/v1", alias="schema")
     """Format tag."""
     id: str
     """Conversation key."""
