@@ -80,9 +80,11 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         try:
             return max(0.0, float(value) * scale)
         except ValueError:
-            when = email.utils.parsedate_to_datetime(value) if name == "retry-after" else None
-            if when is not None:
-                return max(0.0, when.timestamp() - time.time())
+            pass
+        try:
+            return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            continue  # unreadable: as if the server had not said
     return None
 
 

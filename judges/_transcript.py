@@ -128,7 +128,7 @@ class Conversation(_Record):
 
     def to_json(self) -> str:
         """One conversation/v1 JSON line (no trailing newline)."""
-        return self.model_dump_json(by_alias=True, exclude_defaults=False, exclude_none=True)
+        return self.model_dump_json(by_alias=True, exclude_none=True)
 
 
 def transcript_sha256(messages: Iterable[Message]) -> str:
@@ -162,7 +162,7 @@ def transcript_sha256(messages: Iterable[Message]) -> str:
 # transcript cannot close its own block or open a new criterion.
 FRAME_TAGS = ("transcript", "criterion", "instructions", "verdict")
 _TAG = re.compile(r"<(\s*/?\s*(?:" + "|".join(FRAME_TAGS) + r")\b[^<>]*)>", re.IGNORECASE)
-_LABEL_NOT_OURS = "  "  # indentation of continuation lines
+_CONTINUATION = "  "  # indents every line of a message after its first
 
 
 def neutralize(text: str) -> str:
@@ -181,7 +181,7 @@ def neutralize(text: str) -> str:
     if "<" in text:
         text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
     # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
-    return ("\n" + _LABEL_NOT_OURS).join(text.splitlines())
+    return ("\n" + _CONTINUATION).join(text.splitlines())
 
 
 def _label(name: str) -> str:
