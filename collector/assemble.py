@@ -79,7 +79,7 @@ class _Span:
 
 def _pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Duplicates of one span (OTLP retries), most complete first, deterministically."""
-    return sorted(rows, key=lambda r: (-(r.get("end_time_unix_nano") or 0),
+    return sorted(rows, key=lambda r: (-(as_int(r.get("end_time_unix_nano")) or 0),
                                        -len(str(r.get("attributes") or "")),
                                        str(r.get("attributes") or ""), str(r.get("events") or "")))
 
@@ -121,14 +121,21 @@ class _LogGroup:
     service: str | None
 
 
+def _log_rank(row: dict[str, Any]) -> tuple[str, str]:
+    return (str(row.get("body") or ""), str(row.get("attributes") or ""))
+
+
 def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None], _LogGroup], int]:
     """Log rows deduplicated and grouped by (trace, span), in emission order."""
     seen: dict[str, dict[str, Any]] = {}
     for row in logs:
-        lid = row.get("log_id") or json.dumps(
+        lid = str(row.get("log_id") or json.dumps(
             [row.get(k) for k in ("trace_id", "span_id", "time_unix_nano", "observed_time_unix_nano",
-                                  "event_name", "body", "attributes")], default=str)
-        seen.setdefault(str(lid), row)
+                                  "event_name", "body", "attributes")], default=str))
+        # Retries are byte-identical; if two rows share an id anyway, the pick
+        # must not depend on arrival order.
+        if lid not in seen or _log_rank(row) < _log_rank(seen[lid]):
+            seen[lid] = row
     parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None]] = []
     bad = 0
     # Per-message events repeat the same bodies and attributes in every call of
@@ -151,7 +158,7 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
             body = load(row.get("body"))
             if not isinstance(attrs, dict):
                 raise ValueError("attributes is not an object")
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             bad += 1
             continue
         name = row.get("event_name") or attrs.get("event.name") or ""
@@ -301,6 +308,14 @@ class _Entry:
     source: str
 
 
+def _cut_copy(a: Message, b: Message) -> bool:
+    """One of the two is the other cut short by an attribute length limit."""
+    if a.truncated == b.truncated or a.role != b.role:
+        return False
+    cut, whole = (a, b) if a.truncated else (b, a)
+    return whole.content.startswith(cut.content)
+
+
 def merge_history(known: list[Message], sent: list[Message]) -> int:
     """Where the new messages of one call start in ``sent`` (its input + output).
 
@@ -309,14 +324,15 @@ def merge_history(known: list[Message], sent: list[Message]) -> int:
     the common prefix. If it diverges (compaction replaced older messages with a
     summary, or the call saw only a window), the new ones follow the place
     where ``known``'s last messages reappear in ``sent``, the longest such run
-    winning; failing that, they follow the common prefix. Returns an index into
-    ``sent``; ``len(sent)`` means nothing new.
+    winning; failing that, they follow the common prefix. A message cut short
+    (``truncated``) matches its whole copy. Returns an index into ``sent``;
+    ``len(sent)`` means nothing new.
     """
     kk = [m.key for m in known]
     sk = [m.key for m in sent]
     lcp = 0
     n = min(len(kk), len(sk))
-    while lcp < n and kk[lcp] == sk[lcp]:
+    while lcp < n and (kk[lcp] == sk[lcp] or _cut_copy(known[lcp], sent[lcp])):
         lcp += 1
     if lcp == len(sk) or lcp == len(kk):
         return lcp
@@ -341,6 +357,13 @@ def _merge(transcript: list[_Entry], known: list[Message], call: _Call) -> None:
     n_in = len(c.input or [])
     start = merge_history(known, sent)
     sp = call.span
+    for i in range(min(len(known), len(sent)) if any(m.truncated for m in known) else 0):
+        # A message first seen cut short is replaced by a whole copy resent later.
+        if known[i].truncated and not sent[i].truncated and _cut_copy(known[i], sent[i]):
+            known[i] = sent[i]
+            transcript[i] = _Entry(sent[i], transcript[i].at, transcript[i].span_id, transcript[i].source)
+        elif known[i].key != sent[i].key and not _cut_copy(known[i], sent[i]):
+            break
     for i in range(start, len(sent)):
         msg = sent[i]
         transcript.append(_Entry(msg, sp.start if i < n_in else sp.end, sp.span_id, c.source))

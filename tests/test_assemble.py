@@ -554,3 +554,66 @@ def test_conversation_v1_record_shape() -> None:
     assert rec["messages"][1]["tool_calls"][1] == {"id": "c2", "name": "track", "arguments": {"id": 2}}
     json.dumps(rec)  # serializable as is
     assert t.user_turns == 1 and len(t.content_hash()) == 64
+
+
+# ---------------------------------------------------------------- content cut by length limits
+
+
+def _cut_attr(row: dict[str, Any], key: str, keep: int) -> None:
+    attrs = json.loads(row["attributes"])
+    attrs[key] = attrs[key][:keep]
+    row["attributes"] = J(attrs, ensure_ascii=False)
+
+
+def test_answer_cut_short_is_kept_and_flagged() -> None:
+    turns = _turns("hi", "hello there, " + "🙂" * 50)
+    w = write(turns, "otel-genai span")
+    chat = w.spans[1]
+    full = json.loads(chat["attributes"])["gen_ai.output.messages"]
+    _cut_attr(chat, "gen_ai.output.messages", len(full) // 2)
+    t = build_transcript(w.spans, w.logs)
+    last = t.messages[-1]
+    assert last.truncated and last.role == "assistant"
+    assert turns[0][1]["content"].startswith(last.content) and last.content
+    assert t.truncated_spans == (chat["span_id"],)
+    rec = t.to_conversation_v1("c")
+    assert rec["messages"][-1]["truncated"] is True and rec["attributes"]["truncated_spans"] == [chat["span_id"]]
+    json.dumps(rec).encode("utf-8")  # a cut surrogate pair must not leak out
+
+
+def test_cut_message_replaced_by_whole_copy_resent_later() -> None:
+    turns = _turns("hi", "a long answer " + "x" * 200, "and then?", "done")
+    w = write(turns, "otel-genai span")
+    first_chat = w.spans[1]
+    full = json.loads(first_chat["attributes"])["gen_ai.output.messages"]
+    _cut_attr(first_chat, "gen_ai.output.messages", len(full) - 60)
+    t = build_transcript(w.spans, w.logs)
+    assert got(w.spans, w.logs) == expected(turns)
+    assert not any(m.truncated for m in t.messages)
+
+
+def test_history_cut_in_a_later_call_adds_nothing_twice() -> None:
+    turns = _turns("hi", "hello", "more " * 30, "sure", "bye", "ciao")
+    w = write(turns, "otel-genai span")
+    second_chat = w.spans[3]
+    full = json.loads(second_chat["attributes"])["gen_ai.input.messages"]
+    _cut_attr(second_chat, "gen_ai.input.messages", len(full) - 40)
+    assert got(w.spans, w.logs) == expected(turns)
+
+
+SALVAGE_TABLE: list[tuple[str, Any]] = [
+    ('[{"role": "user", "content": "hel', [{"role": "user", "content": "hel", "__truncated__": True}]),
+    ('[{"a": 1}, {"b": tru', [{"a": 1}, {"b": None, "__truncated__": True}]),
+    ('{"messages": [{"role": "user"}, ', {"messages": [{"role": "user", "__truncated__": True}],
+                                        "__truncated__": True}),
+    ('{"k', {"k": None, "__truncated__": True}),
+    ('["x\\ud83d', ["x"]),
+    ('["\\u00', [""]),
+    ("not json at all {", None),
+]
+
+
+@pytest.mark.parametrize("text,value", SALVAGE_TABLE)
+def test_salvage(text: str, value: Any) -> None:
+    from collector.normalize._salvage import salvage
+    assert salvage(text) == value

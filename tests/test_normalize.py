@@ -289,9 +289,17 @@ def test_event_dialect(case_id: str, events: list[Event], want_in: list[Message]
     assert content.system == want_system
 
 
-def test_truncated_json_is_flagged_not_fatal() -> None:
+def test_truncated_json_is_read_up_to_the_cut_and_flagged() -> None:
     _, content = read_span({"gen_ai.operation.name": "chat",
                             "gen_ai.input.messages": '[{"role":"user","parts":[{"type":"text","content":"cut',
+                            "gen_ai.output.messages": J([{"role": "assistant", "content": "a"}])})
+    assert content is not None and content.truncated
+    assert content.input == [Message("user", "cut", truncated=True)]
+    assert content.output == [_m("assistant", "a")]
+
+
+def test_unreadable_json_is_flagged_not_fatal() -> None:
+    _, content = read_span({"gen_ai.operation.name": "chat", "gen_ai.input.messages": '[{"role": "user"}}',
                             "gen_ai.output.messages": J([{"role": "assistant", "content": "a"}])})
     assert content is not None and content.truncated
     assert content.input is None and content.output == [_m("assistant", "a")]

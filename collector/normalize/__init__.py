@@ -98,7 +98,10 @@ def read_span(attributes: Mapping[str, Any], name: str = "") -> tuple[Meta, Cont
     """Read one span's attributes: its facts and its message content, if any."""
     attrs = Attrs(attributes)
     meta = read_meta(attrs, name)
-    return meta, combine(_tag(d.read(attrs), "span") for d in SPAN_DIALECTS)
+    content = combine(_tag(d.read(attrs), "span") for d in SPAN_DIALECTS)
+    if content is not None and attrs.salvaged:
+        content.truncated = True
+    return meta, content
 
 
 def read_events(events: Sequence[Event], where: str = "event") -> Content | None:

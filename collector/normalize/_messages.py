@@ -18,6 +18,7 @@ import threading
 from typing import Any, Iterable
 
 from ._model import Message, Role, ToolCall, dumps, loads_maybe, parse_json_or_raw
+from ._salvage import TRUNCATED_MARK
 
 ROLES: dict[str, Role] = {
     "user": "user", "human": "user",
@@ -201,6 +202,7 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
     """
     if not isinstance(obj, dict):
         return []
+    truncated = truncated or obj.get(TRUNCATED_MARK) is True
     role = role_of(obj.get("role"))
     if role is None:
         # Responses API items and bare blocks have a type but no role.
@@ -232,6 +234,8 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
             acc.calls.append(call)
     name = obj.get("name") if isinstance(obj.get("name"), str) else None
     text = "\n".join(t for t in acc.texts if t)
+    if truncated and not (text or acc.calls or acc.results):
+        return []  # cut before any of its content: nothing to show
     out: list[Message] = []
     if role == "tool" and not acc.results:
         call_id = _first(obj, ("tool_call_id", "id", "call_id"))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, Mapping, NamedTuple
 
+from ._salvage import salvage
+
 Role = Literal["user", "assistant", "tool", "system"]
 SpanKind = Literal["llm", "agent", "tool", "other"]
 
@@ -128,11 +130,12 @@ class Attrs:
     span, so parsing it twice would double the cost of a rebuild.
     """
 
-    __slots__ = ("raw", "_parsed")
+    __slots__ = ("raw", "_parsed", "salvaged")
 
     def __init__(self, raw: Mapping[str, Any]) -> None:
         self.raw = raw
         self._parsed: dict[str, Any] = {}
+        self.salvaged: list[str] = []  # keys whose JSON was cut and read up to the cut
 
     def get(self, key: str) -> Any:
         return self.raw.get(key)
@@ -141,14 +144,22 @@ class Attrs:
         return key in self.raw
 
     def json(self, key: str) -> Any:
-        """The value, parsed if it is a JSON string; raises ``Truncated`` if it does not parse."""
+        """The value, parsed if it is a JSON string.
+
+        JSON cut short is read up to the cut (see ``_salvage``) and the key is
+        listed in ``salvaged``; ``Truncated`` is raised only when even that fails.
+        """
         if key in self._parsed:
             hit = self._parsed[key]
         else:
             try:
                 hit = loads_maybe(self.raw.get(key))
             except Truncated as exc:
-                hit = exc
+                hit = salvage(self.raw[key])
+                if hit is None:
+                    hit = exc
+                else:
+                    self.salvaged.append(key)
             self._parsed[key] = hit
         if isinstance(hit, Truncated):
             raise hit
