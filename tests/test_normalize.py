@@ -254,6 +254,12 @@ EVENT_TABLE: list[tuple[str, list[Event], list[Message] | None, list[Message] | 
         Event("gen_ai.choice", {"message": J([{"text": "a"}]), "finish_reason": "end_turn"}, None),
     ], [_m("user", "q"), _m("assistant", "", (LOOKUP,)), _m("tool", "found", call_id="call_1")],
        [_m("assistant", "a")], None),
+    ("azure ai agents message content", [
+        Event("gen_ai.user.message", {"gen_ai.event.content": J(
+            {"role": "user", "content": {"text": {"value": "q", "annotations": []}}})}, None),
+        Event("gen_ai.assistant.message", {"gen_ai.event.content": J(
+            {"role": "assistant", "content": {"text": {"value": "a"}}})}, None),
+    ], [_m("user", "q"), _m("assistant", "a")], None, None),
     ("legacy log bodies, choice index 1 ignored", [
         Event("gen_ai.user.message", {}, {"content": "q"}),
         Event("gen_ai.choice", {}, {"index": 1, "message": {"content": "other"}}),

@@ -119,8 +119,11 @@ def _keyed_block(block: dict[str, Any]) -> dict[str, Any] | None:
             out = {ours: inner.get(theirs) for theirs, ours in fields.items()}
             out["type"] = btype
             return out
-    if isinstance(block.get("text"), str):
-        return {"type": "text", "text": block["text"]}
+    text = block.get("text")
+    if isinstance(text, dict):  # Azure AI Agents: {"text": {"value": ..., "annotations": [...]}}
+        text = text.get("value")
+    if isinstance(text, str):
+        return {"type": "text", "text": text}
     if "json" in block:  # Bedrock tool result content
         return {"type": "text", "text": dumps(block["json"])}
     return None
