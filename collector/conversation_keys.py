@@ -75,7 +75,7 @@ def conversation_key(spans: list[dict[str, Any]],
         try:
             attrs = load_json_column(row.get("attributes")) or {}
             resource = load_json_column(row.get("resource")) or {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             continue
         if isinstance(attrs, dict) and isinstance(resource, dict):
             parsed.append((attrs, resource))
@@ -107,7 +107,7 @@ def response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]
     for row in spans:
         try:
             attrs = load_json_column(row.get("attributes"))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             continue
         if isinstance(attrs, dict):
             meta = read_meta(Attrs(attrs), str(row.get("name") or ""))

@@ -411,3 +411,12 @@ def test_readers_never_raise_on_odd_values(attrs: dict[str, Any]) -> None:
         read_events([Event(name, attrs, v) for v in attrs.values()])
         read_events([Event(name, {"gen_ai.event.content": v, **attrs}, None) for v in attrs.values()])
         read_events([Event(name, {k: v}, None) for k, v in attrs.items()])
+
+
+def test_conversation_key_skips_unreadable_rows() -> None:
+    deep = "[" * 100_000 + "]" * 100_000  # nested past the JSON parser's recursion limit
+    rows = [{"trace_id": "t", "span_id": "a", "attributes": deep, "resource": "{}"},
+            {"trace_id": "t", "span_id": "b", "attributes": 17, "resource": None},
+            _row("t", "c", {"session.id": "s"})]
+    assert conversation_key(rows) == "s"
+    assert group_traces({"t": rows}) == {"s": ["t"]}
