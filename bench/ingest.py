@@ -104,6 +104,8 @@ def make_requests(total_spans: int) -> list[bytes]:
             sp.trace_id = r.to_bytes(8, "big") + (turn + 1).to_bytes(8, "big")
             sp.span_id = (r * SPANS_PER_REQUEST + i + 1).to_bytes(8, "big")
             sp.parent_span_id = b"" if i % 4 == 0 else (r * SPANS_PER_REQUEST + turn * 4 + 1).to_bytes(8, "big")
+            if i % 4 == 0:  # each conversation: four turns, one per request of four in a row
+                sp.attributes[2].value.string_value = f"conv-{r // 4:05d}-{turn:03d}"
         bodies.append(template.SerializeToString())
     return bodies
 
@@ -281,7 +283,7 @@ def main() -> None:
     bodies = make_requests(args.spans)
     size = sum(len(b) for b in bodies) / (len(bodies) * SPANS_PER_REQUEST)
     print(f"{len(bodies)} requests x {SPANS_PER_REQUEST} spans, {size:.0f} bytes/span on the wire "
-          f"(built in {time.perf_counter() - t:.1f}s); concurrency {CONCURRENCY}")
+          f"(built in {time.perf_counter() - t:.1f}s); concurrency {CONCURRENCY}", flush=True)
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):

@@ -16,7 +16,9 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from . import queries
 from .metrics import Metrics
+from .queries import parse_since
 from .store import Store
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -67,8 +69,10 @@ def _auth(token: str | None) -> Any:
 class API:
     """Routes of the JSON API; ``ready`` flips once every receiver listens."""
 
-    def __init__(self, store: Store, metrics: Metrics, bearer_token: str | None) -> None:
+    def __init__(self, store: Store, metrics: Metrics, bearer_token: str | None,
+                 status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.store = store
+        self.status_fn = status or (lambda: {})
         self.metrics = metrics
         self.ready = False
         self.app = web.Application(middlewares=[_errors, _auth(bearer_token or None)])
@@ -76,8 +80,11 @@ class API:
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
         r.add_get("/metrics", self.prometheus)
+        r.add_get("/api/status", self.status)
         r.add_get("/api/spans/count", self.spans_count)
         r.add_get("/api/traces/{trace_id}", self.trace)
+        r.add_get("/api/conversations", self.conversations)
+        r.add_get("/api/conversations/{conversation_id}", self.conversation)
 
     async def read(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(cursor)`` in a worker thread on a cursor of its own."""
@@ -102,6 +109,11 @@ class API:
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
+
+    async def status(self, request: web.Request) -> web.Response:
+        """Progress of each stage: what is committed, and how far conversations have caught up."""
+        return web.json_response({"queue_depth": self.store.queue_depth,
+                                  "committed_batch": self.store.batch_id, **self.status_fn()})
 
     async def spans_count(self, request: web.Request) -> web.Response:
         def q(cur: Any) -> dict[str, int]:
@@ -130,6 +142,28 @@ class API:
         if not result["spans"] and not result["logs"]:
             raise APIError(404, "not_found", f"no spans or log records stored for trace {trace_id}")
         return web.json_response(result, dumps=_dumps)
+
+
+    async def conversations(self, request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            limit = int(q.get("limit", "50"))
+            since = parse_since(q["since"]) if q.get("since") else None
+        except ValueError as exc:
+            raise APIError(400, "bad_parameter", str(exc)) from None
+        state = q.get("state") or None
+        if state not in (None, "open", "ended"):
+            raise APIError(400, "bad_parameter", f"state must be open or ended, not {state!r}")
+        rows = await self.read(lambda cur: queries.list_conversations(
+            cur, since=since, state=state, service=q.get("service") or None, limit=limit))
+        return web.json_response({"conversations": rows}, dumps=_dumps)
+
+    async def conversation(self, request: web.Request) -> web.Response:
+        cid = request.match_info["conversation_id"]
+        record = await self.read(lambda cur: queries.conversation_record(cur, cid))
+        if record is None:
+            raise APIError(404, "not_found", f"no conversation {cid!r}")
+        return web.json_response(record, dumps=_dumps)
 
 
 _JSON_COLUMNS = {"attributes", "events", "links", "resource", "scope_attributes", "dropped", "body"}

@@ -172,6 +172,30 @@ class API(Section):
     auth: Auth = Auth()
 
 
+class EndRule(Section):
+    attribute: str
+    """A span or resource attribute on any span of the conversation's newest trace."""
+    equals: str | int | float | bool
+    """The value that ends the conversation."""
+    ended_by: Literal["handover", "bot_closed", "unknown"] = "unknown"
+    """Recorded as the conversation's ``ended_by``."""
+
+
+def _default_id_attributes() -> list[str]:
+    from .conversation_keys import DEFAULT_ID_ATTRIBUTES
+
+    return list(DEFAULT_ID_ATTRIBUTES)
+
+
+class Conversations(Section):
+    id_attributes: list[str] = Field(default_factory=_default_id_attributes, min_length=1)
+    """Where the conversation id is looked for, in order (span, then resource attributes; ``*`` ends a prefix)."""
+    idle_timeout: Duration = Field(900.0, gt=0)
+    """A conversation with no new data for this long (daemon clock) has ended."""
+    end_rules: list[EndRule] = []
+    """Attribute values that end a conversation at once (a handover, the bot closing it)."""
+
+
 class JudgeProvider(Section):
     type: Literal["anthropic", "openai_compatible"] | None = None
     """Which provider judges ``kind: llm`` criteria; none means they are reported as not run."""
@@ -199,6 +223,7 @@ class Config(BaseModel):
     receivers: Receivers = Receivers()
     storage: Storage = Storage()
     api: API = API()
+    conversations: Conversations = Conversations()
     judges: Judges = Judges()
     source: str = "<defaults>"
     unbuilt: dict[str, Any] = {}
@@ -209,7 +234,7 @@ class Config(BaseModel):
         return Path(str(self.storage.duckdb.path) + ".daemon.json")
 
 
-BUILT = ("receivers", "storage", "api", "judges")
+BUILT = ("receivers", "storage", "api", "conversations", "judges")
 
 # --------------------------------------------------------------- loading
 

@@ -27,6 +27,8 @@ from aiohttp import web
 
 from .api import API
 from .config import Config
+from .conversations import Conversations
+from .queries import conversation_counts
 from .errors import UserError
 from .metrics import Metrics
 from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
@@ -62,6 +64,28 @@ async def _start_site(app: web.Application, endpoint: str, tls_ctx: object, what
     return runner, actual
 
 
+CAPTURE_HINT = ("set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY (with "
+                "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental) in the bot to capture content")
+
+
+def _conversation_gauges(store: Store) -> list[str]:
+    cur = store.cursor()
+    try:
+        counts = conversation_counts(cur)
+    finally:
+        cur.close()
+    return [
+        "# HELP tracejudge_conversations Conversations by state.",
+        "# TYPE tracejudge_conversations gauge",
+        f'tracejudge_conversations{{state="open"}} {counts["open"]}',
+        f'tracejudge_conversations{{state="ended"}} {counts["ended"]}',
+        "# HELP tracejudge_conversations_without_content Conversations whose spans carry no message content; "
+        f"stored and counted, never judged: {CAPTURE_HINT}.",
+        "# TYPE tracejudge_conversations_without_content gauge",
+        f"tracejudge_conversations_without_content {counts['without_content']}",
+    ]
+
+
 @dataclass
 class Daemon:
     config: Config
@@ -79,9 +103,14 @@ class Daemon:
                       max_queue_spans=cfg.storage.max_queue_spans, max_batch_spans=cfg.storage.max_batch_spans,
                       retry_after=cfg.storage.retry_after, metrics=metrics)
         store.open()
+        convs = Conversations(store, cfg.conversations, metrics)
+        convs.start()
+        store.on_commit(convs.on_commit)
+        metrics.add_collector(lambda: _conversation_gauges(store))
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
-        api = API(store, metrics, cfg.api.auth.bearer_token)
+        api = API(store, metrics, cfg.api.auth.bearer_token,
+                  status=convs.status)
         runners: list[web.AppRunner] = []
         gserver: grpc.aio.Server | None = None
         try:
@@ -122,6 +151,8 @@ class Daemon:
                 await gserver.stop(grace=10)
             for runner in reversed(runners):
                 await runner.cleanup()
+            await asyncio.to_thread(store.drain)
+            await asyncio.to_thread(convs.stop)
             await asyncio.to_thread(store.close)
             if RuntimeInfo.read(runtime_path) and RuntimeInfo.read(runtime_path).pid == os.getpid():  # type: ignore[union-attr]
                 runtime_path.unlink(missing_ok=True)
@@ -145,7 +176,7 @@ class Daemon:
         if http_addr:
             lines.append(f"  OTLP/HTTP   http://{http_addr}/v1/traces  (also /v1/logs, /v1/metrics)")
         lines += [
-            f"  API         {api_url}  (/healthz, /metrics, /api/spans/count, /api/traces/<trace id>)",
+            f"  API         {api_url}  (/healthz, /metrics, /api/status, /api/conversations, /api/traces/<id>)",
             f"  DuckDB      {self.config.storage.duckdb.path}",
             f"  runtime     {self.config.runtime_file}",
             "Point your bot at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://"

@@ -131,6 +131,10 @@ class Metrics:
         self.queue_depth = Gauge("tracejudge_ingest_queue_depth",
                                  "Spans and log records waiting for the writer.")
         self.commit_seconds = Histogram("tracejudge_commit_seconds", "Time of one DuckDB insert+commit.")
+        self.conversations_ended = Counter("tracejudge_conversations_ended_total",
+                                           "Conversations ended, by how (idle or an end rule).", ("ended_by",))
+        self.conversations_reopened = Counter("tracejudge_conversations_reopened_total",
+                                              "Ended conversations reopened by a new trace.")
         for reason in REJECT_REASONS:
             self.spans_rejected.declare(reason=reason)
             self.logs_rejected.declare(reason=reason)
@@ -144,7 +148,8 @@ class Metrics:
         lines: list[str] = []
         for inst in (self.spans_received, self.spans_stored, self.spans_rejected, self.logs_received,
                      self.logs_stored, self.logs_rejected, self.metric_points, self.requests,
-                     self.queue_depth, self.commit_seconds):
+                     self.queue_depth, self.commit_seconds, self.conversations_ended,
+                     self.conversations_reopened):
             lines.extend(inst.render())
         for fn in self._extra:
             lines.extend(fn())

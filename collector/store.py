@@ -203,14 +203,18 @@ class Store:
         self._thread = threading.Thread(target=self._run, name="tracejudge-writer", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop taking work, commit everything already queued, close the file."""
+    def drain(self) -> None:
+        """Stop taking work and commit everything already queued; the file stays open for reads."""
         with self._lock:
             self._accepting = False
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
+
+    def close(self) -> None:
+        """``drain``, then close the file."""
+        self.drain()
         if self._con is not None:
             self._con.close()
             self._con = None
@@ -224,6 +228,11 @@ class Store:
     @property
     def queue_depth(self) -> int:
         return self._pending
+
+    @property
+    def batch_id(self) -> int:
+        """The id of the last committed transaction."""
+        return self._batch_id
 
     def submit(self, spans: SpanBatch | None = None, logs: LogBatch | None = None
                ) -> concurrent.futures.Future[tuple[int, int]]:

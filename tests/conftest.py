@@ -185,3 +185,15 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture
 def daemon(make_daemon: Any) -> DaemonProcess:
     return make_daemon()  # type: ignore[no-any-return]
+
+
+def wait_conversations(daemon: DaemonProcess, timeout: float = 60) -> dict[str, Any]:
+    """Wait until the conversation stage has processed every committed batch."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = daemon.get("/api/status")[1]
+        if (status["conversations_batch"] >= status["committed_batch"] and status["queue_depth"] == 0
+                and status["conversations_pending"] == 0):
+            return status  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise AssertionError(f"conversations did not catch up: {status}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import duckdb
@@ -34,6 +35,19 @@ def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path)
         assert tools == (3,)
     finally:
         con.close()
+
+    # The demo's conversations show up whole in `conversations list/show`.
+    cfg = str(tmp_path / "otel-config.yaml")
+    listed = json.loads(run_cli("conversations", "list", "--config", cfg, "--json").stdout)
+    assert len(listed) == 4
+    by_turns = sorted((c["user_turns"], c["message_count"], c["ended_by"]) for c in listed)
+    assert by_turns == [(1, 2, None), (2, 6, "handover"), (3, 8, None), (4, 10, None)]
+    amira = next(c for c in listed if c["ended_by"] == "handover")
+    record = json.loads(run_cli("conversations", "show", amira["conversation_id"], "--config", cfg, "--json").stdout)
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert record["messages"][2]["name"] == "lookup_order"
+    assert "أريد استرجاع" in record["messages"][0]["content"]
+    assert record["system"].startswith("You are ShopBot")
 
 
 def test_demo_reuses_a_running_demo_daemon(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ COMMANDS = {
     "serve": "collector.cli.serve:serve",
     "demo": "collector.cli.demo:demo",
     "judge": "collector.cli.judge:judge",
+    "conversations": "collector.cli.conversations:conversations",
+    "reindex": "collector.cli.reindex:reindex",
 }
 
 

@@ -28,6 +28,10 @@ storage:
   duckdb: {{path: ./demo.duckdb}}
 api:
   endpoint: "127.0.0.1:{api}"
+conversations:
+  idle_timeout: 10s
+  end_rules:
+    - {{attribute: app.handover, equals: true, ended_by: handover}}
 """
 
 
@@ -98,10 +102,15 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
         raise UserError(str(exc)) from None
     counts = _get(info.api + "/api/spans/count")
     api = info.api
+    cfg_arg = f"--config {config_path}"
     click.echo(f"""
 Stored: {counts['spans']} spans in {counts['traces']} traces ({sent['spans']} sent this run).
 
 Where to look:
+  conversations tracejudge conversations list {cfg_arg}
+  a transcript  tracejudge conversations show {sent['conversations'][1]['id']} {cfg_arg}
+                (they end after 10s without new data; the Arabic one at once, by its handover)
+  as JSON       curl {api}/api/conversations
   metrics       curl {api}/metrics
   span count    curl {api}/api/spans/count
   one trace     curl {api}/api/traces/<trace id>

@@ -1,0 +1,48 @@
+"""``tracejudge reindex``: rebuild conversations from the stored spans and log records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import UserError
+from ..runtime import running_daemon
+from .common import config_option, load
+
+
+@click.command()
+@config_option
+def reindex(config_path: Path | None) -> None:
+    """Rebuild the trace map, `conversations` and `messages` from every stored span and log record.
+
+    Run it after upgrading tracejudge (a better normalizer) or changing
+    conversations.id_attributes or end_rules. Spans are kept whole, so nothing
+    is lost. It needs the database to itself: stop the daemon first.
+    """
+    cfg = load(config_path)
+    info = running_daemon(cfg.runtime_file)
+    if info is not None:
+        raise UserError(f"a daemon (pid {info.pid}) has {cfg.storage.duckdb.path} open; stop it, then reindex")
+    if not cfg.storage.duckdb.path.exists():
+        raise UserError(f"no database at {cfg.storage.duckdb.path}")
+    from ..conversations import Conversations
+    from ..store import Store
+
+    store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit)
+    store.open()
+    stage = Conversations(store, cfg.conversations)
+    try:
+        stage.open()
+        with click.progressbar(length=1, label="rebuilding conversations", file=click.get_text_stream("stderr"),
+                               show_pos=True) as bar:
+
+            def progress(done: int, total: int) -> None:
+                bar.length = total
+                bar.update(done - bar.pos)
+
+            count = stage.reindex(progress)
+    finally:
+        stage.stop()
+        store.close()
+    click.echo(f"reindexed: {count} conversations rebuilt in {cfg.storage.duckdb.path}")

@@ -1,0 +1,621 @@
+"""Conversations kept current as data arrives: the trace map, transcripts, ends and reopenings.
+
+Lifecycle: ``Conversations(store, settings, metrics)`` -> ``start()`` (creates its
+tables, catches up on commits it has not seen, starts its thread) ->
+``on_commit`` (the store calls it after each commit; it only enqueues) ->
+``stop()`` (finishes what is queued, records how far it got).
+
+Its own thread, so ingestion never waits for it: each cycle it takes the
+commits queued since the last one, resolves every touched trace to a
+conversation (``conversations.id_attributes``, else ``trace:<trace id>``),
+rebuilds each touched conversation's transcript from all of its rows, writes
+``conversations`` and ``messages``, applies the end rules to the newest trace
+(the one that starts last),
+and ends conversations idle for ``idle_timeout``. Time is the daemon's clock at
+commit, never span timestamps. A conversation that ended is reopened only by a
+trace it did not have; late rows of a trace it has update the transcript, and a
+changed transcript gets a new ``revision`` (to be judged again).
+
+Recent traces' rows are cached (bounded); anything else is read back from DuckDB.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import duckdb
+import orjson
+import pyarrow as pa
+
+from .assemble import build_transcript
+from .config import Conversations as Settings
+from .config import EndRule
+from .conversation_keys import conversation_key, load_json_column
+from .metrics import Metrics
+from .otlp import LOG_COLUMNS, SPAN_COLUMNS
+from .store import Committed, Store
+from .transcript import Transcript
+
+log = logging.getLogger("tracejudge.conversations")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    conversation_id VARCHAR PRIMARY KEY,
+    service VARCHAR,
+    started_at TIMESTAMPTZ,
+    ended_at TIMESTAMPTZ,
+    ended_by VARCHAR,
+    state VARCHAR NOT NULL,
+    user_turns INTEGER,
+    input_tokens BIGINT,
+    output_tokens BIGINT,
+    llm_calls INTEGER,
+    message_count INTEGER,
+    models VARCHAR,
+    system VARCHAR,
+    content_captured BOOLEAN,
+    no_content_reason VARCHAR,
+    transcript_hash VARCHAR,
+    revision INTEGER,
+    trace_ids VARCHAR,
+    newest_trace_id VARCHAR,
+    first_arrival_at TIMESTAMPTZ,
+    last_arrival_at TIMESTAMPTZ,
+    closed_at TIMESTAMPTZ,
+    updated_at TIMESTAMPTZ,
+    unparsed_spans INTEGER,
+    unparsed_logs INTEGER,
+    sources VARCHAR
+);
+CREATE TABLE IF NOT EXISTS messages (
+    conversation_id VARCHAR NOT NULL,
+    seq INTEGER NOT NULL,
+    role VARCHAR NOT NULL,
+    content VARCHAR,
+    tool_calls VARCHAR,
+    tool_call_id VARCHAR,
+    name VARCHAR,
+    "at" TIMESTAMPTZ,
+    span_id VARCHAR,
+    source VARCHAR,
+    truncated BOOLEAN
+);
+CREATE TABLE IF NOT EXISTS tracejudge_state (key VARCHAR PRIMARY KEY, value VARCHAR);
+"""
+
+CONVERSATION_COLUMNS = (
+    "conversation_id", "service", "started_at", "ended_at", "ended_by", "state", "user_turns", "input_tokens",
+    "output_tokens", "llm_calls", "message_count", "models", "system", "content_captured", "no_content_reason",
+    "transcript_hash", "revision", "trace_ids", "newest_trace_id", "first_arrival_at", "last_arrival_at",
+    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources",
+)
+MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
+                   "span_id", "source", "truncated")
+
+_UTC = dt.timezone.utc
+_STOP = object()
+
+
+def _ts(seconds: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(seconds, _UTC) if seconds is not None else None
+
+
+def _matches(rule: EndRule, value: Any) -> bool:
+    if value is None:
+        return False
+    if value == rule.equals and type(value) is type(rule.equals):
+        return True
+    # "true" set as a string, 1 for True: compare as text, booleans case-insensitively.
+    return str(value).lower() == str(rule.equals).lower()
+
+
+def _trace_start(rows: "_TraceRows") -> int:
+    starts = [r["start_time_unix_nano"] for r in rows.spans if r.get("start_time_unix_nano")]
+    starts += [r["time_unix_nano"] or r["observed_time_unix_nano"] or 0 for r in rows.logs]
+    return min(starts) if starts else 0
+
+
+@dataclass
+class _Conv:
+    id: str
+    traces: list[str]
+    state: str = "open"
+    ended_by: str | None = None
+    first_arrival: float = 0.0
+    last_arrival: float = 0.0
+    closed_at: float | None = None
+    newest_trace: str | None = None
+    hash: str | None = None
+    revision: int = 0
+    stored: bool = False  # has rows in the conversations/messages tables
+    last_span_end: dt.datetime | None = None
+    rebuilt_at: float = 0.0
+    row: list[Any] | None = None  # the conversations row last written
+
+
+@dataclass
+class _Writes:
+    """What one cycle changes, written together by ``_flush``."""
+
+    conversations: dict[str, list[Any]] = field(default_factory=dict)
+    messages: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    replace: set[str] = field(default_factory=set)  # conversations whose old messages go
+    deleted: set[str] = field(default_factory=set)
+    moves: dict[str, str] = field(default_factory=dict)  # trace -> conversation
+
+    def delete(self, cid: str) -> None:
+        self.deleted.add(cid)
+        self.conversations.pop(cid, None)
+        self.messages.pop(cid, None)
+
+
+def _insert(cur: duckdb.DuckDBPyConnection, statement: str, columns: tuple[str, ...],
+            rows: list[Any]) -> None:
+    """Insert rows through Arrow: one statement, not one per row."""
+    if not rows:
+        return
+    table = pa.table({name: pa.array([r[i] for r in rows]) for i, name in enumerate(columns)})
+    cur.register("conversation_rows", table)
+    try:
+        cur.execute(f"{statement} SELECT * FROM conversation_rows")
+    finally:
+        cur.unregister("conversation_rows")
+
+
+@dataclass
+class _TraceRows:
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    logs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Conversations:
+    """The conversation stage of the daemon (also used by ``tracejudge reindex``)."""
+
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.time, cache_spans: int = 20_000,
+                 rebuild_interval: float = 1.0) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.cache_spans = cache_spans
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._cur: duckdb.DuckDBPyConnection | None = None
+        self._cache: OrderedDict[str, _TraceRows] = OrderedDict()
+        self._cached_spans = 0
+        self._trace_map: dict[str, str] = {}  # trace -> conversation, for traces of loaded conversations
+        self._convs: dict[str, _Conv] = {}  # open conversations, and ended ones touched recently
+        self._pending: dict[str, float] = {}  # traces with no conversation yet (no GenAI span so far)
+        self._processed_batch = 0
+        self._resume_from = 0
+        self.tick = min(1.0, settings.idle_timeout / 4)
+        self.rebuild_interval = rebuild_interval
+        self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
+        self._writes = _Writes()
+        self._idle_event = threading.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Create tables and load state (no thread); ``start`` also runs the thread."""
+        self._cur = self.store.cursor()
+        self._cur.execute(SCHEMA)
+        row = self._cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
+        self._processed_batch = int(row[0]) if row else 0
+        self._resume_from = self._processed_batch
+        for rec in self._cur.execute(
+                "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
+                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
+                "WHERE state = 'open'").fetchall():
+            conv = _Conv(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
+                         rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
+            self._convs[conv.id] = conv
+            for t in conv.traces:
+                self._trace_map[t] = conv.id
+
+    def start(self) -> None:
+        self.open()
+        # Commits this stage never saw (a crash between commit and processing) come back from DuckDB.
+        self._queue.put(("catch_up", None))
+        self._thread = threading.Thread(target=self._run, name="tracejudge-conversations", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+            self._thread = None
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+
+    @property
+    def processed_batch(self) -> int:
+        """The last commit this stage has taken in (its conversations may await their rebuild)."""
+        return self._processed_batch
+
+    def status(self) -> dict[str, int]:
+        """How far the stage has got, for /api/status."""
+        w = self._writes
+        return {"conversations_batch": self._processed_batch,
+                "conversations_pending": len(self._dirty) + len(w.conversations) + len(w.deleted)}
+
+    def on_commit(self, committed: Committed) -> None:
+        """Called by the store's writer thread after each commit: hand off, return."""
+        self._queue.put(committed)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until everything queued so far is processed (tests, reindex)."""
+        self._idle_event.clear()
+        self._queue.put(("idle", None))
+        return self._idle_event.wait(timeout)
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        while True:
+            try:
+                first = self._queue.get(timeout=self.tick)
+            except queue.Empty:
+                first = None
+            items = [] if first is None else [first]
+            if first is not None:
+                time.sleep(0.05)  # let a burst of commits gather into one cycle
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(it is _STOP for it in items)
+            if stop:
+                items.append(("idle", None))  # finish every pending rebuild before stopping
+            try:
+                self._cycle([it for it in items if it is not _STOP])
+            except Exception:  # one bad cycle must not stop the stage
+                log.exception("conversation update failed; it will be retried on the next data or reindex")
+            if stop:
+                return
+
+    def _cycle(self, items: list[Any]) -> None:
+        committed = [it for it in items if isinstance(it, Committed)]
+        idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
+        if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
+            committed = self._catch_up(committed)
+        if committed:
+            self._ingest(committed)
+        # Waiters (tests, shutdown) want everything current: no debounce for them.
+        self._rebuild_due(force=bool(idle_waiters))
+        self._sweep_idle()
+        self._flush()
+        if idle_waiters:
+            self._idle_event.set()
+
+    def _catch_up(self, committed: list[Committed]) -> list[Committed]:
+        """Rebuild what commits after the last recorded batch touched (a crash came between)."""
+        touched = self._traces_since(self._resume_from)
+        if touched:
+            log.info("catching up on %d traces committed before the last stop", len(touched))
+            self._touch(touched)
+        return committed
+
+    def _traces_since(self, batch: int) -> dict[str, float]:
+        assert self._cur is not None
+        return dict(self._cur.execute(
+            "SELECT trace_id, epoch(max(received_at)) FROM ("
+            " SELECT trace_id, received_at FROM span_records WHERE batch_id > ? UNION ALL"
+            " SELECT trace_id, received_at FROM log_records WHERE batch_id > ? AND trace_id IS NOT NULL) "
+            "GROUP BY trace_id ORDER BY 2, 1", [batch, batch]).fetchall())
+
+    def reindex(self, progress: Callable[[int, int], None] | None = None, chunk: int = 500) -> int:
+        """Rebuild the trace map, conversations and messages from every stored span and log record.
+
+        Runs in the caller's thread on a stage that was ``open``ed but not started.
+        Returns the number of conversations.
+        """
+        assert self._cur is not None and self._thread is None
+        cur = self._cur
+        cur.execute("BEGIN")
+        for table in ("trace_conversations", "conversations", "messages"):
+            cur.execute(f"DELETE FROM {table}")
+        cur.execute("COMMIT")
+        self._convs.clear()
+        self._trace_map.clear()
+        self._pending.clear()
+        row = cur.execute("SELECT greatest((SELECT max(batch_id) FROM span_records), "
+                          "(SELECT max(batch_id) FROM log_records))").fetchone()
+        last_batch = int(row[0] or 0) if row else 0
+        touched = list(self._traces_since(0).items())
+        for i in range(0, len(touched), chunk):
+            self._touch(dict(touched[i:i + chunk]))
+            self._rebuild_due(force=True)
+            self._flush()
+            if progress:
+                progress(min(i + chunk, len(touched)), len(touched))
+        self._processed_batch = last_batch
+        self._sweep_idle()
+        self._flush()
+        count = cur.execute("SELECT count(*) FROM conversations").fetchone()
+        return int(count[0]) if count else 0
+
+    # ------------------------------------------------------------ ingestion
+
+    def _ingest(self, committed: list[Committed]) -> None:
+        touched: dict[str, float] = {}
+        fresh: dict[str, _TraceRows] = {}
+        for c in committed:
+            for row in c.spans.rows():
+                tid = row["trace_id"]
+                fresh.setdefault(tid, _TraceRows()).spans.append(row)
+                touched[tid] = c.received_at
+            for row in c.logs.rows():
+                tid = row["trace_id"]
+                if tid is None:
+                    continue  # a log record with no trace belongs to no conversation
+                fresh.setdefault(tid, _TraceRows()).logs.append(row)
+                touched[tid] = c.received_at
+        # A trace seen for the first time has all its rows in these commits: cache
+        # them, so that only traces with older rows are read back from DuckDB.
+        unseen = [t for t in fresh if t not in self._cache and t not in self._pending]
+        known = {t for t, cid in self._conversation_of(unseen).items() if cid is not None}
+        for tid, rows in fresh.items():
+            cached = self._cache.get(tid)
+            if cached is not None:
+                cached.spans.extend(rows.spans)
+                cached.logs.extend(rows.logs)
+                self._cache.move_to_end(tid)
+            elif tid in known or tid in self._pending:
+                continue  # older rows are in DuckDB: read the whole trace when needed
+            else:
+                self._cache[tid] = rows
+            self._cached_spans += len(rows.spans) + len(rows.logs)
+        self._touch(touched)
+        self._evict()
+        self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
+
+    def _rows(self, trace_ids: Iterable[str]) -> dict[str, _TraceRows]:
+        """Every stored row of these traces: the cache, else one read from DuckDB."""
+        out: dict[str, _TraceRows] = {}
+        missing = []
+        for t in trace_ids:
+            rows = self._cache.get(t)
+            if rows is not None:
+                self._cache.move_to_end(t)
+                out[t] = rows
+            else:
+                missing.append(t)
+        if missing:
+            assert self._cur is not None
+            loaded = {t: _TraceRows() for t in missing}
+            res = self._cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records "
+                                    "WHERE trace_id IN (SELECT unnest(?))", [missing])
+            for rec in res.fetchall():
+                loaded[rec[0]].spans.append(dict(zip(SPAN_COLUMNS, rec)))
+            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log_records "
+                                    "WHERE trace_id IN (SELECT unnest(?))", [missing])
+            for rec in res.fetchall():
+                loaded[rec[1]].logs.append(dict(zip(LOG_COLUMNS, rec)))
+            for t, rows in loaded.items():
+                self._cache[t] = rows
+                self._cached_spans += len(rows.spans) + len(rows.logs)
+                out[t] = rows
+            self._evict()
+        return out
+
+    def _evict(self, keep: set[str] | None = None) -> None:
+        while self._cached_spans > self.cache_spans and len(self._cache) > 1:
+            tid, rows = self._cache.popitem(last=False)
+            if keep and tid in keep:
+                self._cache[tid] = rows
+                if all(t in keep for t in self._cache):
+                    break
+                continue
+            self._cached_spans -= len(rows.spans) + len(rows.logs)
+
+    def _conversation_of(self, trace_ids: list[str]) -> dict[str, str | None]:
+        """The current map for these traces (memory, else the table)."""
+        out: dict[str, str | None] = {t: self._trace_map.get(t) for t in trace_ids}
+        unknown = [t for t, c in out.items() if c is None]
+        if unknown:
+            assert self._cur is not None
+            for t, c in self._cur.execute("SELECT trace_id, conversation_id FROM trace_conversations "
+                                          "WHERE trace_id IN (SELECT unnest(?))", [unknown]).fetchall():
+                out[t] = c
+        return out
+
+    def _load_convs(self, cids: Iterable[str]) -> None:
+        """Bring these conversations into memory (one read for those not there yet)."""
+        missing = sorted({c for c in cids if c not in self._convs})
+        if not missing:
+            return
+        assert self._cur is not None
+        found = {}
+        for rec in self._cur.execute(
+                "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
+                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
+                "WHERE conversation_id IN (SELECT unnest(?))", [missing]).fetchall():
+            found[rec[0]] = _Conv(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0,
+                                  rec[8] or 0.0, rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
+        for cid in missing:
+            conv = found.get(cid) or _Conv(cid, [])
+            self._convs[cid] = conv
+            for t in conv.traces:
+                self._trace_map[t] = cid
+
+    def _touch(self, touched: dict[str, float]) -> None:
+        """Resolve each touched trace to its conversation and mark those conversations for a rebuild."""
+        if not touched:
+            return
+        traces = list(touched)
+        current = self._conversation_of(traces)
+        rows = self._rows(traces)
+        keys: dict[str, str] = {}
+        for tid in traces:
+            key = conversation_key(rows[tid].spans, self.settings.id_attributes)
+            if key is None and current.get(tid) is None and not self._is_genai(rows[tid]):
+                self._pending[tid] = touched[tid]  # nothing conversational yet
+                continue
+            self._pending.pop(tid, None)
+            keys[tid] = key or f"trace:{tid}"
+        self._load_convs([*keys.values(), *(c for c in current.values() if c is not None)])
+        now = self.clock()
+        for tid, cid in keys.items():
+            conv = self._convs[cid]
+            old = current.get(tid)
+            if old != cid:
+                if old is not None:  # the span carrying the id arrived after its children
+                    prev = self._convs[old]
+                    if tid in prev.traces:
+                        prev.traces.remove(tid)
+                    self._dirty.setdefault(old, now)
+                self._writes.moves[tid] = cid
+                self._trace_map[tid] = cid
+                conv.traces.append(tid)
+                if conv.state == "ended":  # a new trace reopens an ended conversation
+                    conv.state, conv.ended_by, conv.closed_at = "open", None, None
+                    self.metrics.conversations_reopened.inc()
+            if not conv.first_arrival:
+                conv.first_arrival = touched[tid]
+            conv.last_arrival = max(conv.last_arrival, touched[tid])
+            # At most one rebuild per conversation per interval while data streams in.
+            self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
+
+    def _rebuild_due(self, force: bool = False) -> None:
+        now = self.clock()
+        for cid in sorted(c for c, due in self._dirty.items() if force or due <= now):
+            del self._dirty[cid]
+            conv = self._convs.get(cid)
+            if conv is not None:
+                self._rebuild(conv)
+
+    @staticmethod
+    def _is_genai(rows: _TraceRows) -> bool:
+        if rows.logs:
+            return any((r.get("event_name") or "").startswith("gen_ai") for r in rows.logs)
+        for r in rows.spans:
+            text = r.get("attributes") or ""
+            if any(marker in text for marker in ('"gen_ai.', '"llm.', '"ai.', '"langfuse.observation', '"openinference.')):
+                return True
+        return False
+
+    # ------------------------------------------------------------ transcripts
+
+    def _rebuild(self, conv: _Conv) -> None:
+        conv.rebuilt_at = self.clock()
+        if not conv.traces:  # every trace moved to a keyed conversation
+            self._writes.delete(conv.id)
+            self._convs.pop(conv.id, None)
+            return
+        rows = self._rows(conv.traces)
+        spans = [r for t in conv.traces for r in rows[t].spans]
+        logs = [r for t in conv.traces for r in rows[t].logs]
+        tr = build_transcript(spans, logs)
+        self._evict(keep=set(conv.traces))
+        conv.newest_trace = max(conv.traces, key=lambda t: (_trace_start(rows[t]), t))
+        digest = tr.content_hash()
+        if digest != conv.hash:
+            conv.revision += 1
+            conv.hash = digest
+        self._apply_end_rules(conv, rows)
+        self._write(conv, tr)
+
+    def _apply_end_rules(self, conv: _Conv, rows: dict[str, _TraceRows]) -> None:
+        if conv.state != "open" or not self.settings.end_rules or conv.newest_trace not in rows:
+            return
+        for span in rows[conv.newest_trace].spans:
+            attrs = load_json_column(span.get("attributes")) or {}
+            resource = load_json_column(span.get("resource")) or {}
+            for rule in self.settings.end_rules:
+                if _matches(rule, attrs.get(rule.attribute)) or _matches(rule, resource.get(rule.attribute)):
+                    self._end(conv, rule.ended_by)
+                    return
+
+    def _end(self, conv: _Conv, ended_by: str) -> None:
+        conv.state = "ended"
+        conv.ended_by = ended_by
+        conv.closed_at = self.clock()
+        self.metrics.conversations_ended.inc(ended_by=ended_by)
+
+    def _write(self, conv: _Conv, tr: Transcript) -> None:
+        conv.last_span_end = tr.ended_at
+        conv.row = [
+            conv.id, tr.service, tr.started_at, tr.ended_at if conv.state == "ended" else None,
+            conv.ended_by, conv.state, tr.user_turns, tr.usage.input_tokens, tr.usage.output_tokens,
+            tr.llm_calls, len(tr.messages), orjson.dumps(list(tr.models)).decode(), tr.system,
+            tr.content_captured, tr.no_content_reason, conv.hash, conv.revision,
+            orjson.dumps(conv.traces).decode(), conv.newest_trace, _ts(conv.first_arrival),
+            _ts(conv.last_arrival), _ts(conv.closed_at), _ts(self.clock()), tr.unparsed_spans, tr.unparsed_logs,
+            orjson.dumps(list(tr.sources)).decode()]
+        self._writes.conversations[conv.id] = conv.row
+        self._writes.messages[conv.id] = [
+            (conv.id, i, m.role, m.content, orjson.dumps(m.to_dict()["tool_calls"]).decode() if m.tool_calls else None,
+             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated)
+            for i, m in enumerate(tr.messages)]
+        if conv.stored:
+            self._writes.replace.add(conv.id)
+        conv.stored = True
+        if conv.state == "ended":
+            self._forget(conv)
+
+    def _flush(self) -> None:
+        """Write everything this cycle changed in one transaction, column-wise."""
+        assert self._cur is not None
+        w = self._writes
+        cur = self._cur
+        cur.execute("BEGIN")
+        try:
+            gone = sorted(w.deleted | w.replace)
+            if gone:
+                cur.execute("DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [gone])
+            if w.deleted:
+                cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
+                            [sorted(w.deleted)])
+            _insert(cur, "INSERT OR REPLACE INTO trace_conversations", ("trace_id", "conversation_id"),
+                    list(w.moves.items()))
+            _insert(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
+                    [m for cid, msgs in w.messages.items() if cid not in w.deleted for m in msgs])
+            _insert(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
+                    [row for cid, row in w.conversations.items() if cid not in w.deleted])
+            cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)",
+                        [str(self._processed_batch)])
+            cur.execute("COMMIT")
+        except Exception:
+            cur.execute("ROLLBACK")
+            raise
+        finally:
+            self._writes = _Writes()
+
+    def _forget(self, conv: _Conv) -> None:
+        """An ended conversation leaves memory; late data reads it back from DuckDB."""
+        self._convs.pop(conv.id, None)
+        for t in conv.traces:
+            self._trace_map.pop(t, None)
+            rows = self._cache.pop(t, None)
+            if rows is not None:
+                self._cached_spans -= len(rows.spans) + len(rows.logs)
+
+    # ------------------------------------------------------------ idle
+
+    def _sweep_idle(self) -> None:
+        now = self.clock()
+        limit = self.settings.idle_timeout
+        for conv in [c for c in self._convs.values() if c.state == "open" and now - c.last_arrival >= limit]:
+            self._end(conv, "idle")
+            self._dirty.pop(conv.id, None)
+            if conv.row is None:  # loaded at start: rebuild to learn the rest
+                self._rebuild(conv)
+                continue
+            row = list(conv.row)
+            row[3], row[4], row[5], row[21], row[22] = (conv.last_span_end, "idle", "ended",
+                                                        _ts(conv.closed_at), _ts(now))
+            self._writes.conversations[conv.id] = row
+            self._forget(conv)
+        for tid in [t for t, at in self._pending.items() if now - at >= limit]:
+            del self._pending[tid]

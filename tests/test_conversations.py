@@ -1,0 +1,130 @@
+"""Conversations rebuilt by the real daemon from the captured payloads, over the wire."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from typing import Any
+
+import pytest
+
+from .conftest import run_cli, wait_conversations
+from .genai_fixtures import case_names
+from .test_normalize import _expected_message, _got_message
+from .wire import FIXTURES, fixture_requests, replay
+
+HANDOVER = {"conversations": {"end_rules": [{"attribute": "app.handover", "equals": True, "ended_by": "handover"}]}}
+
+
+def _cid(conv: dict[str, Any]) -> str:
+    return conv["conversation_key"] or f"trace:{conv['trace_ids'][0]}"
+
+
+@pytest.mark.parametrize("case", case_names())
+def test_fixture_conversations_rebuilt_by_the_daemon(make_daemon: Any, case: str) -> None:
+    daemon = make_daemon(**HANDOVER)
+    for req in fixture_requests(case):
+        replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())
+    listed = daemon.get("/api/conversations?limit=1000")[1]["conversations"]
+    assert {c["conversation_id"] for c in listed} == {_cid(c) for c in expected["conversations"]}
+    has_content = not str(expected.get("content_in_payload", "")).startswith("none")
+    for conv in expected["conversations"]:
+        cid = _cid(conv)
+        record = daemon.get("/api/conversations/" + urllib.parse.quote(cid, safe=""))[1]
+        assert record["schema"] == "conversation/v1" and record["id"] == cid
+        assert sorted(record["trace_ids"]) == sorted(conv["trace_ids"])
+        assert record["usage"] == {"input_tokens": conv["usage"]["input_tokens"],
+                                   "output_tokens": conv["usage"]["output_tokens"]}, cid
+        assert record["models"] == [conv["model"]]
+        assert record["ended_by"] == ("handover" if conv["handover"] else "open"), cid
+        if not has_content:
+            assert record["messages"] == [] and record["attributes"]["content_captured"] is False
+            continue
+        assert record["system"] == conv["system_prompt"]
+        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in conv["messages"]]
+    if not has_content:
+        metrics = daemon.get("/metrics")[1]
+        assert f"tracejudge_conversations_without_content {len(expected['conversations'])}" in metrics
+        assert "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY" in metrics
+
+
+def test_requests_in_reverse_order_and_retried_give_the_same_conversations(make_daemon: Any) -> None:
+    """Logs before spans, every request twice: the same transcripts as in order."""
+    case = "openai-v2-latest-event-only-grpc"
+    daemon = make_daemon(**HANDOVER)
+    for req in reversed(list(fixture_requests(case))):
+        replay(req, daemon.grpc, daemon.http)
+        replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())
+    for conv in expected["conversations"]:
+        record = daemon.get("/api/conversations/" + urllib.parse.quote(_cid(conv), safe=""))[1]
+        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in conv["messages"]]
+
+
+def test_idle_timeout_ends_and_new_trace_reopens(make_daemon: Any) -> None:
+    """Idle is measured on arrival (daemon clock), not on the (old) span timestamps."""
+    import time
+
+    daemon = make_daemon(conversations={"idle_timeout": "1s"})
+    reqs = list(fixture_requests("openai-v2-latest-span-only-grpc"))
+    replay(reqs[0], daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    open_now = daemon.get("/api/conversations?state=open&limit=100")[1]["conversations"]
+    assert open_now, "the fixture's conversations are open right after arrival, although their spans are old"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not daemon.get("/api/conversations?state=open")[1]["conversations"]:
+            break
+        time.sleep(0.2)
+    ended = daemon.get("/api/conversations?state=ended&limit=100")[1]["conversations"]
+    assert {c["ended_by"] for c in ended} == {"idle"} and len(ended) == len(open_now)
+    assert daemon.metric('tracejudge_conversations_ended_total{ended_by="idle"}') == len(ended)
+
+
+def test_conversations_cli_with_and_without_daemon(make_daemon: Any) -> None:
+    daemon = make_daemon(**HANDOVER)
+    for req in fixture_requests("openllmetry-anthropic-0.62-grpc"):
+        replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    expected = json.loads((FIXTURES / "openllmetry-anthropic-0.62-grpc.expected.json").read_text())
+    handover = next(c for c in expected["conversations"] if c["handover"])
+    for running in (True, False):
+        if not running:
+            assert daemon.stop() == 0
+        res = run_cli("conversations", "list", "--config", str(daemon.config_path), "--json")
+        assert res.returncode == 0, res.stderr
+        listed = json.loads(res.stdout)
+        assert len(listed) == len(expected["conversations"])
+        res = run_cli("conversations", "list", "--config", str(daemon.config_path), "--state", "ended")
+        assert res.returncode == 0 and handover["conversation_key"] in res.stdout
+        res = run_cli("conversations", "show", handover["conversation_key"], "--config", str(daemon.config_path),
+                      "--json")
+        record = json.loads(res.stdout)
+        assert record["ended_by"] == "handover"
+        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in handover["messages"]]
+        text = run_cli("conversations", "show", handover["conversation_key"], "--config",
+                       str(daemon.config_path)).stdout
+        assert "USER:" in text and handover["messages"][0]["content"][:30] in text
+    missing = run_cli("conversations", "show", "no-such-id", "--config", str(daemon.config_path))
+    assert missing.returncode == 2 and "no-such-id" in missing.stderr
+
+
+def test_reindex_rebuilds_the_same_conversations(make_daemon: Any) -> None:
+    daemon = make_daemon(**HANDOVER)
+    for case in ("openinference-openai-grpc", "openai-v2-2.3b0-legacy-log-events-http"):
+        for req in fixture_requests(case):
+            replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    before = {c["conversation_id"]: daemon.get("/api/conversations/" + urllib.parse.quote(
+        c["conversation_id"], safe=""))[1] for c in daemon.get("/api/conversations?limit=1000")[1]["conversations"]}
+    assert daemon.stop() == 0
+    res = run_cli("reindex", "--config", str(daemon.config_path))
+    assert res.returncode == 0, res.stderr
+    assert f"{len(before)} conversations" in res.stdout + res.stderr
+    daemon.start()
+    for cid, rec in before.items():
+        again = daemon.get("/api/conversations/" + urllib.parse.quote(cid, safe=""))[1]
+        assert again["messages"] == rec["messages"] and again["ended_by"] == rec["ended_by"], cid
