@@ -328,10 +328,15 @@ def merge_history(known: list[Message], sent: list[Message]) -> int:
     (``truncated``) matches its whole copy. Returns an index into ``sent``;
     ``len(sent)`` means nothing new.
     """
-    kk = [m.key for m in known]
-    sk = [m.key for m in sent]
-    lcp = 0
+    return _merge_start(known, [m.key for m in known], sent, [m.key for m in sent])
+
+
+def _merge_start(known: list[Message], kk: list[Any], sent: list[Message], sk: list[Any]) -> int:
+    """``merge_history`` with both key lists given (the transcript keeps its own)."""
     n = min(len(kk), len(sk))
+    if kk[:n] == sk[:n]:  # the usual case, a prefix either way, compared in C
+        return n
+    lcp = 0
     while lcp < n and (kk[lcp] == sk[lcp] or _cut_copy(known[lcp], sent[lcp])):
         lcp += 1
     if lcp == len(sk) or lcp == len(kk):
@@ -349,25 +354,45 @@ def merge_history(known: list[Message], sent: list[Message]) -> int:
     return best_q + 1 if best_q >= 0 else lcp
 
 
-def _merge(transcript: list[_Entry], known: list[Message], call: _Call) -> None:
-    c = call.content
-    if c is None:
-        return
-    sent = list(c.input or []) + list(c.output or [])
-    n_in = len(c.input or [])
-    start = merge_history(known, sent)
-    sp = call.span
-    for i in range(min(len(known), len(sent)) if any(m.truncated for m in known) else 0):
-        # A message first seen cut short is replaced by a whole copy resent later.
-        if known[i].truncated and not sent[i].truncated and _cut_copy(known[i], sent[i]):
-            known[i] = sent[i]
-            transcript[i] = _Entry(sent[i], transcript[i].at, transcript[i].span_id, transcript[i].source)
-        elif known[i].key != sent[i].key and not _cut_copy(known[i], sent[i]):
-            break
-    for i in range(start, len(sent)):
-        msg = sent[i]
-        transcript.append(_Entry(msg, sp.start if i < n_in else sp.end, sp.span_id, c.source))
-        known.append(msg)
+class _Known:
+    """The transcript being merged: entries, their messages and keys, kept in step.
+
+    Keys and the count of cut messages are kept as messages are added, so that
+    merging one call costs C-level work over the history plus Python work over
+    its new messages.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+        self.msgs: list[Message] = []
+        self.keys: list[Any] = []
+        self.cut = 0  # messages flagged truncated
+
+    def merge(self, call: _Call) -> None:
+        c = call.content
+        if c is None:
+            return
+        sent = list(c.input or []) + list(c.output or [])
+        sk = [m.key for m in sent]
+        n_in = len(c.input or [])
+        known, kk = self.msgs, self.keys
+        start = _merge_start(known, kk, sent, sk)
+        sp = call.span
+        for i in range(min(len(known), len(sent)) if self.cut else 0):
+            # A message first seen cut short is replaced by a whole copy resent later.
+            if known[i].truncated and not sent[i].truncated and _cut_copy(known[i], sent[i]):
+                known[i], kk[i] = sent[i], sk[i]
+                self.cut -= 1
+                e = self.entries[i]
+                self.entries[i] = _Entry(sent[i], e.at, e.span_id, e.source)
+            elif kk[i] != sk[i] and not _cut_copy(known[i], sent[i]):
+                break
+        for i in range(start, len(sent)):
+            msg = sent[i]
+            self.entries.append(_Entry(msg, sp.start if i < n_in else sp.end, sp.span_id, c.source))
+            known.append(msg)
+            kk.append(sk[i])
+            self.cut += msg.truncated
 
 
 # ---------------------------------------------------------------- build
@@ -421,8 +446,7 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
         return (min((s.start for s in traces[tid].values() if s.start), default=0), tid)
 
     order = sorted(traces, key=trace_start)
-    transcript: list[_Entry] = []
-    known: list[Message] = []
+    merged = _Known()
     system: str | None = None
     models: list[str] = []
     usage_in = usage_out = n_calls = 0
@@ -457,8 +481,9 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
         for call in content_calls:
             if system is None and call.content is not None and call.content.system:
                 system = call.content.system
-            _merge(transcript, known, call)
+            merged.merge(call)
 
+    transcript = merged.entries
     for e in transcript:
         for tc in e.msg.tool_calls:
             if tc.id:

@@ -40,10 +40,23 @@ __all__ = [
 
 
 class Dialect(NamedTuple):
-    """A span-attribute reader and the source name it records."""
+    """A span-attribute reader, the source name it records, and the keys it reads.
+
+    ``read`` returns None unless one of ``keys`` is present or a key starts with
+    one of ``prefixes`` (all in ``INDEXED_PREFIXES``), so ``read_span`` skips it
+    without looking further: most spans speak one dialect.
+    """
 
     name: str
     read: Callable[[Attrs], Content | None]
+    keys: tuple[str, ...]
+    prefixes: tuple[str, ...] = ()
+
+    def applies(self, attrs: Attrs) -> bool:
+        """Whether ``read`` could find anything in ``attrs``."""
+        if not attrs.raw.keys().isdisjoint(self.keys):
+            return True
+        return bool(self.prefixes) and any(attrs.indexed(p) for p in self.prefixes)
 
 
 # First match wins per side (input, output, system); later ones fill gaps.
@@ -51,15 +64,15 @@ class Dialect(NamedTuple):
 # span carrying both (OpenInference's input.value, Logfire v2's request_data)
 # is read from the structured copy.
 SPAN_DIALECTS: tuple[Dialect, ...] = (
-    Dialect(otel_genai.NAME, otel_genai.read),
-    Dialect(openllmetry.NAME, openllmetry.read),
-    Dialect(openinference.NAME, openinference.read),
-    Dialect(vercel_ai.NAME, vercel_ai.read),
-    Dialect(langfuse.NAME, langfuse.read),
-    Dialect(logfire.NAME, logfire.read),
-    Dialect(others.ADK, others.read_adk),
-    Dialect(others.SENTRY, others.read_sentry),
-    Dialect(others.PYDANTIC_AI, others.read_pydantic_ai),
+    Dialect(otel_genai.NAME, otel_genai.read, otel_genai.KEYS),
+    Dialect(openllmetry.NAME, openllmetry.read, (), openllmetry.KEY_PREFIXES),
+    Dialect(openinference.NAME, openinference.read, openinference.KEYS, openinference.KEY_PREFIXES),
+    Dialect(vercel_ai.NAME, vercel_ai.read, vercel_ai.KEYS),
+    Dialect(langfuse.NAME, langfuse.read, langfuse.KEYS),
+    Dialect(logfire.NAME, logfire.read, logfire.KEYS),
+    Dialect(others.ADK, others.read_adk, others.ADK_KEYS),
+    Dialect(others.SENTRY, others.read_sentry, others.SENTRY_KEYS),
+    Dialect(others.PYDANTIC_AI, others.read_pydantic_ai, others.PYDANTIC_AI_KEYS),
 )
 
 EVENT_READERS: tuple[Callable[[Sequence[Event]], Content | None], ...] = (
@@ -98,7 +111,7 @@ def read_span(attributes: Mapping[str, Any], name: str = "") -> tuple[Meta, Cont
     """Read one span's attributes: its facts and its message content, if any."""
     attrs = Attrs(attributes)
     meta = read_meta(attrs, name)
-    content = combine(_tag(d.read(attrs), "span") for d in SPAN_DIALECTS)
+    content = combine(_tag(d.read(attrs), "span") for d in SPAN_DIALECTS if d.applies(attrs))
     if content is not None and attrs.salvaged:
         content.truncated = True
     return meta, content

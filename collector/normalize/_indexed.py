@@ -8,13 +8,19 @@ positions, in numeric order (exporters do not keep attribute order).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable
+
+# Every prefix a reader unflattens (``Attrs.indexed`` groups keys by them in one
+# pass); none is a prefix of another.
+OPENLLMETRY_PREFIXES = (("gen_ai.prompt.", "gen_ai.completion."), ("llm.prompts.", "llm.completions."))
+OPENINFERENCE_PREFIXES = ("llm.input_messages.", "llm.output_messages.")
+INDEXED_PREFIXES = tuple(p for pair in OPENLLMETRY_PREFIXES for p in pair) + OPENINFERENCE_PREFIXES
 
 
-def unflatten(attrs: Mapping[str, Any], prefix: str) -> list[Any]:
+def unflatten(items: Iterable[tuple[str, Any]], prefix: str) -> list[Any]:
     """Collect every ``prefix<i>.<path>`` key into a list of nested dicts, by ``i``."""
     root: dict[Any, Any] = {}
-    for key, value in attrs.items():
+    for key, value in items:
         if not key.startswith(prefix):
             continue
         node = root

@@ -258,16 +258,29 @@ class _LastHistory(threading.local):
     """The last long message list read on this thread, item by item, with its messages.
 
     Each LLM call resends the whole history, so consecutive calls share a long
-    prefix of equal message objects. Comparing a raw item with the previous
-    call's (a C-level dict compare) is far cheaper than reading it again, which
-    keeps a rebuild's Python work proportional to the new messages.
+    prefix of equal message objects (the very same objects when
+    ``Attrs.json`` parsed only the new tail). Comparing the raw items with the
+    previous call's (C-level list and dict compares) is far cheaper than reading
+    them again, which keeps a rebuild's Python work proportional to the new
+    messages.
     """
 
-    items: list[Any] | None = None
-    read: list[list[Message]] | None = None
+    items: list[Any] = []
+    out: list[Message] = []  # ``read`` flattened
+    ends: list[int] = [0]  # ends[i]: where item i's messages start in ``out``
 
 
 _last = _LastHistory()
+
+
+def _common_prefix(a: list[Any], b: list[Any]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 def read_messages(items: Any, truncated: bool = False) -> list[Message]:
@@ -276,21 +289,19 @@ def read_messages(items: Any, truncated: bool = False) -> list[Message]:
         items = [items]
     if not isinstance(items, list):
         return []
-    prev: list[Any] = (_last.items or []) if not truncated else []
-    prev_read: list[list[Message]] = _last.read or []
-    reuse = True
-    per_item: list[list[Message]] = []
-    out: list[Message] = []
-    for i, item in enumerate(items):
-        if reuse and i < len(prev) and type(item) is dict and prev[i] == item:
-            msgs = prev_read[i]
-        else:
-            reuse = False
-            msgs = read_message(item, truncated)
-        per_item.append(msgs)
+    last = _last
+    # A non-dict item reads as nothing whichever way, so reusing it is exact.
+    k = 0 if truncated or not last.items else _common_prefix(items, last.items)
+    fresh = [read_message(item, truncated) for item in items[k:]]
+    out = last.out[:last.ends[k]] if k else []
+    for msgs in fresh:
         out.extend(msgs)
     if len(items) > 1 and not truncated:  # a one-message answer must not evict the history
-        _last.items, _last.read = items, per_item
+        ends = last.ends[:k + 1]
+        for msgs in fresh:
+            ends.append(ends[-1] + len(msgs))
+        last.items, last.out, last.ends = items, out, ends
+        return list(out)  # ``out`` stays ours: callers may extend what they get
     return out
 
 

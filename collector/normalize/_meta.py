@@ -80,14 +80,19 @@ TOOL_NAME_KEYS = ("gen_ai.tool.name", "ai.toolCall.name", "tool.name")
 
 
 def _flat(attrs: Attrs, keys: tuple[str, ...]) -> str | None:
+    get = attrs.get
     for k in keys:
-        v = as_str(attrs.get(k))
-        if v is not None:
-            return v
+        v = get(k)
+        if v is not None:  # most keys are absent: skip the call
+            v = as_str(v)
+            if v is not None:
+                return v
     return None
 
 
 def _json_field(attrs: Attrs, attr: str, path: tuple[str, ...]) -> Any:
+    if attrs.get(attr) is None:  # absent: nothing to parse (the common case)
+        return None
     try:
         obj = attrs.json(attr)
     except Truncated:
@@ -100,10 +105,13 @@ def _json_field(attrs: Attrs, attr: str, path: tuple[str, ...]) -> Any:
 
 
 def _tokens(attrs: Attrs, keys: tuple[str, ...], fields: tuple[str, ...]) -> int | None:
+    get = attrs.get
     for k in keys:
-        n = as_int(attrs.get(k))
-        if n is not None:
-            return n
+        v = get(k)
+        if v is not None:
+            n = as_int(v)
+            if n is not None:
+                return n
     for attr, path in USAGE_JSON:
         usage = _json_field(attrs, attr, path)
         if isinstance(usage, dict):

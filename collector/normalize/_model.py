@@ -9,10 +9,12 @@ answered, and the system instructions. Call facts that are not content
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, Mapping, NamedTuple
+from typing import Any, Callable, Literal, Mapping, NamedTuple
 
+from ._indexed import INDEXED_PREFIXES
 from ._salvage import salvage
 
 Role = Literal["user", "assistant", "tool", "system"]
@@ -122,6 +124,52 @@ def loads_maybe(value: Any) -> Any:
         raise Truncated(value[:80]) from None
 
 
+class _LastArrays(threading.local):
+    """Per attribute name, the last JSON array text parsed on this thread and its items.
+
+    Each LLM call resends the whole history, so a span's ``gen_ai.input.messages``
+    text usually extends the previous call's text: only the new tail is parsed.
+    The items are shared between the two results, which nothing mutates.
+    """
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, tuple[str, str, list[Any]]] = {}  # key -> (text, text without "]", items)
+
+
+_last_arrays = _LastArrays()
+
+
+def _loads_array_tail(key: str, s: str) -> Any:
+    """``json.loads(s)`` for ``s`` stripped and starting with ``[``; same result, less work.
+
+    When ``s`` is the last array seen under ``key`` followed by ``, more items]``,
+    the items already parsed are reused and only ``[more items]`` is parsed: JSON
+    array items are delimited, so each parses the same wherever it stands. An
+    empty tail (``[a,]``) is not JSON and takes the full parse, as does any
+    other shape.
+    """
+    last = _last_arrays.by_key.get(key)
+    if last is not None:
+        text, head, items = last
+        if s == text:
+            return list(items)
+        if s.startswith(head):
+            rest = s[len(head):].lstrip()
+            if rest.startswith(","):
+                try:
+                    tail = json.loads("[" + rest[1:])
+                except (ValueError, RecursionError):
+                    tail = None
+                if isinstance(tail, list) and tail:
+                    value = items + tail
+                    _last_arrays.by_key[key] = (s, s.rstrip()[:-1], value)
+                    return value
+    value = json.loads(s)
+    if isinstance(value, list) and len(value) > 1:  # a one-message answer must not evict a history
+        _last_arrays.by_key[key] = (s, s.rstrip()[:-1], value)
+    return value
+
+
 class Attrs:
     """A span's (or log's) attributes with each JSON-string value parsed at most once.
 
@@ -130,18 +178,30 @@ class Attrs:
     span, so parsing it twice would double the cost of a rebuild.
     """
 
-    __slots__ = ("raw", "_parsed", "salvaged")
+    __slots__ = ("raw", "get", "_parsed", "_indexed", "salvaged")
 
     def __init__(self, raw: Mapping[str, Any]) -> None:
         self.raw = raw
+        self.get: Callable[[str], Any] = raw.get  # the readers' most frequent call: no extra frame
         self._parsed: dict[str, Any] = {}
+        self._indexed: dict[str, list[tuple[str, Any]]] | None = None
         self.salvaged: list[str] = []  # keys whose JSON was cut and read up to the cut
-
-    def get(self, key: str) -> Any:
-        return self.raw.get(key)
 
     def __contains__(self, key: str) -> bool:
         return key in self.raw
+
+    def indexed(self, prefix: str) -> list[tuple[str, Any]]:
+        """The ``(key, value)`` pairs whose key starts with ``prefix``, one of ``INDEXED_PREFIXES``.
+
+        One pass over the keys serves every prefix; attribute order is kept.
+        """
+        if self._indexed is None:
+            self._indexed = {}
+            for key, value in self.raw.items():
+                if key.startswith(INDEXED_PREFIXES):
+                    p = next(p for p in INDEXED_PREFIXES if key.startswith(p))
+                    self._indexed.setdefault(p, []).append((key, value))
+        return self._indexed.get(prefix, [])
 
     def json(self, key: str) -> Any:
         """The value, parsed if it is a JSON string.
@@ -152,8 +212,15 @@ class Attrs:
         if key in self._parsed:
             hit = self._parsed[key]
         else:
+            value = self.raw.get(key)
             try:
-                hit = loads_maybe(self.raw.get(key))
+                if isinstance(value, str) and value.lstrip().startswith("["):
+                    try:
+                        hit = _loads_array_tail(key, value.lstrip())
+                    except ValueError:
+                        raise Truncated(value[:80]) from None
+                else:
+                    hit = loads_maybe(value)
             except Truncated as exc:
                 hit = salvage(self.raw[key])
                 if hit is None:
@@ -202,6 +269,10 @@ def as_str(value: Any) -> str | None:
     return None
 
 
+# What ``json.dumps(ensure_ascii=False, separators=(",", ":"))`` builds on every call.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def dumps(value: Any) -> str:
     """Compact JSON with non-ASCII kept, for non-string tool results."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _COMPACT.encode(value)

@@ -17,6 +17,7 @@ NAME = "langfuse"
 
 INPUT_KEY = "langfuse.observation.input"
 OUTPUT_KEY = "langfuse.observation.output"
+KEYS = (INPUT_KEY, OUTPUT_KEY)  # ``read`` finds nothing without one of these
 
 
 def _input(value: Any) -> tuple[list[Message], str | None] | None:

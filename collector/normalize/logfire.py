@@ -17,6 +17,7 @@ from ._messages import answer, history, system_text
 from ._model import Attrs, Content, Event, Message, Truncated
 
 NAME = "logfire"
+KEYS = ("request_data", "events")  # ``read`` finds nothing without one of these
 
 
 def _events(value: Any) -> Content | None:
@@ -32,7 +33,7 @@ def _events(value: Any) -> Content | None:
 
 def read(attrs: Attrs) -> Content | None:
     """Content from ``request_data`` / ``response_data`` (or ``events``)."""
-    if "request_data" not in attrs and "events" not in attrs:
+    if not any(k in attrs for k in KEYS):
         return None
     content = Content(NAME)
     try:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._indexed import unflatten
+from ._indexed import OPENINFERENCE_PREFIXES, unflatten
 from ._messages import answer, history
 from ._model import Attrs, Content, Message, Truncated
 
 NAME = "openinference"
+# ``read`` finds nothing without one of these keys or a key with one of these prefixes.
+KEYS = ("openinference.span.kind",)
+KEY_PREFIXES = OPENINFERENCE_PREFIXES
 
 
 def _openai_shape(item: Any) -> Any:
@@ -63,8 +66,9 @@ def _value(attrs: Attrs, side: str) -> Any:
 
 def read(attrs: Attrs) -> Content | None:
     """Content from flattened messages, else from the raw input/output values."""
-    inputs = unflatten(attrs.raw, "llm.input_messages.")
-    outputs = unflatten(attrs.raw, "llm.output_messages.")
+    in_prefix, out_prefix = OPENINFERENCE_PREFIXES
+    inputs = unflatten(attrs.indexed(in_prefix), in_prefix)
+    outputs = unflatten(attrs.indexed(out_prefix), out_prefix)
     if inputs or outputs:
         content = Content(NAME)
         if inputs:
@@ -72,7 +76,7 @@ def read(attrs: Attrs) -> Content | None:
         if outputs:
             content.output = answer([_openai_shape(o) for o in outputs])
         return content
-    if "openinference.span.kind" not in attrs:
+    if KEYS[0] not in attrs:
         return None  # input.value alone is too generic a key to claim
     content = Content(NAME)
     try:

@@ -8,21 +8,22 @@ Anthropic blocks such as ``tool_result``), ``tool_call_id`` and
 
 from __future__ import annotations
 
-from ._indexed import unflatten
+from ._indexed import OPENLLMETRY_PREFIXES, unflatten
 from ._messages import answer, history
 from ._model import Attrs, Content
 
 NAME = "openllmetry"
 
 # (input prefix, output prefix), newest first.
-PREFIXES = (("gen_ai.prompt.", "gen_ai.completion."), ("llm.prompts.", "llm.completions."))
+PREFIXES = OPENLLMETRY_PREFIXES
+KEY_PREFIXES = tuple(p for pair in PREFIXES for p in pair)  # ``read`` finds nothing without one
 
 
 def read(attrs: Attrs) -> Content | None:
     """Content from indexed prompt/completion attributes."""
     for in_prefix, out_prefix in PREFIXES:
-        prompts = unflatten(attrs.raw, in_prefix)
-        completions = unflatten(attrs.raw, out_prefix)
+        prompts = unflatten(attrs.indexed(in_prefix), in_prefix)
+        completions = unflatten(attrs.indexed(out_prefix), out_prefix)
         if not prompts and not completions:
             continue
         content = Content(NAME)

@@ -21,6 +21,7 @@ NAME = "otel-genai"
 INPUT_KEYS = ("gen_ai.input.messages", "gen_ai.prompt")
 OUTPUT_KEYS = ("gen_ai.output.messages", "gen_ai.completion")
 SYSTEM_KEYS = ("gen_ai.system_instructions",)
+KEYS = INPUT_KEYS + OUTPUT_KEYS + SYSTEM_KEYS  # ``read`` finds nothing without one of these
 
 DETAILS_EVENT = "gen_ai.client.inference.operation.details"
 # v1.26-1.27 events and the attribute each carries.

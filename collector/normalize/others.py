@@ -22,11 +22,15 @@ from ._model import Attrs, Content, Message, Truncated
 ADK = "adk"
 SENTRY = "sentry"
 PYDANTIC_AI = "pydantic-ai"
+# Each reader finds nothing without one of its keys.
+ADK_KEYS = ("gcp.vertex.agent.llm_request", "gcp.vertex.agent.llm_response")
+SENTRY_KEYS = ("gen_ai.request.messages",)
+PYDANTIC_AI_KEYS = ("pydantic_ai.all_messages",)
 
 
 def read_adk(attrs: Attrs) -> Content | None:
     """Content from ADK's ``llm_request`` / ``llm_response`` JSON."""
-    if "gcp.vertex.agent.llm_request" not in attrs and "gcp.vertex.agent.llm_response" not in attrs:
+    if not any(k in attrs for k in ADK_KEYS):
         return None
     content = Content(ADK)
     try:
@@ -52,7 +56,7 @@ def _sentry_text(value: Any) -> str | None:
 
 def read_sentry(attrs: Attrs) -> Content | None:
     """Content from Sentry's ``gen_ai.request.messages`` and ``gen_ai.response.*``."""
-    if "gen_ai.request.messages" not in attrs:
+    if SENTRY_KEYS[0] not in attrs:
         return None
     content = Content(SENTRY)
     try:
@@ -70,7 +74,7 @@ def read_sentry(attrs: Attrs) -> Content | None:
 
 def read_pydantic_ai(attrs: Attrs) -> Content | None:
     """The whole run's messages from a pydantic-ai agent span."""
-    if "pydantic_ai.all_messages" not in attrs:
+    if PYDANTIC_AI_KEYS[0] not in attrs:
         return None
     content = Content(PYDANTIC_AI)
     try:

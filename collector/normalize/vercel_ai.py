@@ -19,6 +19,7 @@ NAME = "vercel-ai"
 
 TEXT_KEYS = ("ai.response.text", "ai.result.text", "ai.response.object", "ai.result.object")
 TOOL_CALL_KEYS = ("ai.response.toolCalls", "ai.result.toolCalls")
+KEYS = ("ai.prompt.messages", "ai.prompt") + TEXT_KEYS + TOOL_CALL_KEYS  # ``read`` finds nothing without one
 
 
 def _tool_calls(value: Any) -> tuple[ToolCall, ...]:
@@ -47,7 +48,7 @@ def _output(attrs: Attrs) -> list[Message] | None:
 
 def read(attrs: Attrs) -> Content | None:
     """Content from ``ai.prompt.messages`` / ``ai.prompt`` and ``ai.response.*``."""
-    if not any(k in attrs for k in ("ai.prompt.messages", "ai.prompt") + TEXT_KEYS + TOOL_CALL_KEYS):
+    if not any(k in attrs for k in KEYS):
         return None
     content = Content(NAME)
     try:
