@@ -254,11 +254,21 @@ def run_one(name: str, transport: str, bodies: list[bytes], workdir: Path) -> di
         elapsed, lat, failures = asyncio.run(_send_all(bodies, transport, target))
         rss = peak_rss_mb(proc.pid)
         stored = None
+        lag = None
         if name == "tracejudge":
             import urllib.request
 
             with urllib.request.urlopen(info["api"] + "/api/spans/count") as resp:
                 stored = json.loads(resp.read())["spans"]
+            t_acked = time.perf_counter()
+            while True:  # how long after the last ack the conversations are current
+                with urllib.request.urlopen(info["api"] + "/api/status") as resp:
+                    st = json.loads(resp.read())
+                if st["conversations_batch"] >= st["committed_batch"] and not st["conversations_pending"]:
+                    break
+                time.sleep(0.1)
+            lag = time.perf_counter() - t_acked
+            rss = peak_rss_mb(proc.pid)
     finally:
         proc.terminate()
         proc.wait()
@@ -266,7 +276,7 @@ def run_one(name: str, transport: str, bodies: list[bytes], workdir: Path) -> di
     lat.sort()
     return {"name": name, "transport": transport, "spans_per_s": spans / elapsed,
             "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000,
-            "rss_mb": rss, "refused": failures, "stored": stored, "sent": spans}
+            "rss_mb": rss, "refused": failures, "stored": stored, "sent": spans, "lag_s": lag}
 
 
 def main() -> None:
@@ -293,7 +303,8 @@ def main() -> None:
                     results.setdefault((transport, name), []).append(r)
                     print(f"  round {rnd + 1} {transport:4} {name:10} {r['spans_per_s']:>9,.0f} spans/s  "
                           f"p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  peak RSS {r['rss_mb']:5.0f} MB"
-                          + (f"  stored {r['stored']:,}/{r['sent']:,}, refused+retried {r['refused']}"
+                          + (f"  stored {r['stored']:,}/{r['sent']:,}, refused+retried {r['refused']}, "
+                             f"conversations current {r['lag_s']:.1f}s after the last ack"
                              if r["stored"] is not None else ""), flush=True)
     print("\nmedian over rounds; tracejudge as a share of each reference in the same run:")
     for transport in args.transports.split(","):

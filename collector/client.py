@@ -77,7 +77,13 @@ class FileReader:
     def __init__(self, path: Path) -> None:
         if not path.exists():
             raise UserError(f"no database at {path}: start the daemon (tracejudge serve) with this config first")
+        self.path = path
         self.con = connect(path, read_only=True)
+        tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "conversations" not in tables:
+            self.con.close()
+            raise UserError(f"{path} has no conversations table yet (written by an older tracejudge): "
+                            "run `tracejudge reindex` once")
 
     def list_conversations(self, *, since: str | None, state: str | None, service: str | None,
                            limit: int) -> list[dict[str, Any]]:

@@ -203,7 +203,8 @@ class JudgeProvider(Section):
     base_url: str | None = None
     api_key: str | None = None
     max_tokens: int = Field(1024, ge=1)
-    temperature: float = Field(0.0, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2)
+    """openai_compatible only: the Anthropic Messages API no longer takes a temperature."""
 
 
 class Judges(Section):

@@ -141,6 +141,15 @@ class _Conv:
 
 
 @dataclass
+class _Light:
+    """A commit queued while the stage is behind: which traces it touched, not its rows."""
+
+    batch_id: int
+    received_at: float
+    trace_ids: list[str]
+
+
+@dataclass
 class _Writes:
     """What one cycle changes, written together by ``_flush``."""
 
@@ -180,7 +189,7 @@ class Conversations:
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 20_000,
-                 rebuild_interval: float = 1.0) -> None:
+                 rebuild_interval: float = 1.0, max_queued_commits: int = 4) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -198,6 +207,7 @@ class Conversations:
         self._resume_from = 0
         self.tick = min(1.0, settings.idle_timeout / 4)
         self.rebuild_interval = rebuild_interval
+        self.max_queued_commits = max_queued_commits
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._writes = _Writes()
         self._idle_event = threading.Event()
@@ -249,8 +259,16 @@ class Conversations:
                 "conversations_pending": len(self._dirty) + len(w.conversations) + len(w.deleted)}
 
     def on_commit(self, committed: Committed) -> None:
-        """Called by the store's writer thread after each commit: hand off, return."""
-        self._queue.put(committed)
+        """Called by the store's writer thread after each commit: hand off, return.
+
+        While the stage is behind, only the touched trace ids are queued (it reads
+        the rows back from DuckDB), so a lagging stage cannot hold every span in memory.
+        """
+        if self._queue.qsize() < self.max_queued_commits:
+            self._queue.put(committed)
+            return
+        traces = {t for t in committed.spans.columns[0]} | {t for t in committed.logs.columns[1] if t}
+        self._queue.put(_Light(committed.batch_id, committed.received_at, sorted(traces)))
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until everything queued so far is processed (tests, reindex)."""
@@ -285,7 +303,7 @@ class Conversations:
                 return
 
     def _cycle(self, items: list[Any]) -> None:
-        committed = [it for it in items if isinstance(it, Committed)]
+        committed = [it for it in items if isinstance(it, (Committed, _Light))]
         idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
         if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
             committed = self._catch_up(committed)
@@ -298,7 +316,7 @@ class Conversations:
         if idle_waiters:
             self._idle_event.set()
 
-    def _catch_up(self, committed: list[Committed]) -> list[Committed]:
+    def _catch_up(self, committed: list[Any]) -> list[Any]:
         """Rebuild what commits after the last recorded batch touched (a crash came between)."""
         touched = self._traces_since(self._resume_from)
         if touched:
@@ -347,10 +365,16 @@ class Conversations:
 
     # ------------------------------------------------------------ ingestion
 
-    def _ingest(self, committed: list[Committed]) -> None:
+    def _ingest(self, committed: list[Committed | _Light]) -> None:
         touched: dict[str, float] = {}
         fresh: dict[str, _TraceRows] = {}
+        stale: set[str] = set()  # touched by a light commit: rows only in DuckDB
         for c in committed:
+            if isinstance(c, _Light):
+                for tid in c.trace_ids:
+                    touched[tid] = c.received_at
+                    stale.add(tid)
+                continue
             for row in c.spans.rows():
                 tid = row["trace_id"]
                 fresh.setdefault(tid, _TraceRows()).spans.append(row)
@@ -363,8 +387,12 @@ class Conversations:
                 touched[tid] = c.received_at
         # A trace seen for the first time has all its rows in these commits: cache
         # them, so that only traces with older rows are read back from DuckDB.
+        for tid in stale:  # the cached rows of these traces are incomplete now
+            rows = self._cache.pop(tid, None)
+            if rows is not None:
+                self._cached_spans -= len(rows.spans) + len(rows.logs)
         unseen = [t for t in fresh if t not in self._cache and t not in self._pending]
-        known = {t for t, cid in self._conversation_of(unseen).items() if cid is not None}
+        known = {t for t, cid in self._conversation_of(unseen).items() if cid is not None} | stale
         for tid, rows in fresh.items():
             cached = self._cache.get(tid)
             if cached is not None:
@@ -409,14 +437,10 @@ class Conversations:
             self._evict()
         return out
 
-    def _evict(self, keep: set[str] | None = None) -> None:
-        while self._cached_spans > self.cache_spans and len(self._cache) > 1:
-            tid, rows = self._cache.popitem(last=False)
-            if keep and tid in keep:
-                self._cache[tid] = rows
-                if all(t in keep for t in self._cache):
-                    break
-                continue
+    def _evict(self) -> None:
+        """Drop the least recently used traces beyond ``cache_spans`` rows."""
+        while self._cached_spans > self.cache_spans and self._cache:
+            _, rows = self._cache.popitem(last=False)
             self._cached_spans -= len(rows.spans) + len(rows.logs)
 
     def _conversation_of(self, trace_ids: list[str]) -> dict[str, str | None]:
@@ -489,11 +513,15 @@ class Conversations:
 
     def _rebuild_due(self, force: bool = False) -> None:
         now = self.clock()
-        for cid in sorted(c for c, due in self._dirty.items() if force or due <= now):
-            del self._dirty[cid]
-            conv = self._convs.get(cid)
-            if conv is not None:
-                self._rebuild(conv)
+        due = sorted(c for c, at in self._dirty.items() if force or at <= now)
+        for i in range(0, len(due), 2000):  # bounded memory: rows of at most 2000 conversations at once
+            part = [self._convs[c] for c in due[i:i + 2000] if c in self._convs]
+            rows = self._rows({t for conv in part for t in conv.traces})
+            for conv in part:
+                del self._dirty[conv.id]
+                self._rebuild(conv, rows)
+        for cid in due:
+            self._dirty.pop(cid, None)
 
     @staticmethod
     def _is_genai(rows: _TraceRows) -> bool:
@@ -507,17 +535,17 @@ class Conversations:
 
     # ------------------------------------------------------------ transcripts
 
-    def _rebuild(self, conv: _Conv) -> None:
+    def _rebuild(self, conv: _Conv, rows: dict[str, _TraceRows] | None = None) -> None:
         conv.rebuilt_at = self.clock()
         if not conv.traces:  # every trace moved to a keyed conversation
             self._writes.delete(conv.id)
             self._convs.pop(conv.id, None)
             return
-        rows = self._rows(conv.traces)
+        if rows is None or any(t not in rows for t in conv.traces):
+            rows = self._rows(conv.traces)
         spans = [r for t in conv.traces for r in rows[t].spans]
         logs = [r for t in conv.traces for r in rows[t].logs]
         tr = build_transcript(spans, logs)
-        self._evict(keep=set(conv.traces))
         conv.newest_trace = max(conv.traces, key=lambda t: (_trace_start(rows[t]), t))
         digest = tr.content_hash()
         if digest != conv.hash:
