@@ -101,30 +101,26 @@ class Intake:
             return self.refuse(transport, signal, Outcome(
                 "too_large", f"request of {len(body)} bytes exceeds max_request_size_mib "
                              f"({self.max_bytes / MiB:g} MiB)"))
+        m = self.metrics
         try:
-            if signal == "traces":
-                tr = otlp.parse_traces(body, json_body)
-                batch, rejected, reason = otlp.span_batch(tr)
-                self.metrics.spans_received.inc(len(batch) + rejected)
-                if rejected:
-                    self.metrics.spans_rejected.inc(rejected, reason="invalid")
-                spans, logs = batch, None
-            elif signal == "logs":
-                lr = otlp.parse_logs(body, json_body)
-                batch, rejected, reason = otlp.log_batch(lr)
-                self.metrics.logs_received.inc(len(batch) + rejected)
-                if rejected:
-                    self.metrics.logs_rejected.inc(rejected, reason="invalid")
-                spans, logs = None, batch
-            else:
-                mr = otlp.parse_metrics(body, json_body)
-                self.metrics.metric_points.inc(otlp.count_data_points(mr))
-                self.metrics.requests.inc(transport=transport, signal=signal, outcome="ok")
+            if signal == "metrics":
+                m.metric_points.inc(otlp.count_data_points(otlp.parse_metrics(body, json_body)))
+                m.requests.inc(transport=transport, signal=signal, outcome="ok")
                 return Outcome("ok", response=_response(signal, 0, ""))
+            if signal == "traces":
+                batch, rejected, reason = otlp.span_batch(otlp.parse_traces(body, json_body))
+            else:
+                batch, rejected, reason = otlp.log_batch(otlp.parse_logs(body, json_body))  # type: ignore[assignment]
         except otlp.DecodeFailure as exc:
             return self.refuse(transport, signal, Outcome("invalid", str(exc)))
+        received, refused = (m.spans_received, m.spans_rejected) if signal == "traces" else (
+            m.logs_received, m.logs_rejected)
+        received.inc(len(batch) + rejected)
+        if rejected:
+            refused.inc(rejected, reason="invalid")
         try:
-            await asyncio.wrap_future(self.store.submit(spans, logs))
+            await asyncio.wrap_future(self.store.submit(
+                batch if signal == "traces" else None, batch if signal == "logs" else None))  # type: ignore[arg-type]
         except StoreUnavailable as exc:
             return self.refuse(transport, signal, Outcome("unavailable", str(exc), reason=exc.reason,
                                                              retry_after=exc.retry_after),
