@@ -46,7 +46,8 @@ def list_conversations(cur: duckdb.DuckDBPyConnection, *, since: dt.datetime | N
                        state: str | None = None, service: str | None = None,
                        limit: int = 50) -> list[dict[str, Any]]:
     """Conversations, the most recently active first."""
-    where, params = [], []
+    where: list[str] = []
+    params: list[Any] = []
     if since is not None:
         where.append("last_arrival_at >= ?")
         params.append(since)

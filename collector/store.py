@@ -157,7 +157,7 @@ def _lock_holder(message: str) -> str:
 def connect(path: Path, read_only: bool = False, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open the DuckDB file, turning a lock conflict into one clear line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = {"memory_limit": memory_limit} if memory_limit else {}
+    config: dict[str, str | bool | int | float | list[str]] = {"memory_limit": memory_limit} if memory_limit else {}
     try:
         return duckdb.connect(str(path), read_only=read_only, config=config)
     except duckdb.IOException as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -34,8 +35,7 @@ def reindex(config_path: Path | None) -> None:
     stage = Conversations(store, cfg.conversations)
     try:
         stage.open()
-        with click.progressbar(length=1, label="rebuilding conversations", file=click.get_text_stream("stderr"),
-                               show_pos=True) as bar:
+        with click.progressbar(length=1, label="rebuilding conversations", file=sys.stderr, show_pos=True) as bar:
 
             def progress(done: int, total: int) -> None:
                 bar.length = total
