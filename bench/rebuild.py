@@ -29,7 +29,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from collector.assemble import build_transcript
+from collector.assemble import ParseMemo, build_transcript
 
 SYSTEM = ("You are ShopBot, the support assistant of an online bookshop. Look an order up with the lookup_order "
           "tool before saying anything about it; never invent tracking numbers or dates. Answer briefly.")
@@ -140,16 +140,21 @@ def main() -> None:
     print(f"build_transcript from scratch:   {full / n_spans * 1e6:8.1f} us/span  "
           f"({full / base:.1f}x baseline)")
 
-    def series() -> None:
+    def series(memo: bool) -> None:
         for conv in convs:
+            m = ParseMemo() if memo else None
             rows: list[dict[str, Any]] = []
             for turn in conv:
-                rows = rows + turn
-                build_transcript(rows, [])
+                # Rows as read back from the store after each turn: equal, not the same objects.
+                rows = [dict(r) for r in rows] + turn
+                build_transcript(rows, [], m)
 
-    plain = timed(series, args.repeat)
+    plain = timed(lambda: series(False), args.repeat)
+    memo = timed(lambda: series(True), args.repeat)
     print(f"rebuild after each turn, no memo: {plain * 1e3:8.1f} ms total "
           f"({plain / full:.1f}x one scratch build of every conversation)")
+    print(f"rebuild after each turn, memo:    {memo * 1e3:8.1f} ms total "
+          f"({memo / full:.1f}x one scratch build; {plain / memo:.1f}x less than without memo)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ conversations"):
   parent before child.
 
 Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
-``build_transcript``, ``Transcript`` (with ``to_conversation_v1``),
+``build_transcript``, ``ParseMemo``, ``Transcript`` (with ``to_conversation_v1``),
 ``TranscriptMessage``, ``Usage``, ``NO_CONTENT_REASON``.
 """
 
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_ID_ATTRIBUTES",
     "NO_CONTENT_REASON",
     "NO_GENAI_REASON",
+    "ParseMemo",
     "Transcript",
     "TranscriptMessage",
     "Usage",
@@ -119,14 +120,22 @@ class _LogGroup:
     start: int
     end: int
     service: str | None
+    # Per event, what it was read from, for ParseMemo; None once an event came
+    # from a value that could equal another reading differently (see _exact).
+    sources: list[tuple[str, str, str | None]] | None
 
 
 def _log_rank(row: dict[str, Any]) -> tuple[str, str]:
     return (str(row.get("body") or ""), str(row.get("attributes") or ""))
 
 
-def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None], _LogGroup], int]:
-    """Log rows deduplicated and grouped by (trace, span), in emission order."""
+def _log_groups(logs: list[dict[str, Any]], known_texts: dict[str, Any]
+                ) -> tuple[dict[tuple[str, str | None], _LogGroup], int, dict[str, Any]]:
+    """Log rows deduplicated and grouped by (trace, span), in emission order.
+
+    Also returns the parsed JSON texts, by text; ``known_texts`` are those of
+    the previous build (ParseMemo), taken instead of parsing again.
+    """
     seen: dict[str, dict[str, Any]] = {}
     for row in logs:
         lid = str(row.get("log_id") or json.dumps(
@@ -136,7 +145,8 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
         # must not depend on arrival order.
         if lid not in seen or _log_rank(row) < _log_rank(seen[lid]):
             seen[lid] = row
-    parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None]] = []
+    parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None,
+                       tuple[str, str, str | None] | None]] = []
     bad = 0
     # Per-message events repeat the same bodies and attributes in every call of
     # a conversation: parse each distinct text once (nothing mutates the result).
@@ -146,7 +156,7 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
         if not isinstance(text, str):
             return load_json_column(text)
         if text not in texts:
-            texts[text] = load_json_column(text)
+            texts[text] = known_texts[text] if text in known_texts else load_json_column(text)
         return texts[text]
 
     for lid, row in seen.items():
@@ -168,21 +178,29 @@ def _log_groups(logs: list[dict[str, Any]]) -> tuple[dict[tuple[str, str | None]
         # (set at emission) keeps their order.
         order = (int(t or obs), int(obs), lid)
         span = row.get("span_id")
+        raw_attrs, raw_body = row.get("attributes"), row.get("body")
+        source = (str(name), raw_attrs, raw_body) if _exact(raw_attrs, raw_body) else None
         parsed.append((order, (str(trace), span if isinstance(span, str) and span else None),
                        Event(str(name), attrs, body),
-                       attrs, as_str(row.get("service"))))
+                       attrs, as_str(row.get("service")), source))
     parsed.sort(key=lambda p: p[0])
     groups: dict[tuple[str, str | None], _LogGroup] = {}
-    for order, key, ev, attrs, service in parsed:
+    for order, key, ev, attrs, service, source in parsed:
         g = groups.get(key)
         if g is None:
-            groups[key] = _LogGroup([ev], dict(attrs), order[0], order[0], service)
+            groups[key] = _LogGroup([ev], dict(attrs), order[0], order[0], service,
+                                    None if source is None else [source])
         else:
             g.events.append(ev)
             g.end = max(g.end, order[0])
             for k, v in attrs.items():
                 g.attrs.setdefault(k, v)
-    return groups, bad
+            if g.sources is not None:
+                if source is None:
+                    g.sources = None
+                else:
+                    g.sources.append(source)
+    return groups, bad, texts
 
 
 def _orphan_span(trace_id: str, span_id: str | None, g: _LogGroup) -> _Span | None:
@@ -395,18 +413,78 @@ class _Known:
             self.cut += msg.truncated
 
 
+# ---------------------------------------------------------------- memo
+
+# The row columns ``_parse_span`` reads besides the ids (which key the memo).
+_PARSED_COLUMNS = ("attributes", "events", "name", "start_time_unix_nano", "end_time_unix_nano",
+                   "parent_span_id", "service")
+_EXACT_TYPES = (str, int, type(None))
+
+
+def _exact(*values: Any) -> bool:
+    """Whether equal values here always read the same.
+
+    Stored columns are text, ints or NULL. Anything else (``1 == 1.0 == True``,
+    a column already decoded into a dict holding such numbers) is never taken
+    from the memo.
+    """
+    return all(type(v) in _EXACT_TYPES for v in values)
+
+
+def _row_sig(row: dict[str, Any]) -> tuple[Any, ...] | None:
+    sig = tuple(row.get(k) for k in _PARSED_COLUMNS)
+    return sig if _exact(*sig) else None
+
+
+class ParseMemo:
+    """Parsed rows of one conversation, kept by the caller between rebuilds.
+
+    ``build_transcript(spans, logs, memo)`` takes a span's parse from the memo
+    when the span's rows (every column the parse reads) and the log records
+    linked to it are equal to the last call's, compared as stored text, so late
+    log records or a retried, more complete row are parsed again; so are log
+    records' JSON texts. The transcript is the same with or without a memo.
+
+    Lifetime: one per conversation, kept while the conversation is open and
+    dropped with it; a memo passed another conversation's rows stays correct
+    but saves nothing. Memory: after each call it holds only what that call's
+    rows parsed into (entries for older rows are dropped), so about the
+    conversation's parsed size. Not thread-safe: one build at a time per memo.
+    """
+
+    __slots__ = ("_spans", "_orphans", "_texts")
+
+    def __init__(self) -> None:
+        # (trace, span) -> ((row signatures, log sources), parsed span or None if no row parsed)
+        self._spans: dict[tuple[str, str], tuple[Any, _Span | None]] = {}
+        # (trace, span of the logs) -> (log signature, (read failed, call read from the logs alone))
+        self._orphans: dict[tuple[str, str | None], tuple[Any, tuple[bool, _Span | None]]] = {}
+        self._texts: dict[str, Any] = {}  # log record JSON text -> parsed
+
+    def __len__(self) -> int:
+        """Entries held: parsed spans, log-only calls and log texts of the last call."""
+        return len(self._spans) + len(self._orphans) + len(self._texts)
+
+
 # ---------------------------------------------------------------- build
 
 
-def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) -> Transcript:
+def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
+                     memo: ParseMemo | None = None) -> Transcript:
     """Rebuild one conversation from all its stored span and log rows.
 
     Rows may come in any order and repeat (OTLP retries): spans are
     deduplicated by (trace_id, span_id), logs by ``log_id``. Each row's JSON
     columns are parsed once. A row that does not parse is skipped and counted
     in ``unparsed_spans`` / ``unparsed_logs``; it never fails the build.
+
+    ``memo`` (see ``ParseMemo``) carries parsed rows from the previous call for
+    the same conversation, so that a rebuild after new rows arrived parses only
+    the rows it has not seen; the result is the same without it.
     """
-    log_groups, bad_logs = _log_groups(logs)
+    log_groups, bad_logs, texts = _log_groups(logs, memo._texts if memo is not None else {})
+    memo_spans: dict[tuple[str, str], tuple[Any, _Span | None]] = {}
+    memo_orphans: dict[tuple[str, str | None], tuple[Any, tuple[bool, _Span | None]]] = {}
 
     by_id: dict[tuple[str, str], list[dict[str, Any]]] = {}
     bad_spans = 0
@@ -422,25 +500,49 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) ->
     # normalize._messages); the result does not depend on this order.
     for (tid, sid), rows in sorted(by_id.items(), key=lambda kv: (_row_start(kv[1]), kv[0])):
         g = log_groups.pop((tid, sid), None)
-        parsed = None
-        for row in _pick(rows):
-            try:
-                parsed = _parse_span(row, g.events if g else [])
-                break
-            except Exception:  # noqa: BLE001 - one bad row is skipped and counted, never fatal
-                continue
+        picked = _pick(rows)
+        sig: Any = None  # what the parse depends on, if exactly comparable
+        if memo is not None and (g is None or g.sources is not None):
+            row_sigs = tuple(_row_sig(r) for r in picked)
+            if None not in row_sigs:
+                sig = (row_sigs, tuple(g.sources) if g is not None and g.sources is not None else ())
+        hit = memo._spans.get((tid, sid)) if memo is not None and sig is not None else None
+        if hit is not None and hit[0] == sig:
+            parsed = hit[1]
+        else:
+            parsed = None
+            for row in picked:
+                try:
+                    parsed = _parse_span(row, g.events if g else [])
+                    break
+                except Exception:  # noqa: BLE001 - one bad row is skipped and counted, never fatal
+                    continue
+        if sig is not None:
+            memo_spans[(tid, sid)] = (sig, parsed)
         if parsed is None:
             bad_spans += 1
             continue
         traces.setdefault(tid, {})[sid] = parsed
     for (tid, sid), g in sorted(log_groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        try:
-            orphan = _orphan_span(tid, sid, g)
-        except Exception:  # noqa: BLE001 - as above
+        gsig = None if memo is None or g.sources is None else (tuple(g.sources), g.start, g.end, g.service)
+        ohit = memo._orphans.get((tid, sid)) if memo is not None and gsig is not None else None
+        if ohit is not None and ohit[0] == gsig:
+            failed, orphan = ohit[1]
+        else:
+            try:
+                failed, orphan = False, _orphan_span(tid, sid, g)
+            except Exception:  # noqa: BLE001 - as above
+                failed, orphan = True, None
+        if gsig is not None:
+            memo_orphans[(tid, sid)] = (gsig, (failed, orphan))
+        if failed:
             bad_logs += len(g.events)
             continue
         if orphan is not None and orphan.span_id not in traces.get(tid, {}):
             traces.setdefault(tid, {})[orphan.span_id] = orphan
+
+    if memo is not None:  # hold only what this call's rows parsed into
+        memo._spans, memo._orphans, memo._texts = memo_spans, memo_orphans, texts
 
     def trace_start(tid: str) -> tuple[int, str]:
         return (min((s.start for s in traces[tid].values() if s.start), default=0), tid)

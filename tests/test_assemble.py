@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from collector.assemble import (
     NO_CONTENT_REASON,
     NO_GENAI_REASON,
+    ParseMemo,
     build_transcript,
     group_traces,
     merge_history,
@@ -391,6 +392,82 @@ def test_fixture_rows_any_order_same_transcripts(name: str, rnd: random.Random) 
                                [r for r in case.logs if r["trace_id"] in keep])
         assert build_transcript([r for r in shuffled_spans if r["trace_id"] in keep],
                                 [r for r in shuffled_logs if r["trace_id"] in keep]) == ref
+
+
+# ---------------------------------------------------------------- incremental rebuilds (ParseMemo)
+
+
+def _arrivals(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
+              rnd: random.Random) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """The rows a daemon holds after each of several arrivals (any order, some retried)."""
+    rows = _shuffled_with_dupes(spans, rnd) + _shuffled_with_dupes(logs, rnd)
+    rnd.shuffle(rows)
+    cuts = sorted(rnd.sample(range(len(rows) + 1), k=min(5, len(rows) + 1))) + [len(rows)]
+    return [([r for r in rows[:c] if "log_id" not in r], [r for r in rows[:c] if "log_id" in r]) for c in cuts]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(turns=conversations(), dialect=st.sampled_from(list(ENCODERS)), rnd=st.randoms(use_true_random=False))
+def test_rebuild_with_memo_equals_rebuild_from_scratch(turns: list[list[dict[str, Any]]], dialect: str,
+                                                       rnd: random.Random) -> None:
+    w = write(turns, dialect, same_start=rnd.random() < 0.3)
+    memo = ParseMemo()
+    for spans, logs in _arrivals(w.spans, w.logs, rnd):
+        assert build_transcript(spans, logs, memo) == build_transcript(spans, logs)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(CASES), rnd=st.randoms(use_true_random=False))
+def test_fixture_rebuild_with_memo_equals_rebuild_from_scratch(name: str, rnd: random.Random) -> None:
+    case = load_case(name)
+    memo = ParseMemo()  # one for the whole case: rows of other conversations only miss
+    for spans, logs in _arrivals(case.spans, case.logs, rnd):
+        assert build_transcript(spans, logs, memo) == build_transcript(spans, logs)
+
+
+def test_memo_rereads_a_row_that_changed_under_the_same_ids() -> None:
+    turns = _turns("hi", "a long answer " + "x" * 200)
+    w = write(turns, "otel-genai span")
+    whole = w.spans[1]["attributes"]
+    _cut_attr(w.spans[1], "gen_ai.output.messages", len(json.loads(whole)["gen_ai.output.messages"]) // 2)
+    memo = ParseMemo()
+    assert build_transcript(w.spans, [], memo).messages[-1].truncated
+    w.spans[1] = {**w.spans[1], "attributes": whole}  # the stored row, now complete
+    assert got(w.spans, []) == expected(turns)
+    assert build_transcript(w.spans, [], memo) == build_transcript(w.spans, [])
+
+
+def test_memo_rereads_a_span_whose_log_records_arrived_late() -> None:
+    w = write(_turns("hi", "hello", "bye", "ciao"), "otel-genai event only")
+    memo = ParseMemo()
+    early = build_transcript(w.spans, w.logs[:1], memo)
+    assert [m.content for m in early.messages] == ["hi", "hello"]
+    assert build_transcript(w.spans, w.logs, memo) == build_transcript(w.spans, w.logs)
+
+
+def test_memo_keeps_equal_values_that_read_differently_apart() -> None:
+    w = write(_turns("hi", "hello"), "otel-genai span")
+    chat = w.spans[1]
+    memo = ParseMemo()
+    for end in (chat["end_time_unix_nano"], float(chat["end_time_unix_nano"]), True, 1, 1.0):
+        rows = [w.spans[0], {**chat, "end_time_unix_nano": end}]
+        assert build_transcript(rows, [], memo) == build_transcript(rows, [])
+    for attrs in (json.loads(chat["attributes"]), {**json.loads(chat["attributes"]), "gen_ai.usage.input_tokens": 10.0}):
+        rows = [w.spans[0], {**chat, "attributes": attrs}]  # already decoded by the caller
+        assert build_transcript(rows, [], memo) == build_transcript(rows, [])
+
+
+def test_memo_holds_only_the_last_calls_rows() -> None:
+    w = write(_turns("u1", "a1", "u2", "a2", "u3", "a3"), "legacy log events")
+    first = w.spans[0]["trace_id"]
+    some = ([r for r in w.spans if r["trace_id"] == first], [r for r in w.logs if r["trace_id"] == first])
+    fresh = ParseMemo()
+    build_transcript(*some, fresh)
+    memo = ParseMemo()
+    build_transcript(w.spans, w.logs, memo)
+    assert len(memo) > len(fresh) > 0
+    build_transcript(*some, memo)
+    assert len(memo) == len(fresh)
 
 
 # ---------------------------------------------------------------- rules

@@ -20,8 +20,17 @@ from collector.assemble import (
     conversation_key,
     group_traces,
 )
-from collector.normalize import Event, Message, ToolCall, read_events, read_meta, read_span
-from collector.normalize._model import Attrs
+from collector.normalize import (
+    SPAN_DIALECTS,
+    Event,
+    Message,
+    ToolCall,
+    read_events,
+    read_meta,
+    read_span,
+    span_dialects,
+)
+from collector.normalize._model import Attrs, Truncated, _last_arrays
 from tests.genai_fixtures import by_trace, case_names, load_case
 
 CASES = case_names()
@@ -411,6 +420,44 @@ def test_readers_never_raise_on_odd_values(attrs: dict[str, Any]) -> None:
         read_events([Event(name, attrs, v) for v in attrs.values()])
         read_events([Event(name, {"gen_ai.event.content": v, **attrs}, None) for v in attrs.values()])
         read_events([Event(name, {k: v}, None) for k, v in attrs.items()])
+
+
+@settings(max_examples=300, deadline=None)
+@given(attrs=st.dictionaries(st.sampled_from(CONTENT_KEYS + ["gen_ai.prompt.x", "llm.completions.0", "other"]),
+                             st.one_of(_JSONISH, _JSONISH.map(json.dumps)), max_size=6))
+def test_skipped_dialects_would_read_nothing(attrs: dict[str, Any]) -> None:
+    """``read_span`` runs only ``span_dialects``: every other reader must find nothing."""
+    chosen = span_dialects(attrs)
+    for d in SPAN_DIALECTS:
+        if d not in chosen:
+            assert d.read(Attrs(attrs)) is None, d.name
+
+
+_ITEMS = st.lists(_JSONISH, min_size=1, max_size=4)
+# What may follow the last array's items: more items, or text that is not a plain extension.
+_TAILS = st.one_of(_ITEMS.map(lambda v: ", " + json.dumps(v)[1:]), _ITEMS.map(lambda v: "," + json.dumps(v)[1:-1]),
+                   st.sampled_from([",]", " ]", "]", ",1] x", "1]", ".5]", "e3, 2]", " , 2 ]  ", ",[", ",\"x"]))
+
+
+def _outcome(text: str) -> Any:
+    try:
+        return ("value", json.dumps(Attrs({"k": text}).json("k")))  # dumps: 1 and 1.0 and True differ
+    except Truncated:
+        return ("truncated",)
+    except RecursionError:
+        return ("recursion",)
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=st.lists(_JSONISH, min_size=2, max_size=5), tail=_TAILS, spaced=st.booleans())
+def test_history_tail_parse_equals_a_full_parse(first: list[Any], tail: str, spaced: bool) -> None:
+    text = json.dumps(first, separators=(", ", ": ") if spaced else (",", ":"))
+    _last_arrays.by_key.clear()
+    assert _outcome(text) == ("value", json.dumps(first))  # now remembered as the last array
+    extended = text[:-1] + tail
+    reused = _outcome(extended)
+    _last_arrays.by_key.clear()
+    assert reused == _outcome(extended)
 
 
 def test_conversation_key_skips_unreadable_rows() -> None:

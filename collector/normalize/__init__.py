@@ -13,10 +13,13 @@ Lifecycle: stateless; safe to call from any thread.
 
 from __future__ import annotations
 
+from functools import lru_cache
+from itertools import repeat
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from . import langfuse, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
 from ._meta import read_meta, span_kind
+from ._indexed import INDEXED_PREFIXES
 from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "read_events",
     "read_meta",
     "read_span",
+    "span_dialects",
     "span_kind",
 ]
 
@@ -52,12 +56,6 @@ class Dialect(NamedTuple):
     keys: tuple[str, ...]
     prefixes: tuple[str, ...] = ()
 
-    def applies(self, attrs: Attrs) -> bool:
-        """Whether ``read`` could find anything in ``attrs``."""
-        if not attrs.raw.keys().isdisjoint(self.keys):
-            return True
-        return bool(self.prefixes) and any(attrs.indexed(p) for p in self.prefixes)
-
 
 # First match wins per side (input, output, system); later ones fill gaps.
 # Flattened / raw-payload dialects come after the structured ones so that a
@@ -74,6 +72,25 @@ SPAN_DIALECTS: tuple[Dialect, ...] = (
     Dialect(others.SENTRY, others.read_sentry, others.SENTRY_KEYS),
     Dialect(others.PYDANTIC_AI, others.read_pydantic_ai, others.PYDANTIC_AI_KEYS),
 )
+
+_DIALECT_KEYS = frozenset(k for d in SPAN_DIALECTS for k in d.keys)
+
+
+@lru_cache(maxsize=256)
+def _dialects(keys: frozenset[str], flattened: bool) -> tuple[Dialect, ...]:
+    return tuple(d for d in SPAN_DIALECTS if not keys.isdisjoint(d.keys) or (flattened and d.prefixes))
+
+
+def span_dialects(attributes: Mapping[str, Any]) -> tuple[Dialect, ...]:
+    """The dialects that may find content in ``attributes``, in priority order.
+
+    The others would read nothing there. Decided by key names alone, in C-level
+    set and prefix checks; spans of one library share the answer (cached).
+    """
+    keys = attributes.keys()
+    flattened = any(map(str.startswith, keys, repeat(INDEXED_PREFIXES)))
+    return _dialects(_DIALECT_KEYS.intersection(keys), flattened)
+
 
 EVENT_READERS: tuple[Callable[[Sequence[Event]], Content | None], ...] = (
     otel_genai.read_events,
@@ -111,7 +128,7 @@ def read_span(attributes: Mapping[str, Any], name: str = "") -> tuple[Meta, Cont
     """Read one span's attributes: its facts and its message content, if any."""
     attrs = Attrs(attributes)
     meta = read_meta(attrs, name)
-    content = combine(_tag(d.read(attrs), "span") for d in SPAN_DIALECTS if d.applies(attrs))
+    content = combine(_tag(d.read(attrs), "span") for d in span_dialects(attributes))
     if content is not None and attrs.salvaged:
         content.truncated = True
     return meta, content
