@@ -37,7 +37,7 @@ import pyarrow as pa
 from .assemble import build_transcript
 from .config import Conversations as Settings
 from .config import EndRule
-from .conversation_keys import conversation_key, load_json_column
+from .conversation_keys import conversation_key, load_json_column, response_links
 from .metrics import Metrics
 from .otlp import LOG_COLUMNS, SPAN_COLUMNS
 from .store import Committed, Store
@@ -203,6 +203,8 @@ class Conversations:
         self._trace_map: dict[str, str] = {}  # trace -> conversation, for traces of loaded conversations
         self._convs: dict[str, _Conv] = {}  # open conversations, and ended ones touched recently
         self._pending: dict[str, float] = {}  # traces with no conversation yet (no GenAI span so far)
+        self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> conversation, for chaining
+        self._warned_no_content: set[str] = set()
         self._processed_batch = 0
         self._resume_from = 0
         self.tick = min(1.0, settings.idle_timeout / 4)
@@ -487,6 +489,8 @@ class Conversations:
                 self._pending[tid] = touched[tid]  # nothing conversational yet
                 continue
             self._pending.pop(tid, None)
+            if key is None:
+                key = self._chained(tid, rows[tid])
             keys[tid] = key or f"trace:{tid}"
         self._load_convs([*keys.values(), *(c for c in current.values() if c is not None)])
         now = self.clock()
@@ -510,6 +514,18 @@ class Conversations:
             conv.last_arrival = max(conv.last_arrival, touched[tid])
             # At most one rebuild per conversation per interval while data streams in.
             self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
+
+    def _chained(self, tid: str, rows: _TraceRows) -> str | None:
+        """A trace with no id continues the conversation whose response its call names as previous
+        (``gen_ai.request.previous_response.id``); its own responses can be continued in turn."""
+        ids, previous = response_links(rows.spans)
+        cid = next((self._responses[p] for p in sorted(previous) if p in self._responses), None)
+        for rid in ids:
+            self._responses[rid] = cid or f"trace:{tid}"
+            self._responses.move_to_end(rid)
+        while len(self._responses) > 100_000:  # bounded: chains are continued within minutes
+            self._responses.popitem(last=False)
+        return cid
 
     def _rebuild_due(self, force: bool = False) -> None:
         now = self.clock()
@@ -573,6 +589,10 @@ class Conversations:
 
     def _write(self, conv: _Conv, tr: Transcript) -> None:
         conv.last_span_end = tr.ended_at
+        if not tr.content_captured and tr.llm_calls and (tr.service or "") not in self._warned_no_content:
+            self._warned_no_content.add(tr.service or "")
+            log.warning("conversation %s of service %s carries no message content, so it cannot be judged: %s",
+                        conv.id, tr.service or "(unknown)", tr.no_content_reason)
         conv.row = [
             conv.id, tr.service, tr.started_at, tr.ended_at if conv.state == "ended" else None,
             conv.ended_by, conv.state, tr.user_turns, tr.usage.input_tokens, tr.usage.output_tokens,

@@ -128,3 +128,36 @@ def test_reindex_rebuilds_the_same_conversations(make_daemon: Any) -> None:
     for cid, rec in before.items():
         again = daemon.get("/api/conversations/" + urllib.parse.quote(cid, safe=""))[1]
         assert again["messages"] == rec["messages"] and again["ended_by"] == rec["ended_by"], cid
+
+
+def test_traces_without_id_chain_by_previous_response_id(make_daemon: Any) -> None:
+    """Responses-API style bots set no conversation id: each call names the previous response."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    daemon = make_daemon()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=daemon.grpc, insecure=True)))
+    tracer = provider.get_tracer("tests")
+    turns = [("Hi, is my order late?", "Let me check: it ships today."), ("Thanks!", "You are welcome.")]
+    previous = None
+    for i, (user, bot) in enumerate(turns):
+        attrs = {
+            "gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-5", "gen_ai.response.id": f"resp_{i}",
+            "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [{"type": "text", "content": user}]}]),
+            "gen_ai.output.messages": json.dumps([{"role": "assistant",
+                                                   "parts": [{"type": "text", "content": bot}]}]),
+        }
+        if previous:
+            attrs["gen_ai.request.previous_response.id"] = previous
+        with tracer.start_as_current_span("chat gpt-5", attributes=attrs):
+            pass
+        previous = f"resp_{i}"
+        wait_conversations(daemon)
+    provider.shutdown()
+    listed = daemon.get("/api/conversations")[1]["conversations"]
+    assert len(listed) == 1 and listed[0]["conversation_id"].startswith("trace:")
+    record = daemon.get("/api/conversations/" + urllib.parse.quote(listed[0]["conversation_id"], safe=""))[1]
+    assert [m["content"] for m in record["messages"]] == [t for pair in turns for t in pair]
+    assert len(record["trace_ids"]) == 2
