@@ -65,7 +65,7 @@ NO_GENAI_REASON = "no LLM call or agent span in these traces"
 # ---------------------------------------------------------------- rows -> spans
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: ParseMemo tells a reused parse from an equal one
 class _Span:
     trace_id: str
     span_id: str
@@ -80,12 +80,16 @@ class _Span:
 
 def _pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Duplicates of one span (OTLP retries), most complete first, deterministically."""
+    if len(rows) == 1:
+        return rows
     return sorted(rows, key=lambda r: (-(as_int(r.get("end_time_unix_nano")) or 0),
                                        -len(str(r.get("attributes") or "")),
                                        str(r.get("attributes") or ""), str(r.get("events") or "")))
 
 
 def _row_start(rows: list[dict[str, Any]]) -> int:
+    if len(rows) == 1:
+        return as_int(rows[0].get("start_time_unix_nano")) or 0
     return min((as_int(r.get("start_time_unix_nano")) or 0 for r in rows), default=0)
 
 
@@ -413,12 +417,83 @@ class _Known:
             self.cut += msg.truncated
 
 
+class _Assembly:
+    """Everything the traces of a conversation add up to, trace by trace, in order."""
+
+    def __init__(self) -> None:
+        self.merged = _Known()
+        self.system: str | None = None
+        self.models: list[str] = []
+        self.usage_in = self.usage_out = self.n_calls = 0
+        self.genai_seen = False
+        self.truncated: list[str] = []
+        self.tool_names: dict[str, str] = {}
+        self.service: str | None = None
+
+    def copy(self) -> _Assembly:
+        """A copy that adding traces to leaves this one as it is."""
+        out = _Assembly()
+        out.__dict__.update(self.__dict__)
+        out.merged = _Known()
+        out.merged.entries, out.merged.msgs = list(self.merged.entries), list(self.merged.msgs)
+        out.merged.keys, out.merged.cut = list(self.merged.keys), self.merged.cut
+        out.models, out.truncated, out.tool_names = list(self.models), list(self.truncated), dict(self.tool_names)
+        return out
+
+    def add_trace(self, tspans: dict[str, _Span]) -> None:
+        _depths(tspans)
+        calls = _llm_calls(tspans)
+        for call in calls:
+            self.n_calls += 1
+            self.usage_in += call.meta.input_tokens or 0
+            self.usage_out += call.meta.output_tokens or 0
+            model = call.meta.response_model or call.meta.request_model
+            if model and model not in self.models:
+                self.models.append(model)
+        content_calls = [c for c in calls if _has_messages(c.content)]
+        if not content_calls:  # agent turns speak only for a trace with no LLM content
+            content_calls = [_Call(_order(s), s, s.content, s.meta) for s in sorted(tspans.values(), key=_order)
+                             if s.meta.kind == "agent" and _has_messages(s.content)]
+        for sp in sorted(tspans.values(), key=_order):
+            self.genai_seen = self.genai_seen or sp.meta.kind in ("llm", "agent")
+            if sp.content is not None and sp.content.truncated:
+                self.truncated.append(sp.span_id)
+            if sp.meta.kind == "tool" and sp.meta.tool_call_id and sp.meta.tool_name:
+                self.tool_names.setdefault(sp.meta.tool_call_id, sp.meta.tool_name)
+            if self.service is None and sp.service:
+                self.service = sp.service
+        for call in content_calls:
+            if self.system is None and call.content is not None and call.content.system:
+                self.system = call.content.system
+            self.merged.merge(call)
+
+
+def _messages(entries: list[_Entry], tool_names: dict[str, str],
+              memo: ParseMemo | None) -> tuple[TranscriptMessage, ...]:
+    """The transcript's messages; with a memo, those of the last call are reused where unchanged."""
+    prev = memo._messages if memo is not None else []
+    out: list[tuple[_Entry, str | None, TranscriptMessage]] = []
+    for i, e in enumerate(entries):
+        msg = e.msg
+        name = (msg.name or tool_names.get(msg.tool_call_id or "")) if msg.role == "tool" else None
+        if i < len(prev) and prev[i][0] is e and prev[i][1] == name:
+            out.append(prev[i])
+            continue
+        out.append((e, name, TranscriptMessage(
+            role=msg.role, content=msg.content, tool_calls=msg.tool_calls, tool_call_id=msg.tool_call_id,
+            name=name, at=from_unix_nano(e.at), span_id=None if e.span_id.startswith("log:") else e.span_id,
+            source=e.source, truncated=msg.truncated)))
+    if memo is not None:
+        memo._messages = out
+    return tuple(m for _, _, m in out)
+
+
 # ---------------------------------------------------------------- memo
 
 # The row columns ``_parse_span`` reads besides the ids (which key the memo).
 _PARSED_COLUMNS = ("attributes", "events", "name", "start_time_unix_nano", "end_time_unix_nano",
                    "parent_span_id", "service")
-_EXACT_TYPES = (str, int, type(None))
+_EXACT_TYPES = frozenset({str, int, type(None)})
 
 
 def _exact(*values: Any) -> bool:
@@ -428,11 +503,11 @@ def _exact(*values: Any) -> bool:
     a column already decoded into a dict holding such numbers) is never taken
     from the memo.
     """
-    return all(type(v) in _EXACT_TYPES for v in values)
+    return _EXACT_TYPES.issuperset(map(type, values))
 
 
 def _row_sig(row: dict[str, Any]) -> tuple[Any, ...] | None:
-    sig = tuple(row.get(k) for k in _PARSED_COLUMNS)
+    sig = tuple(map(row.get, _PARSED_COLUMNS))
     return sig if _exact(*sig) else None
 
 
@@ -452,7 +527,7 @@ class ParseMemo:
     conversation's parsed size. Not thread-safe: one build at a time per memo.
     """
 
-    __slots__ = ("_spans", "_orphans", "_texts")
+    __slots__ = ("_spans", "_orphans", "_texts", "_assembly", "_messages")
 
     def __init__(self) -> None:
         # (trace, span) -> ((row signatures, log sources), parsed span or None if no row parsed)
@@ -460,6 +535,9 @@ class ParseMemo:
         # (trace, span of the logs) -> (log signature, (read failed, call read from the logs alone))
         self._orphans: dict[tuple[str, str | None], tuple[Any, tuple[bool, _Span | None]]] = {}
         self._texts: dict[str, Any] = {}  # log record JSON text -> parsed
+        # The traces assembled (each with its span objects, in order) and the state they led to.
+        self._assembly: tuple[list[tuple[str, tuple[tuple[str, _Span], ...]]], _Assembly] | None = None
+        self._messages: list[tuple[_Entry, str | None, TranscriptMessage]] = []  # with their entry and name
 
     def __len__(self) -> int:
         """Entries held: parsed spans, log-only calls and log texts of the last call."""
@@ -548,56 +626,26 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
         return (min((s.start for s in traces[tid].values() if s.start), default=0), tid)
 
     order = sorted(traces, key=trace_start)
-    merged = _Known()
-    system: str | None = None
-    models: list[str] = []
-    usage_in = usage_out = n_calls = 0
-    genai_seen = False
-    truncated: list[str] = []
-    tool_names: dict[str, str] = {}
-    service: str | None = None
+    # With a memo, traces whose spans are the very objects of the last call, in
+    # the same order, resume from the state the last call reached after them.
+    done = [(tid, tuple(traces[tid].items())) for tid in order] if memo is not None else []
+    state = _Assembly()
+    start = 0
+    if memo is not None and memo._assembly is not None:
+        prev_done, prev_state = memo._assembly
+        if done[:len(prev_done)] == prev_done:
+            state, start = prev_state.copy(), len(prev_done)
+    for tid in order[start:]:
+        state.add_trace(traces[tid])
+    if memo is not None:
+        memo._assembly = (done, state.copy())
 
-    for tid in order:
-        tspans = traces[tid]
-        _depths(tspans)
-        calls = _llm_calls(tspans)
-        for call in calls:
-            n_calls += 1
-            usage_in += call.meta.input_tokens or 0
-            usage_out += call.meta.output_tokens or 0
-            model = call.meta.response_model or call.meta.request_model
-            if model and model not in models:
-                models.append(model)
-        content_calls = [c for c in calls if _has_messages(c.content)]
-        if not content_calls:  # agent turns speak only for a trace with no LLM content
-            content_calls = [_Call(_order(s), s, s.content, s.meta) for s in sorted(tspans.values(), key=_order)
-                             if s.meta.kind == "agent" and _has_messages(s.content)]
-        for sp in sorted(tspans.values(), key=_order):
-            genai_seen = genai_seen or sp.meta.kind in ("llm", "agent")
-            if sp.content is not None and sp.content.truncated:
-                truncated.append(sp.span_id)
-            if sp.meta.kind == "tool" and sp.meta.tool_call_id and sp.meta.tool_name:
-                tool_names.setdefault(sp.meta.tool_call_id, sp.meta.tool_name)
-            if service is None and sp.service:
-                service = sp.service
-        for call in content_calls:
-            if system is None and call.content is not None and call.content.system:
-                system = call.content.system
-            merged.merge(call)
-
-    transcript = merged.entries
-    for e in transcript:
+    tool_names = dict(state.tool_names)
+    for e in state.merged.entries:
         for tc in e.msg.tool_calls:
             if tc.id:
                 tool_names.setdefault(tc.id, tc.name)
-    messages = tuple(
-        TranscriptMessage(
-            role=e.msg.role, content=e.msg.content, tool_calls=e.msg.tool_calls,
-            tool_call_id=e.msg.tool_call_id,
-            name=(e.msg.name or tool_names.get(e.msg.tool_call_id or "")) if e.msg.role == "tool" else None,
-            at=from_unix_nano(e.at), span_id=None if e.span_id.startswith("log:") else e.span_id,
-            source=e.source, truncated=e.msg.truncated)
-        for e in transcript)
+    messages = _messages(state.merged.entries, tool_names, memo)
 
     all_spans = [s for t in order for s in traces[t].values()]
     starts = [s.start for s in all_spans if s.start]
@@ -605,18 +653,18 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
     captured = bool(messages)
     return Transcript(
         messages=messages,
-        system=system,
-        models=tuple(models),
-        usage=Usage(usage_in, usage_out),
+        system=state.system,
+        models=tuple(state.models),
+        usage=Usage(state.usage_in, state.usage_out),
         trace_ids=tuple(order),
-        service=service,
+        service=state.service,
         started_at=from_unix_nano(min(starts)) if starts else None,
         ended_at=from_unix_nano(max(ends)) if ends else None,
-        llm_calls=n_calls,
+        llm_calls=state.n_calls,
         content_captured=captured,
-        no_content_reason=None if captured else (NO_CONTENT_REASON if genai_seen else NO_GENAI_REASON),
+        no_content_reason=None if captured else (NO_CONTENT_REASON if state.genai_seen else NO_GENAI_REASON),
         unparsed_spans=bad_spans,
         unparsed_logs=bad_logs,
-        truncated_spans=tuple(truncated),
-        sources=tuple(sorted({e.source for e in transcript})),
+        truncated_spans=tuple(state.truncated),
+        sources=tuple(sorted({e.source for e in state.merged.entries})),
     )
