@@ -159,15 +159,14 @@ class Daemon:
         log.info("stopped cleanly; %d spans stored this run", int(metrics.spans_stored.value()))
 
     async def _wait(self, stop: asyncio.Event | None) -> None:
+        # The handlers stay until the process exits: a second signal (Ctrl-C reaches
+        # every process of the group, then `demo` forwards SIGTERM) must not cut the
+        # shutdown short with the default action.
         event = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, event.set)
-        try:
-            await event.wait()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        await event.wait()
 
     def _banner(self, grpc_addr: str | None, http_addr: str | None, api_url: str) -> None:
         lines = [f"tracejudge {version('tracejudge')} is running (pid {os.getpid()})"]

@@ -154,3 +154,19 @@ def test_tls_on_every_listener(make_daemon: Any, tmp_path: Path) -> None:
         # one span sent by two exporters: stored once
         assert json.loads(resp.read()) == {"spans": 1, "traces": 1, "log_records": 0}
     assert daemon.stop() == 0
+
+
+def test_second_signal_during_shutdown_does_not_cut_it_short(make_daemon: Any) -> None:
+    """Ctrl-C reaches every process of the group, then `demo` forwards SIGTERM: both arrive."""
+    import signal
+    import time
+
+    daemon = make_daemon()
+    body, _ = span_request_bytes(64)
+    post(daemon.http, "/v1/traces", body)
+    daemon.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # the second one lands while the first one's shutdown runs
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=60) == 0
+    assert "stopped cleanly" in daemon.output()
+    assert not daemon.runtime_file.exists()

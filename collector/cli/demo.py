@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,12 +105,14 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     counts = _get(info.api + "/api/spans/count")
     api = info.api
     cfg_arg = f"--config {config_path}"
+    # Name the command as the user can type it: `.venv/bin/tracejudge` when the venv is not active.
+    prog = "tracejudge" if shutil.which("tracejudge") else os.path.relpath(sys.argv[0])
     click.echo(f"""
 Stored: {counts['spans']} spans in {counts['traces']} traces ({sent['spans']} sent this run).
 
 Where to look:
-  conversations tracejudge conversations list {cfg_arg}
-  a transcript  tracejudge conversations show {sent['conversations'][1]['id']} {cfg_arg}
+  conversations {prog} conversations list {cfg_arg}
+  a transcript  {prog} conversations show {sent['conversations'][1]['id']} {cfg_arg}
                 (they end after 10s without new data; the Arabic one at once, by its handover)
   as JSON       curl {api}/api/conversations
   metrics       curl {api}/metrics
