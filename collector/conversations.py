@@ -34,7 +34,7 @@ import duckdb
 import orjson
 import pyarrow as pa
 
-from .assemble import build_transcript
+from .assemble import ParseMemo, build_transcript
 from .config import Conversations as Settings
 from .config import EndRule
 from .conversation_keys import conversation_key, load_json_column, response_links
@@ -189,7 +189,7 @@ class Conversations:
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 20_000,
-                 rebuild_interval: float = 1.0, max_queued_commits: int = 4) -> None:
+                 rebuild_interval: float = 1.0, max_queued_commits: int = 4, max_memos: int = 1000) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -205,6 +205,9 @@ class Conversations:
         self._pending: dict[str, float] = {}  # traces with no conversation yet (no GenAI span so far)
         self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> conversation, for chaining
         self._warned_no_content: set[str] = set()
+        # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
+        self._memos: OrderedDict[str, ParseMemo] = OrderedDict()
+        self.max_memos = max_memos
         self._processed_batch = 0
         self._resume_from = 0
         self.tick = min(1.0, settings.idle_timeout / 4)
@@ -561,7 +564,11 @@ class Conversations:
             rows = self._rows(conv.traces)
         spans = [r for t in conv.traces for r in rows[t].spans]
         logs = [r for t in conv.traces for r in rows[t].logs]
-        tr = build_transcript(spans, logs)
+        memo = self._memos.pop(conv.id, None) or ParseMemo()
+        tr = build_transcript(spans, logs, memo)
+        self._memos[conv.id] = memo  # most recently rebuilt last
+        while len(self._memos) > self.max_memos:
+            self._memos.popitem(last=False)
         conv.newest_trace = max(conv.traces, key=lambda t: (_trace_start(rows[t]), t))
         digest = tr.content_hash()
         if digest != conv.hash:
@@ -643,6 +650,7 @@ class Conversations:
     def _forget(self, conv: _Conv) -> None:
         """An ended conversation leaves memory; late data reads it back from DuckDB."""
         self._convs.pop(conv.id, None)
+        self._memos.pop(conv.id, None)
         for t in conv.traces:
             self._trace_map.pop(t, None)
             rows = self._cache.pop(t, None)
