@@ -1,0 +1,699 @@
+"""Online evals in DuckDB: sampling decisions, verdicts, not-run records, the review queue and stats.
+
+Every function takes a DuckDB cursor of the caller's (no globals, no threads);
+the writers (``store_*``, ``record_sampling``, ``decide``) run in a transaction
+of their own, so call them outside one.
+
+Verdicts are stored once per (conversation, criterion, criterion version, judge
+model, transcript hash): a judge call repeated after a crash stores nothing
+new. The newest transcript of a conversation holds the current verdicts; those
+of an older transcript are kept with ``superseded = true``. A verdict whose
+result is in ``queue_results`` (and every flagged fail) opens a ``pending``
+review item; ``error`` verdicts are never queued. Review decisions are history:
+each one is a row of ``review_history`` with the state it replaced.
+
+Errors (all ``UserError``, so the CLI prints one line; ``status`` and ``code``
+give the JSON API's answer)::
+
+    ReviewError              status, code
+    ├── ReviewNotFound       404 not_found: no review item with that id
+    ├── ReviewConflict       409 already_decided: decided before, no force
+    └── ReviewInputError     400 bad_request: unknown decision, no reviewer
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import duckdb
+import orjson
+
+from judges import Conversation, Criterion, LLMCriterion, NotRun, RateStats, Verdict, summarize, transcript_sha256
+
+from .errors import UserError
+from .queries import _iso, conversation_record
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sampling_decisions (
+    conversation_id VARCHAR PRIMARY KEY,
+    revision INTEGER,
+    transcript_hash VARCHAR,
+    sampled BOOLEAN NOT NULL,
+    probability DOUBLE NOT NULL,
+    rule VARCHAR,
+    skipped_reason VARCHAR,
+    decided_at TIMESTAMPTZ NOT NULL
+);
+CREATE TABLE IF NOT EXISTS criteria (
+    criterion_id VARCHAR NOT NULL,
+    criterion_version INTEGER NOT NULL,
+    kind VARCHAR NOT NULL,
+    severity VARCHAR,
+    criterion_group VARCHAR,
+    text VARCHAR NOT NULL,
+    first_seen_at TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (criterion_id, criterion_version)
+);
+CREATE SEQUENCE IF NOT EXISTS verdict_seq;
+CREATE TABLE IF NOT EXISTS verdicts (
+    id VARCHAR PRIMARY KEY,
+    seq BIGINT NOT NULL,
+    conversation_id VARCHAR NOT NULL,
+    criterion_id VARCHAR NOT NULL,
+    criterion_version INTEGER NOT NULL,
+    judge_provider VARCHAR NOT NULL,
+    judge_model VARCHAR NOT NULL,
+    transcript_sha256 VARCHAR NOT NULL,
+    result VARCHAR NOT NULL,
+    error_reason VARCHAR,
+    reasoning VARCHAR,
+    evidence VARCHAR,
+    evidence_verified BOOLEAN NOT NULL,
+    flagged BOOLEAN NOT NULL,
+    input_tokens BIGINT NOT NULL,
+    output_tokens BIGINT NOT NULL,
+    raw_reply VARCHAR,
+    inclusion_probability DOUBLE NOT NULL,
+    sampling_rule VARCHAR,
+    judged_at TIMESTAMPTZ NOT NULL,
+    superseded BOOLEAN NOT NULL
+);
+CREATE TABLE IF NOT EXISTS not_run (
+    conversation_id VARCHAR NOT NULL,
+    criterion_id VARCHAR NOT NULL,
+    criterion_version INTEGER NOT NULL,
+    reason VARCHAR NOT NULL,
+    "at" TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (conversation_id, criterion_id, criterion_version)
+);
+CREATE SEQUENCE IF NOT EXISTS review_item_seq;
+CREATE TABLE IF NOT EXISTS review_items (
+    id BIGINT PRIMARY KEY,
+    verdict_id VARCHAR NOT NULL UNIQUE,
+    conversation_id VARCHAR NOT NULL,
+    criterion_id VARCHAR NOT NULL,
+    state VARCHAR NOT NULL,
+    reviewer VARCHAR,
+    note VARCHAR,
+    created_at TIMESTAMPTZ NOT NULL,
+    decided_at TIMESTAMPTZ
+);
+CREATE SEQUENCE IF NOT EXISTS review_history_seq;
+CREATE TABLE IF NOT EXISTS review_history (
+    id BIGINT PRIMARY KEY,
+    item_id BIGINT NOT NULL,
+    decision VARCHAR NOT NULL,
+    previous_state VARCHAR NOT NULL,
+    previous_reviewer VARCHAR,
+    previous_note VARCHAR,
+    state VARCHAR NOT NULL,
+    reviewer VARCHAR NOT NULL,
+    note VARCHAR,
+    forced BOOLEAN NOT NULL,
+    decided_at TIMESTAMPTZ NOT NULL
+);
+"""
+
+ReviewState = Literal["pending", "confirmed", "rejected"]
+Decision = Literal["confirm", "reject"]
+REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected")
+_DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected"}
+
+_VERDICT_COLUMNS = (
+    "id", "conversation_id", "criterion_id", "criterion_version", "judge_provider", "judge_model",
+    "transcript_sha256", "result", "error_reason", "reasoning", "evidence", "evidence_verified", "flagged",
+    "input_tokens", "output_tokens", "raw_reply", "inclusion_probability", "sampling_rule", "judged_at",
+    "superseded",
+)
+_ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state", "reviewer", "note",
+                 "created_at", "decided_at")
+
+
+class ReviewError(UserError):
+    """A review request that cannot be done; ``status`` and ``code`` are its JSON API answer."""
+
+    status = 400
+    code = "bad_request"
+
+
+class ReviewNotFound(ReviewError):
+    """No review item has that id."""
+
+    status = 404
+    code = "not_found"
+
+
+class ReviewConflict(ReviewError):
+    """The item was decided already; deciding again needs ``force``."""
+
+    status = 409
+    code = "already_decided"
+
+
+class ReviewInputError(ReviewError):
+    """The decision or the reviewer is missing or unknown."""
+
+
+def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
+    """Create the tables of this module when they do not exist yet."""
+    cur.execute(SCHEMA)
+
+
+def _now(now: dt.datetime | None) -> dt.datetime:
+    return now if now is not None else dt.datetime.now(dt.timezone.utc)
+
+
+class _Transaction:
+    """BEGIN ... COMMIT, or ROLLBACK when the block raises."""
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection) -> None:
+        self.cur = cur
+
+    def __enter__(self) -> duckdb.DuckDBPyConnection:
+        self.cur.execute("BEGIN TRANSACTION")
+        return self.cur
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.cur.execute("COMMIT" if kind is None else "ROLLBACK")
+
+
+# --- sampling decisions -------------------------------------------------------------------------
+
+
+def record_sampling(cur: duckdb.DuckDBPyConnection, conversation_id: str, *, sampled: bool, probability: float,
+                    rule: str | None, revision: int | None = None, transcript_hash: str | None = None,
+                    skipped_reason: str | None = None, now: dt.datetime | None = None) -> dict[str, Any]:
+    """Store the sampling decision of a conversation, once: the first decision stands.
+
+    Args:
+        conversation_id: the conversation decided.
+        sampled: picked for judging (False also when a budget stopped it: see ``skipped_reason``).
+        probability: its inclusion probability under the matching rule, in (0, 1].
+        rule: the rule that matched (``None`` for the default rate).
+        revision: the conversation's revision when it was decided.
+        transcript_hash: the conversation's transcript hash when it was decided.
+        skipped_reason: why a picked conversation is not judged (``budget``), kept out of estimates.
+        now: the daemon's clock (UTC).
+
+    Returns:
+        The decision stored for the conversation, which is the earlier one if there was one.
+    """
+    with _Transaction(cur):
+        cur.execute(
+            "INSERT INTO sampling_decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            [conversation_id, revision, transcript_hash, sampled, probability, rule, skipped_reason, _now(now)])
+    decision = sampling_decision(cur, conversation_id)
+    assert decision is not None  # just written or already there
+    return decision
+
+
+def sampling_decision(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> dict[str, Any] | None:
+    """The stored sampling decision of a conversation, or None when it was never decided."""
+    cols = ("conversation_id", "revision", "transcript_hash", "sampled", "probability", "rule", "skipped_reason",
+            "decided_at")
+    row = cur.execute(f"SELECT {', '.join(cols)} FROM sampling_decisions WHERE conversation_id = ?",
+                      [conversation_id]).fetchone()
+    return None if row is None else {k: _iso(v) for k, v in zip(cols, row)}
+
+
+# --- criteria, verdicts, not run ------------------------------------------------------------------
+
+
+def _criterion_text(c: Criterion) -> str:
+    if isinstance(c, LLMCriterion):
+        return c.prompt
+    params = c.params.model_dump(mode="json", exclude_defaults=True)
+    text = f"Code check {c.check}" + (f" {orjson.dumps(params).decode()}" if params else "")
+    if c.applies_if is not None:
+        text += f"; applies if {orjson.dumps(c.applies_if.model_dump(mode='json', exclude_none=True)).decode()}"
+    return text
+
+
+def store_criteria(cur: duckdb.DuckDBPyConnection, criteria: Sequence[Criterion], *,
+                   now: dt.datetime | None = None) -> None:
+    """Remember each criterion version's text, group and severity.
+
+    The review page shows the exact text a verdict was judged against, and stats
+    group criteria as they were when judged, even after the files change.
+    """
+    at = _now(now)
+    with _Transaction(cur):
+        for c in criteria:
+            cur.execute("INSERT INTO criteria VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                        [c.id, c.version, c.kind, c.severity, c.group, _criterion_text(c), at])
+
+
+def verdict_id(v: Verdict) -> str:
+    """The id of a verdict: a digest of what makes it unique, so a repeated call maps to the same row."""
+    key = "\x1f".join([v.conversation_id, v.criterion_id, str(v.criterion_version), v.judge.model,
+                       v.transcript_sha256])
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
+def _current_sha256(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> str | None:
+    record = conversation_record(cur, conversation_id)
+    if record is None:
+        return None
+    return transcript_sha256(Conversation.model_validate(record).messages)
+
+
+def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], *, probability: float,
+                   rule: str | None, queue_results: Sequence[str] = ("fail",),
+                   now: dt.datetime | None = None) -> list[str]:
+    """Store verdicts, supersede older transcripts' verdicts, and queue what needs a reviewer.
+
+    Idempotent per (conversation, criterion, criterion version, judge model,
+    transcript hash): storing the same verdict again changes nothing, except
+    that an ``error`` is replaced by a later real verdict for the same key
+    (errors are retried; the retry's answer is the verdict). A verdict judged
+    on the conversation's current transcript marks the conversation's verdicts
+    for that criterion on other transcripts superseded; one judged on a
+    transcript that is no longer current (a late reply) is stored superseded.
+
+    Args:
+        verdicts: from ``judges.run_judges`` / ``arun_judges``.
+        probability: the inclusion probability of the conversations judged, in (0, 1].
+        rule: the sampling rule that picked them.
+        queue_results: results that open a pending review item (config ``review.queue_results``);
+            every flagged fail is queued too, an ``error`` never.
+        now: the daemon's clock (UTC).
+
+    Returns:
+        The ids of the verdicts stored or replaced by this call (not those already there).
+    """
+    if not 0 < probability <= 1:
+        raise ValueError(f"probability must be in (0, 1], got {probability}")
+    at = _now(now)
+    verdicts = list(verdicts)
+    current = {cid: _current_sha256(cur, cid) for cid in {v.conversation_id for v in verdicts}}
+    stored: list[str] = []
+    with _Transaction(cur):
+        for v in verdicts:
+            vid = verdict_id(v)
+            row = cur.execute("SELECT result FROM verdicts WHERE id = ?", [vid]).fetchone()
+            if row is not None and (row[0] != "error" or v.result == "error"):
+                continue
+            if row is not None:
+                cur.execute("DELETE FROM verdicts WHERE id = ?", [vid])
+            now_sha = current[v.conversation_id]
+            stale = now_sha is not None and now_sha != v.transcript_sha256
+            if not stale:
+                cur.execute("UPDATE verdicts SET superseded = true WHERE conversation_id = ? AND criterion_id = ? "
+                            "AND transcript_sha256 <> ? AND NOT superseded",
+                            [v.conversation_id, v.criterion_id, v.transcript_sha256])
+            cur.execute(
+                f"INSERT INTO verdicts ({', '.join(_VERDICT_COLUMNS)}, seq) "
+                f"VALUES ({', '.join('?' * len(_VERDICT_COLUMNS))}, nextval('verdict_seq'))",
+                [vid, v.conversation_id, v.criterion_id, v.criterion_version, v.judge.provider, v.judge.model,
+                 v.transcript_sha256, v.result, v.error_reason, v.reasoning, orjson.dumps(v.evidence).decode(),
+                 v.evidence_verified, v.flagged, v.usage.input_tokens, v.usage.output_tokens, v.raw_reply,
+                 probability, rule, at, stale])
+            stored.append(vid)
+            queued = v.result != "error" and (v.result in queue_results or (v.result == "fail" and v.flagged))
+            if queued and not stale:
+                cur.execute(
+                    "INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
+                    "VALUES (nextval('review_item_seq'), ?, ?, ?, 'pending', ?) ON CONFLICT DO NOTHING",
+                    [vid, v.conversation_id, v.criterion_id, at])
+    return stored
+
+
+def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
+                  now: dt.datetime | None = None) -> None:
+    """Record criteria that could not run (no provider, no content, budget), the latest reason winning."""
+    at = _now(now)
+    with _Transaction(cur):
+        for r in not_run:
+            cur.execute('INSERT INTO not_run VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET '
+                        'reason = excluded.reason, "at" = excluded."at"',
+                        [r.conversation_id, r.criterion_id, r.criterion_version, r.reason, at])
+
+
+def _verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
+    d = dict(zip(_VERDICT_COLUMNS, row))
+    return {
+        "id": d["id"], "conversation_id": d["conversation_id"], "criterion_id": d["criterion_id"],
+        "criterion_version": d["criterion_version"], "result": d["result"], "error_reason": d["error_reason"],
+        "reasoning": d["reasoning"] or "", "evidence": orjson.loads(d["evidence"] or "[]"),
+        "evidence_verified": d["evidence_verified"], "flagged": d["flagged"],
+        "judge": {"provider": d["judge_provider"], "model": d["judge_model"]},
+        "usage": {"input_tokens": d["input_tokens"], "output_tokens": d["output_tokens"]},
+        "transcript_sha256": d["transcript_sha256"], "raw_reply": d["raw_reply"] or "",
+        "inclusion_probability": d["inclusion_probability"], "sampling_rule": d["sampling_rule"],
+        "judged_at": _iso(d["judged_at"]), "superseded": d["superseded"],
+    }
+
+
+def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, criterion: str | None = None,
+                  since: dt.datetime | None = None, *, include_superseded: bool = False,
+                  limit: int | None = None) -> list[dict[str, Any]]:
+    """Stored verdicts, the newest first (``tracejudge verdicts --result error`` lists errors with reasons).
+
+    Args:
+        result: only this result (``pass``, ``fail``, ``not_applicable``, ``error``).
+        criterion: only this criterion id.
+        since: only verdicts judged at or after this time.
+        include_superseded: also verdicts of older transcripts.
+        limit: at most this many.
+
+    Returns:
+        Verdicts in the criteria.md shape, plus ``id``, ``inclusion_probability``,
+        ``sampling_rule``, ``judged_at`` and ``superseded``.
+    """
+    where, params = _filters(result=result, criterion=criterion, since=since)
+    if not include_superseded:
+        where.append("NOT superseded")
+    sql = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts {_where(where)} ORDER BY seq DESC"
+           + (" LIMIT ?" if limit is not None else ""))
+    rows = cur.execute(sql, params + ([limit] if limit is not None else [])).fetchall()
+    return [_verdict_dict(r) for r in rows]
+
+
+def _filters(*, result: str | None = None, criterion: str | None = None, since: dt.datetime | None = None,
+             prefix: str = "") -> tuple[list[str], list[Any]]:
+    where: list[str] = []
+    params: list[Any] = []
+    for column, value in (("result", result), ("criterion_id", criterion)):
+        if value is not None:
+            where.append(f"{prefix}{column} = ?")
+            params.append(value)
+    if since is not None:
+        where.append(f"{prefix}judged_at >= ?")
+        params.append(since)
+    return where, params
+
+
+def _where(where: list[str]) -> str:
+    return "WHERE " + " AND ".join(where) if where else ""
+
+
+# --- review queue ----------------------------------------------------------------------------------
+
+
+def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criterion: str | None = None,
+                 limit: int = 100) -> list[dict[str, Any]]:
+    """Review items, the oldest first (the queue's order).
+
+    Args:
+        state: ``pending`` (default), ``confirmed``, ``rejected`` or ``all``.
+        criterion: only this criterion id.
+        limit: at most this many.
+
+    Returns:
+        Items with ``id``, ``conversation_id``, ``criterion_id``, ``state``, ``reviewer``,
+        ``note``, ``created_at``, ``decided_at``, ``verdict_id`` and, from the verdict,
+        ``criterion_version``, ``result``, ``flagged``, ``evidence_verified`` and ``superseded``.
+
+    Raises:
+        ReviewInputError: an unknown state.
+    """
+    if state != "all" and state not in REVIEW_STATES:
+        raise ReviewInputError(f"state must be one of {', '.join(REVIEW_STATES)} or all, got {state!r}")
+    where, params = [], []
+    if state != "all":
+        where.append("r.state = ?")
+        params.append(state)
+    if criterion is not None:
+        where.append("r.criterion_id = ?")
+        params.append(criterion)
+    return _items(cur, where, params, limit)
+
+
+_ITEM_KEYS = (*_ITEM_COLUMNS, "criterion_version", "result", "flagged", "evidence_verified", "superseded")
+
+
+def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], limit: int) -> list[dict[str, Any]]:
+    rows = cur.execute(
+        f"SELECT {', '.join('r.' + c for c in _ITEM_COLUMNS)}, v.criterion_version, v.result, v.flagged, "
+        f"v.evidence_verified, v.superseded FROM review_items r JOIN verdicts v ON v.id = r.verdict_id "
+        f"{_where(where)} ORDER BY r.created_at, r.id LIMIT ?", [*params, limit]).fetchall()
+    return [{k: _iso(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
+
+
+def _item_id(item_id: int | str) -> int:
+    # Ids arrive from URLs and command lines as text.
+    try:
+        return int(item_id)
+    except (TypeError, ValueError):
+        raise ReviewNotFound(f"no review item {item_id!r}") from None
+
+
+def _item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:
+    row = cur.execute(f"SELECT {', '.join(_ITEM_COLUMNS)} FROM review_items WHERE id = ?",
+                      [_item_id(item_id)]).fetchone()
+    if row is None:
+        raise ReviewNotFound(f"no review item {item_id!r}")
+    return dict(zip(_ITEM_COLUMNS, row))
+
+
+def review_history(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> list[dict[str, Any]]:
+    """Every decision on an item, the oldest first, each with the state, reviewer and note it replaced."""
+    cols = ("decision", "previous_state", "previous_reviewer", "previous_note", "state", "reviewer", "note",
+            "forced", "decided_at")
+    rows = cur.execute(f"SELECT {', '.join(cols)} FROM review_history WHERE item_id = ? ORDER BY id",
+                       [_item_id(item_id)]).fetchall()
+    return [{k: _iso(v) for k, v in zip(cols, r)} for r in rows]
+
+
+def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:
+    """One review item with everything a reviewer needs.
+
+    Returns:
+        ``{"item", "verdict", "criterion", "history", "conversation"}``: the item
+        (as in ``list_reviews``), the full verdict (reasoning, evidence, judge),
+        the criterion ``{"id", "version", "text", "group", "severity"}`` (text and
+        group are None when ``store_criteria`` never saw that version), the
+        decisions so far, and the conversation/v1 record (None if it is gone).
+
+    Raises:
+        ReviewNotFound: no item with that id.
+    """
+    found = _items(cur, ["r.id = ?"], [_item_id(item_id)], 1)
+    if not found:
+        raise ReviewNotFound(f"no review item {item_id!r}")
+    item = found[0]
+    row = cur.execute(f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts WHERE id = ?",
+                      [item["verdict_id"]]).fetchone()
+    assert row is not None  # items are only made with their verdict
+    verdict = _verdict_dict(row)
+    crit = cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
+                       "AND criterion_version = ?", [verdict["criterion_id"], verdict["criterion_version"]]
+                       ).fetchone()
+    return {
+        "item": item,
+        "verdict": verdict,
+        "criterion": {"id": verdict["criterion_id"], "version": verdict["criterion_version"],
+                      "text": crit[0] if crit else None, "group": crit[1] if crit else None,
+                      "severity": crit[2] if crit else None},
+        "history": review_history(cur, item["id"]),
+        "conversation": conversation_record(cur, verdict["conversation_id"]),
+    }
+
+
+def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, reviewer: str,
+           note: str | None = None, force: bool = False, *, now: dt.datetime | None = None) -> dict[str, Any]:
+    """Confirm or reject a review item; the decision is added to the item's history.
+
+    Args:
+        item_id: the item.
+        decision: ``confirm`` (the judge was right) or ``reject`` (it was wrong).
+        reviewer: who decided (required: provenance of every human edit).
+        note: why, in the reviewer's words.
+        force: decide an item that was decided already; the earlier decision stays in the history.
+        now: the clock (UTC).
+
+    Returns:
+        The item after the decision (as in ``list_reviews``).
+
+    Raises:
+        ReviewInputError: an unknown decision or an empty reviewer (400).
+        ReviewNotFound: no item with that id (404).
+        ReviewConflict: the item was decided already and ``force`` is false (409).
+    """
+    if decision not in _DECIDED:
+        raise ReviewInputError(f"decision must be confirm or reject, got {decision!r}")
+    if not reviewer or not reviewer.strip():
+        raise ReviewInputError("a reviewer is required")
+    reviewer = reviewer.strip()
+    state = _DECIDED[decision]
+    at = _now(now)
+    with _Transaction(cur):
+        item = _item(cur, item_id)
+        if item["state"] != "pending" and not force:
+            raise ReviewConflict(f"review item {item['id']} was already {item['state']} by {item['reviewer']}; "
+                                 "use force to decide again")
+        cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer, note,
+                     item["state"] != "pending", at])
+        cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? WHERE id = ?",
+                    [state, reviewer, note, at, item["id"]])
+    return _items(cur, ["r.id = ?"], [item["id"]], 1)[0]
+
+
+# --- stats -------------------------------------------------------------------------------------------
+
+
+def _current_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None,
+                  criterion: str | None) -> list[tuple[Any, ...]]:
+    """The verdict that counts per (conversation, criterion): current transcript, newest version, newest."""
+    where, params = _filters(criterion=criterion, since=since)
+    where.append("NOT superseded")
+    return cur.execute(
+        "SELECT v.id, v.conversation_id, v.criterion_id, v.criterion_version, v.result, v.error_reason, "
+        "v.evidence_verified, v.flagged, v.transcript_sha256, v.inclusion_probability, r.state, "
+        "v.judge_provider, v.judge_model "
+        f"FROM (SELECT * FROM verdicts {_where(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
+        "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1) v "
+        "LEFT JOIN review_items r ON r.verdict_id = v.id", params).fetchall()
+
+
+def _rate_entries(keyed: list[tuple[str, tuple[Any, ...]]],
+                  not_run: list[tuple[str, NotRun]]) -> dict[str, RateStats]:
+    """Counts and the weighted failure rate per key, by ``judges.summarize``.
+
+    Each verdict is given a conversation of its own carrying the verdict's
+    inclusion probability, so the weight is exactly 1/p of that verdict (a
+    conversation backfilled for one criterion may carry another p than for the next).
+    """
+    verdicts: list[Verdict] = []
+    convs: list[Conversation] = []
+    for n, (key, row) in enumerate(keyed):
+        (_, _, _, version, result, reason, verified, flagged, sha, p, _, provider, model) = row
+        unit = f"v{n}"
+        verdicts.append(Verdict(conversation_id=unit, criterion_id=key, criterion_version=version, result=result,
+                                error_reason=reason, evidence_verified=verified, flagged=flagged,
+                                judge={"provider": provider, "model": model}, transcript_sha256=sha))
+        convs.append(Conversation.model_validate({"id": unit, "source": "production", "ended_by": "unknown",
+                                                  "messages": [], "sampling": {"probability": p}}))
+    runs = [NotRun(conversation_id=r.conversation_id, criterion_id=key, criterion_version=r.criterion_version,
+                   reason=r.reason) for key, r in not_run]
+    summary = summarize(verdicts, conversations=convs, not_run=runs)
+    return {s.criterion_id: s for s in summary.criteria}
+
+
+def _entry(stats: RateStats, rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+    c = stats.counts
+    rate = stats.weighted_failure_rate
+    review = Counter(r[10] for r in rows if r[10] is not None)
+    fail_reviews = Counter(r[10] for r in rows if r[10] in ("confirmed", "rejected") and r[4] == "fail")
+    decided_fails = fail_reviews["confirmed"] + fail_reviews["rejected"]
+    return {
+        "judged": len(rows),
+        "pass": c.pass_, "fail": c.fail, "not_applicable": c.not_applicable, "error": c.error,
+        "not_run": c.not_run, "pass_unverified": c.pass_unverified, "flagged": c.flagged,
+        "failure_rate": None if rate is None else {
+            "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
+            "count": rate.count, "n": rate.n, "method": rate.method},
+        "review": {"pending": review["pending"], "confirmed": review["confirmed"], "rejected": review["rejected"],
+                   "fails_rejected_share": fail_reviews["rejected"] / decided_fails if decided_fails else None},
+        "errors": stats.errors, "not_run_reasons": stats.not_run_reasons,
+    }
+
+
+def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
+          criterion: str | None = None) -> dict[str, Any]:
+    """Counts, honest failure rates and review outcomes, per criterion and per group.
+
+    Counts are raw counts of current verdicts: for each conversation and
+    criterion the verdict on its current transcript with the newest criterion
+    version. ``failure_rate`` is the estimate for all production traffic among
+    applicable verdicts (clean pass + fail), each weighted by 1/inclusion
+    probability, with a 95% interval from the effective sample size (the
+    statistics of ``judges.summarize``); None when nothing was applicable.
+    Passes with unverified evidence are counted apart and kept out of the rate.
+
+    Args:
+        since: only verdicts judged (and conversations ended, decided, not run) at or after this time.
+        criterion: only this criterion id.
+
+    Returns:
+        ``{"criteria": [...], "groups": [...], "conversations": {"ended", "sampled",
+        "not_sampled", "skipped", "judged"}, "tokens": {"input_tokens", "output_tokens"}}``;
+        each criterion entry has ``criterion_id``, ``criterion_version``, ``group``,
+        ``judged``, ``pass``, ``fail``, ``not_applicable``, ``error``, ``not_run``,
+        ``pass_unverified``, ``flagged``, ``failure_rate`` ({``estimate``, ``low``,
+        ``high``, ``n_eff``, ...} or None), ``review`` ({``pending``, ``confirmed``,
+        ``rejected``, ``fails_rejected_share``}), ``errors`` and ``not_run_reasons``.
+    """
+    rows = _current_rows(cur, since, criterion)
+    nr_where: list[str] = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
+                           "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
+    nr_params: list[Any] = []
+    if criterion is not None:
+        nr_where.append("n.criterion_id = ?")
+        nr_params.append(criterion)
+    if since is not None:
+        nr_where.append('n."at" >= ?')
+        nr_params.append(since)
+    not_run = [NotRun(conversation_id=r[0], criterion_id=r[1], criterion_version=r[2], reason=r[3])
+               for r in cur.execute("SELECT conversation_id, criterion_id, criterion_version, reason FROM not_run n "
+                                    f"{_where(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
+                                    "criterion_id ORDER BY criterion_version DESC) = 1", nr_params).fetchall()]
+    groups_of = dict(cur.execute(
+        "SELECT criterion_id, criterion_group FROM criteria QUALIFY row_number() OVER "
+        "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall())
+
+    by_crit: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    by_group: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for r in rows:
+        by_crit[r[2]].append(r)
+        if group := groups_of.get(r[2]):
+            by_group[group].append(r)
+    keyed = [(f"c:{k}", r) for k, rs in by_crit.items() for r in rs]
+    keyed += [(f"g:{g}", r) for g, rs in by_group.items() for r in rs]
+    nr_keyed = [(f"c:{r.criterion_id}", r) for r in not_run]
+    nr_keyed += [(f"g:{g}", r) for r in not_run if (g := groups_of.get(r.criterion_id))]
+    computed = _rate_entries(keyed, nr_keyed)
+
+    crit_ids = sorted(set(by_crit) | {r.criterion_id for r in not_run})
+    criteria_out = []
+    for cid in crit_ids:
+        crows = by_crit.get(cid, [])
+        versions = [r[3] for r in crows] + [r.criterion_version for r in not_run if r.criterion_id == cid]
+        criteria_out.append({"criterion_id": cid, "criterion_version": max(versions),
+                             "group": groups_of.get(cid), **_entry(computed[f"c:{cid}"], crows)})
+    group_names = sorted(set(by_group) | {g for r in not_run if (g := groups_of.get(r.criterion_id))})
+    groups_out = [{"group": g, **_entry(computed[f"g:{g}"], by_group.get(g, []))} for g in group_names]
+    return {
+        "criteria": criteria_out,
+        "groups": groups_out,
+        "conversations": _conversation_counts(cur, since, rows),
+        "tokens": _tokens(cur, since, criterion),
+    }
+
+
+def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None,
+                         rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+    ended_sql = "SELECT count(*) FROM conversations WHERE state = 'ended'"
+    params: list[Any] = []
+    if since is not None:
+        ended_sql += " AND closed_at >= ?"
+        params.append(since)
+    ended_row = cur.execute(ended_sql, params).fetchone()
+    decided = cur.execute(
+        "SELECT sampled, skipped_reason, count(*) FROM sampling_decisions "
+        + ("WHERE decided_at >= ? " if since is not None else "") + "GROUP BY ALL",
+        [since] if since is not None else []).fetchall()
+    skipped: dict[str, int] = {}
+    for _, reason, n in decided:
+        if reason is not None:
+            skipped[reason] = skipped.get(reason, 0) + n
+    return {
+        "ended": int(ended_row[0]) if ended_row else 0,
+        "sampled": sum(n for sampled, reason, n in decided if sampled and reason is None),
+        "not_sampled": sum(n for sampled, reason, n in decided if not sampled and reason is None),
+        "skipped": skipped,
+        "judged": len({r[1] for r in rows}),
+    }
+
+
+def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None) -> dict[str, int]:
+    # Tokens are money spent: superseded verdicts count too.
+    where, params = _filters(criterion=criterion, since=since)
+    row = cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
+                      f"{_where(where)}", params).fetchone()
+    return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}
