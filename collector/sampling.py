@@ -1,0 +1,368 @@
+"""Which finished conversations get judged, and with what inclusion probability.
+
+Lifecycle: the daemon builds one ``Sampler`` from the ``sampling:`` config
+section when it starts (and ``restore``s its budget windows from what it stored),
+then calls ``decide`` exactly once per conversation, the first time that
+conversation ends, and stores the ``Decision`` (sampled, probability, rule,
+skipped). After each judge call it reports the tokens spent with
+``record_tokens``. A conversation that ends again later keeps its stored
+decision; ``decide`` is never asked twice for the same conversation, because
+budgets count every admission.
+
+How a decision is made:
+
+1. The rules are tried in order; the first whose ``when`` holds gives the rate
+   (``rules[0]``, ``rules[1]``, ...), otherwise the default ``rate`` does
+   (``default``). That rate is the conversation's inclusion probability.
+2. ``blake2b(seed, conversation id)`` mapped to [0, 1) is compared with the rate:
+   the same conversation gets the same answer in every run and on every
+   replica.
+3. A conversation the rate picked is stopped when a budget is used up; the
+   decision then says ``skipped="budget:..."``. The caller stores and counts
+   it and keeps it out of the estimates: a skipped conversation is not a
+   sampled one, and it does not stand for anybody.
+
+Budgets run on the injected clock (epoch seconds: UTC, the daemon's clock,
+never span timestamps): ``conversations_per_hour`` is a sliding window over the
+last 3600 seconds; ``judge_tokens_per_day`` is a fixed window, the UTC calendar
+day, which starts again at 00:00 UTC. The token budget is checked before a
+conversation is admitted and charged after it is judged, so the calls already
+in flight when it runs out may overshoot it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from .config import Section
+
+HOUR = 3600.0
+DAY = 86400.0
+
+SKIPPED_CONVERSATIONS = "budget:conversations_per_hour"
+SKIPPED_TOKENS = "budget:judge_tokens_per_day"
+
+# --------------------------------------------------------------- config
+
+
+def _check_rate(value: float) -> float:
+    if not (0.0 <= value <= 1.0) or math.isnan(value):
+        raise ValueError("a rate is a probability from 0 to 1 (10% is 0.1)")
+    return value
+
+
+Rate = Annotated[float, AfterValidator(_check_rate)]
+
+
+def _check_regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"not a valid regular expression: {exc}") from None
+    return value
+
+
+Regex = Annotated[str, AfterValidator(_check_regex)]
+
+
+class AttributeMatch(Section):
+    """A span or resource attribute of the conversation; give ``equals`` or ``matches``."""
+
+    key: str = Field(min_length=1)
+    """The attribute name, for example ``gen_ai.request.model``."""
+    equals: str | int | float | bool | None = None
+    """Holds when a value of the attribute equals this one (``5`` and ``"5"``, ``true`` and ``"true"`` are equal)."""
+    matches: Regex | None = None
+    """Holds when a regular expression finds a match anywhere in a value (anchor it with ``^...$``)."""
+
+    @model_validator(mode="after")
+    def _one_test(self) -> AttributeMatch:
+        if (self.equals is None) == (self.matches is None):
+            raise ValueError("give exactly one of equals or matches")
+        return self
+
+
+WHEN_KEYS = ("ended_by", "service", "model", "attribute", "min_user_turns", "max_user_turns", "status")
+
+
+class When(Section):
+    """Conditions on a finished conversation; every key given must hold."""
+
+    ended_by: Literal["idle", "handover", "bot_closed", "unknown"] | None = None
+    """How the conversation ended: the idle timeout, or the ``ended_by`` of an end rule."""
+    service: str | None = None
+    """The conversation's ``service.name``."""
+    model: str | None = None
+    """A model that answered in the conversation (any of them)."""
+    attribute: AttributeMatch | None = None
+    """A span or resource attribute on any span of the conversation."""
+    min_user_turns: int | None = Field(None, ge=0)
+    """At least this many user messages."""
+    max_user_turns: int | None = Field(None, ge=0)
+    """At most this many user messages."""
+    status: Literal["error"] | None = None
+    """``error``: some span of the conversation has status ERROR."""
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> When:
+        if all(getattr(self, k) is None for k in WHEN_KEYS):
+            raise ValueError(f"an empty when matches everything; give at least one of {', '.join(WHEN_KEYS)}"
+                             " (or set the default rate)")
+        if (self.min_user_turns is not None and self.max_user_turns is not None
+                and self.min_user_turns > self.max_user_turns):
+            raise ValueError(f"min_user_turns ({self.min_user_turns}) is above max_user_turns "
+                             f"({self.max_user_turns}): nothing can match")
+        return self
+
+
+class SamplingRule(Section):
+    """One rule: the conversations its ``when`` matches are sampled at its ``rate``."""
+
+    when: When
+    rate: Rate
+    """Inclusion probability, from 0 (never) to 1 (always)."""
+
+
+class SamplingBudget(Section):
+    """Caps on judging; null means unlimited. What a budget stops is recorded as skipped."""
+
+    conversations_per_hour: int | None = Field(None, ge=0)
+    """Conversations admitted for judging in any sliding 3600 seconds (daemon clock)."""
+    judge_tokens_per_day: int | None = Field(None, ge=0)
+    """Judge tokens (input + output) per UTC calendar day; none admitted once spent."""
+
+
+class SamplingSettings(Section):
+    """The ``sampling:`` section: a default rate, rules tried in order, budgets."""
+
+    rate: Rate = 0.1
+    """Inclusion probability of a conversation no rule matches."""
+    seed: int = 0
+    """Mixed into the hash; change it to draw a different sample of the same traffic."""
+    rules: list[SamplingRule] = []
+    """Tried in order; the first whose ``when`` holds gives the rate."""
+    budget: SamplingBudget = SamplingBudget()
+
+
+# --------------------------------------------------------------- facts and decisions
+
+
+@dataclass(frozen=True)
+class ConversationFacts:
+    """What a sampling rule can look at, gathered by the caller when a conversation ends."""
+
+    conversation_id: str
+    ended_by: str | None = None
+    service: str | None = None
+    models: tuple[str, ...] = ()
+    user_turns: int = 0
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    """Span and resource attributes of the conversation, values as stored. When an
+    attribute has several values across spans, give them as a set, tuple or list:
+    a test holds when it holds for any of them."""
+    has_error: bool = False
+    """Some span of the conversation has status ERROR."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "attributes", MappingProxyType(dict(self.attributes)))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of ``Sampler.decide``, stored once per conversation."""
+
+    sampled: bool
+    """Judge it. False when the rate passed it over or a budget stopped it."""
+    probability: float
+    """The inclusion probability: the rate of the rule that matched (its weight is 1 / probability)."""
+    rule: str
+    """``rules[0]``, ``rules[1]``, ... or ``default``."""
+    skipped: str | None = None
+    """``budget:conversations_per_hour`` or ``budget:judge_tokens_per_day`` when a budget
+    stopped a conversation the rate had picked; keep these out of the estimates."""
+
+
+@dataclass(frozen=True)
+class BudgetUsage:
+    """What the budgets have counted so far in their current windows."""
+
+    conversations_last_hour: int
+    judge_tokens_today: int
+
+
+def unit_hash(conversation_id: str, seed: int) -> float:
+    """A stable draw in [0, 1) for (conversation id, seed): blake2b, the same on every machine and run."""
+    digest = hashlib.blake2b(f"{seed}\x00{conversation_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 18446744073709551616.0  # 2**64
+
+
+# --------------------------------------------------------------- matching
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return str(value)
+
+
+def _values(value: Any) -> Iterable[Any]:
+    if isinstance(value, (set, frozenset, tuple, list)):
+        return value
+    return (value,)
+
+
+def _equals(stored: Any, wanted: str | int | float | bool) -> bool:
+    if stored is None:
+        return False
+    if type(stored) is type(wanted) or (
+        isinstance(stored, (int, float)) and isinstance(wanted, (int, float))
+        and not isinstance(stored, bool) and not isinstance(wanted, bool)
+    ):
+        return bool(stored == wanted)
+    # The same value written in another type ("5" for 5, "true" for True) still counts.
+    return _text(stored) == _text(wanted)
+
+
+class _CompiledRule:
+    __slots__ = ("name", "rate", "when", "pattern")
+
+    def __init__(self, name: str, rate: float, when: When) -> None:
+        self.name = name
+        self.rate = rate
+        self.when = when
+        self.pattern = re.compile(when.attribute.matches) if when.attribute and when.attribute.matches else None
+
+    def holds(self, facts: ConversationFacts) -> bool:
+        w = self.when
+        if w.ended_by is not None and facts.ended_by != w.ended_by:
+            return False
+        if w.service is not None and facts.service != w.service:
+            return False
+        if w.model is not None and w.model not in facts.models:
+            return False
+        if w.min_user_turns is not None and facts.user_turns < w.min_user_turns:
+            return False
+        if w.max_user_turns is not None and facts.user_turns > w.max_user_turns:
+            return False
+        if w.status == "error" and not facts.has_error:
+            return False
+        if w.attribute is not None:
+            if w.attribute.key not in facts.attributes:
+                return False
+            values = [v for v in _values(facts.attributes[w.attribute.key]) if v is not None]
+            if self.pattern is not None:
+                return any(self.pattern.search(_text(v)) for v in values)
+            wanted = w.attribute.equals
+            assert wanted is not None
+            return any(_equals(v, wanted) for v in values)
+        return True
+
+
+# --------------------------------------------------------------- the sampler
+
+
+class Sampler:
+    """Decides, once per finished conversation, whether it is judged.
+
+    Thread-safe: the budget windows are guarded by a lock, so decisions and
+    ``record_tokens`` may come from different threads.
+
+    Args:
+        settings: the ``sampling:`` config section.
+        clock: epoch seconds on the daemon's clock (UTC); injected in tests.
+    """
+
+    def __init__(self, settings: SamplingSettings, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._rules = [_CompiledRule(f"rules[{i}]", r.rate, r.when) for i, r in enumerate(settings.rules)]
+        self._lock = threading.Lock()
+        self._admitted: deque[float] = deque()
+        self._day = -1
+        self._tokens_today = 0
+
+    def rule_for(self, facts: ConversationFacts) -> tuple[str, float]:
+        """The first rule whose ``when`` holds, as (name, rate); ``("default", rate)`` when none does."""
+        for rule in self._rules:
+            if rule.holds(facts):
+                return rule.name, rule.rate
+        return "default", self.settings.rate
+
+    def decide(self, facts: ConversationFacts) -> Decision:
+        """Sample one finished conversation; call once per conversation and store the result.
+
+        A conversation the rate picks counts against the hourly budget; one a
+        budget stops is returned with ``sampled=False`` and ``skipped`` set.
+        """
+        name, rate = self.rule_for(facts)
+        if unit_hash(facts.conversation_id, self.settings.seed) >= rate:
+            return Decision(sampled=False, probability=rate, rule=name)
+        budget = self.settings.budget
+        with self._lock:
+            now = self._clock()
+            if budget.judge_tokens_per_day is not None:
+                self._roll_day(now)
+                if self._tokens_today >= budget.judge_tokens_per_day:
+                    return Decision(sampled=False, probability=rate, rule=name, skipped=SKIPPED_TOKENS)
+            self._trim_hour(now)
+            if budget.conversations_per_hour is not None and len(self._admitted) >= budget.conversations_per_hour:
+                return Decision(sampled=False, probability=rate, rule=name, skipped=SKIPPED_CONVERSATIONS)
+            self._admitted.append(now)
+        return Decision(sampled=True, probability=rate, rule=name)
+
+    def record_tokens(self, n: int) -> None:
+        """Charge ``n`` judge tokens (input + output) to today's budget; call after each judge call."""
+        if n < 0:
+            raise ValueError(f"tokens spent cannot be negative, got {n}")
+        with self._lock:
+            self._roll_day(self._clock())
+            self._tokens_today += n
+
+    def restore(self, *, admitted_at: Iterable[float] = (), tokens: Iterable[tuple[float, int]] = ()) -> None:
+        """Refill the budget windows after a restart from what the daemon stored.
+
+        Args:
+            admitted_at: clock times (epoch seconds) at which conversations were
+                sampled; those within the last hour count again.
+            tokens: ``(clock time, tokens)`` of judge calls; those of today (UTC) count again.
+        """
+        with self._lock:
+            now = self._clock()
+            self._roll_day(now)
+            self._admitted.extend(sorted(t for t in admitted_at if t > now - HOUR))
+            self._trim_hour(now)
+            self._tokens_today += sum(n for t, n in tokens if math.floor(t / DAY) == self._day)
+
+    def usage(self) -> BudgetUsage:
+        """The budgets' counts in their current windows (for metrics and status)."""
+        with self._lock:
+            now = self._clock()
+            self._roll_day(now)
+            self._trim_hour(now)
+            return BudgetUsage(conversations_last_hour=len(self._admitted), judge_tokens_today=self._tokens_today)
+
+    def _trim_hour(self, now: float) -> None:
+        while self._admitted and self._admitted[0] <= now - HOUR:
+            self._admitted.popleft()
+
+    def _roll_day(self, now: float) -> None:
+        # Epoch seconds count UTC days exactly (no leap seconds), so day n starts at n * 86400.
+        day = math.floor(now / DAY)
+        if day != self._day:
+            self._day = day
+            self._tokens_today = 0
