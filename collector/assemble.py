@@ -126,7 +126,7 @@ class _LogGroup:
     service: str | None
     # Per event, what it was read from, for ParseMemo; None once an event came
     # from a value that could equal another reading differently (see _exact).
-    sources: list[tuple[str, str, str | None]] | None
+    sources: list[tuple[str, Any, Any]] | None
 
 
 def _log_rank(row: dict[str, Any]) -> tuple[str, str]:
@@ -150,7 +150,7 @@ def _log_groups(logs: list[dict[str, Any]], known_texts: dict[str, Any]
         if lid not in seen or _log_rank(row) < _log_rank(seen[lid]):
             seen[lid] = row
     parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None,
-                       tuple[str, str, str | None] | None]] = []
+                       tuple[str, Any, Any] | None]] = []
     bad = 0
     # Per-message events repeat the same bodies and attributes in every call of
     # a conversation: parse each distinct text once (nothing mutates the result).
