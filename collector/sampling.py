@@ -227,50 +227,63 @@ def _values(value: Any) -> Iterable[Any]:
 
 
 def _equals(stored: Any, wanted: str | int | float | bool) -> bool:
+    if type(stored) is type(wanted):
+        return bool(stored == wanted)
     if stored is None:
         return False
-    if type(stored) is type(wanted) or (
-        isinstance(stored, (int, float)) and isinstance(wanted, (int, float))
-        and not isinstance(stored, bool) and not isinstance(wanted, bool)
-    ):
-        return bool(stored == wanted)
+    if (isinstance(stored, (int, float)) and isinstance(wanted, (int, float))
+            and not isinstance(stored, bool) and not isinstance(wanted, bool)):
+        return bool(stored == wanted)  # 5 == 5.0
     # The same value written in another type ("5" for 5, "true" for True) still counts.
     return _text(stored) == _text(wanted)
 
 
-class _CompiledRule:
-    __slots__ = ("name", "rate", "when", "pattern")
+Check = Callable[[ConversationFacts], bool]
 
-    def __init__(self, name: str, rate: float, when: When) -> None:
-        self.name = name
-        self.rate = rate
-        self.when = when
-        self.pattern = re.compile(when.attribute.matches) if when.attribute and when.attribute.matches else None
 
-    def holds(self, facts: ConversationFacts) -> bool:
-        w = self.when
-        if w.ended_by is not None and facts.ended_by != w.ended_by:
+def _attribute_check(match: AttributeMatch) -> Check:
+    key = match.key
+    if match.matches is not None:
+        search = re.compile(match.matches).search
+
+        def test(value: Any) -> bool:
+            return search(_text(value)) is not None
+    else:
+        wanted = match.equals
+        assert wanted is not None
+
+        def test(value: Any) -> bool:
+            return _equals(value, wanted)
+
+    def check(f: ConversationFacts) -> bool:
+        value = f.attributes.get(key)
+        if value is None:
             return False
-        if w.service is not None and facts.service != w.service:
-            return False
-        if w.model is not None and w.model not in facts.models:
-            return False
-        if w.min_user_turns is not None and facts.user_turns < w.min_user_turns:
-            return False
-        if w.max_user_turns is not None and facts.user_turns > w.max_user_turns:
-            return False
-        if w.status == "error" and not facts.has_error:
-            return False
-        if w.attribute is not None:
-            if w.attribute.key not in facts.attributes:
-                return False
-            values = [v for v in _values(facts.attributes[w.attribute.key]) if v is not None]
-            if self.pattern is not None:
-                return any(self.pattern.search(_text(v)) for v in values)
-            wanted = w.attribute.equals
-            assert wanted is not None
-            return any(_equals(v, wanted) for v in values)
-        return True
+        if isinstance(value, (str, int, float)):
+            return test(value)
+        return any(v is not None and test(v) for v in _values(value))
+
+    return check
+
+
+def _compile(when: When) -> tuple[Check, ...]:
+    """One check per key given, cheapest first; the rule holds when all do."""
+    checks: list[Check] = []
+    if (ended_by := when.ended_by) is not None:
+        checks.append(lambda f: f.ended_by == ended_by)
+    if (service := when.service) is not None:
+        checks.append(lambda f: f.service == service)
+    if (low := when.min_user_turns) is not None:
+        checks.append(lambda f: f.user_turns >= low)
+    if (high := when.max_user_turns) is not None:
+        checks.append(lambda f: f.user_turns <= high)
+    if when.status == "error":
+        checks.append(lambda f: f.has_error)
+    if (model := when.model) is not None:
+        checks.append(lambda f: model in f.models)
+    if when.attribute is not None:
+        checks.append(_attribute_check(when.attribute))
+    return tuple(checks)
 
 
 # --------------------------------------------------------------- the sampler
@@ -290,7 +303,7 @@ class Sampler:
     def __init__(self, settings: SamplingSettings, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self._clock = clock
-        self._rules = [_CompiledRule(f"rules[{i}]", r.rate, r.when) for i, r in enumerate(settings.rules)]
+        self._rules = [(f"rules[{i}]", r.rate, _compile(r.when)) for i, r in enumerate(settings.rules)]
         self._lock = threading.Lock()
         self._admitted: deque[float] = deque()
         self._day = -1
@@ -298,9 +311,12 @@ class Sampler:
 
     def rule_for(self, facts: ConversationFacts) -> tuple[str, float]:
         """The first rule whose ``when`` holds, as (name, rate); ``("default", rate)`` when none does."""
-        for rule in self._rules:
-            if rule.holds(facts):
-                return rule.name, rule.rate
+        for name, rate, checks in self._rules:
+            for check in checks:
+                if not check(facts):
+                    break
+            else:
+                return name, rate
         return "default", self.settings.rate
 
     def decide(self, facts: ConversationFacts) -> Decision:
