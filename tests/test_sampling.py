@@ -5,6 +5,7 @@ The clock is always injected; no test reads or asserts on wall-clock time.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,8 +142,6 @@ sampling:
 
 
 def test_unit_hash_is_stable_and_in_range() -> None:
-    # Pinned values: a change of hash would move every replica's and every stored decision.
-    assert unit_hash("conv-1", 0) == pytest.approx(unit_hash("conv-1", 0))
     draws = [unit_hash(f"c{i}", 7) for i in range(2000)]
     assert all(0.0 <= d < 1.0 for d in draws)
     assert len(set(draws)) == len(draws)
@@ -150,11 +149,10 @@ def test_unit_hash_is_stable_and_in_range() -> None:
 
 
 def test_hash_value_is_pinned() -> None:
-    # blake2b-64 of "0\x00conv-1", big-endian, over 2**64: the same on every machine and Python.
-    import hashlib
-
+    # blake2b-64 of "0\x00conv-1", big-endian, over 2**64. A change here moves every stored decision
+    # and makes replicas disagree, so the number itself is pinned.
     expected = int.from_bytes(hashlib.blake2b(b"0\x00conv-1", digest_size=8).digest(), "big") / 2**64
-    assert unit_hash("conv-1", 0) == expected
+    assert unit_hash("conv-1", 0) == expected == 0.028897195324137856
 
 
 def test_same_decisions_across_runs_and_instances() -> None:
@@ -262,11 +260,14 @@ def test_each_when_key(when: dict[str, Any], yes: dict[str, Any], no: dict[str, 
 def test_keys_in_one_when_must_all_hold() -> None:
     s = always({"ended_by": "handover", "service": "triage", "min_user_turns": 2, "status": "error",
                 "attribute": {"key": "deployment.environment", "matches": "^prod"}})
-    full = {"ended_by": "handover", "service": "triage", "user_turns": 2, "has_error": True,
-            "attributes": {"deployment.environment": "production"}}
+    full: dict[str, Any] = {"ended_by": "handover", "service": "triage", "user_turns": 2, "has_error": True,
+                            "attributes": {"deployment.environment": "production"}}
     assert s.decide(facts(**full)).rule == "rules[0]"
-    for key, wrong in [("ended_by", "idle"), ("service", "billing"), ("user_turns", 1), ("has_error", False),
-                       ("attributes", {"deployment.environment": "staging"})]:
+    wrongs: list[tuple[str, Any]] = [
+        ("ended_by", "idle"), ("service", "billing"), ("user_turns", 1), ("has_error", False),
+        ("attributes", {"deployment.environment": "staging"}),
+    ]
+    for key, wrong in wrongs:
         assert s.decide(facts(**{**full, key: wrong})).rule == "default", key
 
 
@@ -467,9 +468,9 @@ def coverage(segments: Sequence[Segment], *, n: int = 1000, trials: int = 1000, 
                 assert conv.sampling is not None and conv.sampling.probability == decision.probability
                 convs.append(conv)
                 verdicts.append(by_result[result])
-        rate = summarize(verdicts, conversations=convs).criteria[0].weighted_failure_rate
-        assert rate is not None and rate.n_eff is not None
-        covered += rate.low <= fails / applicable <= rate.high
+        weighted = summarize(verdicts, conversations=convs).criteria[0].weighted_failure_rate
+        assert weighted is not None and weighted.n_eff is not None
+        covered += weighted.low <= fails / applicable <= weighted.high
     return covered / trials
 
 
@@ -494,7 +495,8 @@ def test_weighted_interval_covers_the_truth_when_failures_are_oversampled() -> N
 
 @pytest.mark.xfail(strict=True, reason=(
     "judges' weighted interval (Wilson at Kish's n_eff = (sum w)^2 / sum w^2) ignores how failures spread "
-    "across weights: with failures concentrated in the 0.1-rate traffic it covers about 89% of trials, "
-    "not 95%; see the report on issue 5"))
+    "across weights: with failures concentrated in the 0.1-rate traffic it covers 90.1% of these 1,000 "
+    "trials, not 95%. Wilson at min(Kish n_eff, p(1-p) / linearized variance of the ratio estimator) "
+    "covers 95.3% here and 99.6% in the test above"))
 def test_weighted_interval_covers_the_truth_when_failures_sit_in_default_traffic() -> None:
     assert coverage(FAILURES_IN_DEFAULT_TRAFFIC) >= 0.93
