@@ -97,7 +97,8 @@ def test_defaults() -> None:
 
 @pytest.mark.parametrize("text, expected", [
     ("sampling: {rate: 10}", "sampling.rate: a rate is a probability from 0 to 1 (10% is 0.1) (got 10)"),
-    ("sampling: {rules: [{when: {ended_by: handover}, rate: -0.5}]}", "sampling.rules[0].rate: a rate is a probability"),
+    ("sampling: {rules: [{when: {ended_by: handover}, rate: -0.5}]}",
+     "sampling.rules[0].rate: a rate is a probability"),
     ("sampling: {rules: [{when: {}, rate: 1}]}", "sampling.rules[0].when: an empty when matches everything"),
     ("sampling: {rules: [{rate: 1}]}", "sampling.rules[0].when: Field required"),
     ("sampling: {rules: [{when: {ended_by: handoff}, rate: 1}]}", "sampling.rules[0].when.ended_by: Input should be"),
