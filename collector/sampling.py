@@ -238,10 +238,10 @@ def _equals(stored: Any, wanted: str | int | float | bool) -> bool:
     return _text(stored) == _text(wanted)
 
 
-Check = Callable[[ConversationFacts], bool]
+_Check = Callable[[ConversationFacts], bool]
 
 
-def _attribute_check(match: AttributeMatch) -> Check:
+def _attribute_check(match: AttributeMatch) -> _Check:
     key = match.key
     if match.matches is not None:
         search = re.compile(match.matches).search
@@ -266,9 +266,9 @@ def _attribute_check(match: AttributeMatch) -> Check:
     return check
 
 
-def _compile(when: When) -> tuple[Check, ...]:
+def _compile(when: When) -> tuple[_Check, ...]:
     """One check per key given, cheapest first; the rule holds when all do."""
-    checks: list[Check] = []
+    checks: list[_Check] = []
     if (ended_by := when.ended_by) is not None:
         checks.append(lambda f: f.ended_by == ended_by)
     if (service := when.service) is not None:
