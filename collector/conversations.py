@@ -188,8 +188,8 @@ class Conversations:
     """The conversation stage of the daemon (also used by ``tracejudge reindex``)."""
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.time, cache_spans: int = 20_000,
-                 rebuild_interval: float = 1.0, max_queued_commits: int = 4, max_memos: int = 1000) -> None:
+                 clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
+                 rebuild_interval: float = 1.0, max_queued_commits: int = 2, max_memos: int = 1000) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -533,8 +533,8 @@ class Conversations:
     def _rebuild_due(self, force: bool = False) -> None:
         now = self.clock()
         due = sorted(c for c, at in self._dirty.items() if force or at <= now)
-        for i in range(0, len(due), 2000):  # bounded memory: rows of at most 2000 conversations at once
-            part = [self._convs[c] for c in due[i:i + 2000] if c in self._convs]
+        for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
+            part = [self._convs[c] for c in due[i:i + 200] if c in self._convs]
             rows = self._rows({t for conv in part for t in conv.traces})
             for conv in part:
                 del self._dirty[conv.id]
