@@ -64,7 +64,15 @@ def proportion(count: int, n: int) -> Proportion | None:
 
 
 def weighted_proportion(outcomes: Sequence[tuple[bool, float]]) -> Proportion | None:
-    """A weighted share of ``True`` among ``(outcome, weight)`` pairs, interval from the effective sample size."""
+    """A weighted share of ``True`` among ``(outcome, weight)`` pairs, interval from the effective sample size.
+
+    Weights are inverse inclusion probabilities. Kish's effective size ignores
+    where the hits sit among the weights, so it is capped by the size implied by
+    the estimator's own variance, sum w(w-1)(y-R)^2 / (sum w)^2, in which a unit
+    sampled with certainty (w = 1) contributes nothing: hits concentrated in
+    lightly sampled traffic then widen the interval (coverage measured in
+    tests/test_sampling.py).
+    """
     if not outcomes:
         return None
     total = sum(w for _, w in outcomes)
@@ -72,6 +80,9 @@ def weighted_proportion(outcomes: Sequence[tuple[bool, float]]) -> Proportion | 
     n_eff = total * total / sum(w * w for _, w in outcomes)
     count = sum(1 for ok, _ in outcomes if ok)
     estimate = hits / total
+    variance = sum(w * (w - 1) * ((1.0 if ok else 0.0) - estimate) ** 2 for ok, w in outcomes) / (total * total)
+    if variance > 0 and 0 < estimate < 1:
+        n_eff = min(n_eff, estimate * (1 - estimate) / variance)
     if count == 0:
         return Proportion(count=0, n=len(outcomes), estimate=0.0, low=0.0, high=min(1.0, 3 / n_eff),
                           method="rule_of_three", n_eff=n_eff)

@@ -494,10 +494,5 @@ def test_weighted_interval_covers_the_truth_when_failures_are_oversampled() -> N
     assert coverage(HANDOVERS_FAIL_MOST) >= 0.93
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "judges' weighted interval (Wilson at Kish's n_eff = (sum w)^2 / sum w^2) ignores how failures spread "
-    "across weights: with failures concentrated in the 0.1-rate traffic it covers 90.1% of these 1,000 "
-    "trials, not 95%. Wilson at min(Kish n_eff, p(1-p) / linearized variance of the ratio estimator) "
-    "covers 95.3% here and 99.6% in the test above"))
 def test_weighted_interval_covers_the_truth_when_failures_sit_in_default_traffic() -> None:
     assert coverage(FAILURES_IN_DEFAULT_TRAFFIC) >= 0.93
