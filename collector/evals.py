@@ -31,8 +31,11 @@ from typing import Any, Literal
 
 import duckdb
 import orjson
+import pyarrow as pa
+from pydantic import ValidationError
 
-from judges import Conversation, Criterion, LLMCriterion, NotRun, RateStats, Verdict, summarize, transcript_sha256
+from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript_sha256
+from judges._stats import weighted_proportion  # the weighted rate of summarize, without a Verdict per row
 
 from .errors import UserError
 from .queries import _iso, conversation_record
@@ -255,10 +258,14 @@ def verdict_id(v: Verdict) -> str:
 
 
 def _current_sha256(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> str | None:
+    """The hash the judges see of the stored transcript; None when unknown (then storage order decides)."""
     record = conversation_record(cur, conversation_id)
     if record is None:
         return None
-    return transcript_sha256(Conversation.model_validate(record).messages)
+    try:
+        return transcript_sha256([Message.model_validate(m) for m in record["messages"]])
+    except ValidationError:
+        return None
 
 
 def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], *, probability: float,
@@ -288,38 +295,73 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
     if not 0 < probability <= 1:
         raise ValueError(f"probability must be in (0, 1], got {probability}")
     at = _now(now)
-    verdicts = list(verdicts)
-    current = {cid: _current_sha256(cur, cid) for cid in {v.conversation_id for v in verdicts}}
-    stored: list[str] = []
+    # One verdict per key within the batch too: the first wins, unless it is an error and a real verdict follows.
+    batch: dict[str, Verdict] = {}
+    for v in verdicts:
+        vid = verdict_id(v)
+        if vid not in batch or (batch[vid].result == "error" and v.result != "error"):
+            batch[vid] = v
+    if not batch:
+        return []
+    current: dict[str, str | None] = {cid: _current_sha256(cur, cid) for cid in {v.conversation_id
+                                                                                   for v in batch.values()}}
+    # Without a stored transcript, the last hash in the batch is the newest.
+    latest = {(v.conversation_id, v.criterion_id): v.transcript_sha256 for v in batch.values()}
     with _Transaction(cur):
-        for v in verdicts:
-            vid = verdict_id(v)
-            row = cur.execute("SELECT result FROM verdicts WHERE id = ?", [vid]).fetchone()
-            if row is not None and (row[0] != "error" or v.result == "error"):
-                continue
-            if row is not None:
-                cur.execute("DELETE FROM verdicts WHERE id = ?", [vid])
-            now_sha = current[v.conversation_id]
-            stale = now_sha is not None and now_sha != v.transcript_sha256
-            if not stale:
-                cur.execute("UPDATE verdicts SET superseded = true WHERE conversation_id = ? AND criterion_id = ? "
-                            "AND transcript_sha256 <> ? AND NOT superseded",
-                            [v.conversation_id, v.criterion_id, v.transcript_sha256])
-            cur.execute(
-                f"INSERT INTO verdicts ({', '.join(_VERDICT_COLUMNS)}, seq) "
-                f"VALUES ({', '.join('?' * len(_VERDICT_COLUMNS))}, nextval('verdict_seq'))",
-                [vid, v.conversation_id, v.criterion_id, v.criterion_version, v.judge.provider, v.judge.model,
-                 v.transcript_sha256, v.result, v.error_reason, v.reasoning, orjson.dumps(v.evidence).decode(),
-                 v.evidence_verified, v.flagged, v.usage.input_tokens, v.usage.output_tokens, v.raw_reply,
-                 probability, rule, at, stale])
-            stored.append(vid)
-            queued = v.result != "error" and (v.result in queue_results or (v.result == "fail" and v.flagged))
-            if queued and not stale:
-                cur.execute(
-                    "INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
-                    "VALUES (nextval('review_item_seq'), ?, ?, ?, 'pending', ?) ON CONFLICT DO NOTHING",
-                    [vid, v.conversation_id, v.criterion_id, at])
-    return stored
+        existing = dict(cur.execute("SELECT id, result FROM verdicts WHERE list_contains(?, id)",
+                                    [list(batch)]).fetchall())
+        new = {vid: v for vid, v in batch.items()
+               if vid not in existing or (existing[vid] == "error" and v.result != "error")}
+        if not new:
+            return []
+        replaced = [vid for vid in new if vid in existing]
+        if replaced:
+            cur.execute("DELETE FROM verdicts WHERE list_contains(?, id)", [replaced])
+        stale = {vid: (current[v.conversation_id] or latest[(v.conversation_id, v.criterion_id)])
+                 != v.transcript_sha256 for vid, v in new.items()}
+        fresh = [v for vid, v in new.items() if not stale[vid]]
+        if fresh:
+            _insert(cur, "_supersede", {
+                "conversation_id": [v.conversation_id for v in fresh],
+                "criterion_id": [v.criterion_id for v in fresh],
+                "transcript_sha256": [v.transcript_sha256 for v in fresh]})
+            cur.execute("UPDATE verdicts SET superseded = true FROM _supersede n "
+                        "WHERE verdicts.conversation_id = n.conversation_id AND verdicts.criterion_id = n.criterion_id "
+                        "AND verdicts.transcript_sha256 <> n.transcript_sha256 AND NOT verdicts.superseded")
+        rows = list(new.values())
+        _insert(cur, "_new_verdicts", {
+            "id": list(new), "conversation_id": [v.conversation_id for v in rows],
+            "criterion_id": [v.criterion_id for v in rows], "criterion_version": [v.criterion_version for v in rows],
+            "judge_provider": [v.judge.provider for v in rows], "judge_model": [v.judge.model for v in rows],
+            "transcript_sha256": [v.transcript_sha256 for v in rows], "result": [v.result for v in rows],
+            "error_reason": [v.error_reason for v in rows], "reasoning": [v.reasoning for v in rows],
+            "evidence": [orjson.dumps(v.evidence).decode() for v in rows],
+            "evidence_verified": [v.evidence_verified for v in rows], "flagged": [v.flagged for v in rows],
+            "input_tokens": [v.usage.input_tokens for v in rows],
+            "output_tokens": [v.usage.output_tokens for v in rows],
+            "raw_reply": [v.raw_reply for v in rows], "inclusion_probability": [probability] * len(rows),
+            "sampling_rule": [rule] * len(rows), "judged_at": [at] * len(rows),
+            "superseded": [stale[vid] for vid in new], "batch_order": list(range(len(rows))),
+        })
+        cur.execute(f"INSERT INTO verdicts ({', '.join(_VERDICT_COLUMNS)}, seq) "
+                    f"SELECT {', '.join(_VERDICT_COLUMNS)}, nextval('verdict_seq') "
+                    "FROM (SELECT * FROM _new_verdicts ORDER BY batch_order)")
+        queued = [vid for vid, v in new.items() if not stale[vid] and v.result != "error"
+                  and (v.result in queue_results or (v.result == "fail" and v.flagged))]
+        if queued:
+            cur.execute("INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
+                        "SELECT nextval('review_item_seq'), id, conversation_id, criterion_id, 'pending', ? "
+                        "FROM (SELECT * FROM _new_verdicts WHERE list_contains(?, id) "
+                        "AND id NOT IN (SELECT verdict_id FROM review_items) ORDER BY batch_order)",
+                        [at, queued])
+        for name in ("_supersede", "_new_verdicts"):
+            cur.unregister(name)
+    return list(new)
+
+
+def _insert(cur: duckdb.DuckDBPyConnection, name: str, columns: dict[str, list[Any]]) -> None:
+    """Register columns as a view for one bulk statement (row-by-row inserts are slow in DuckDB)."""
+    cur.register(name, pa.table(columns))
 
 
 def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
@@ -536,62 +578,60 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
 
 # --- stats -------------------------------------------------------------------------------------------
 
+_COUNTED = ("pass", "fail", "not_applicable", "error", "not_run", "pass_unverified", "flagged")
 
-def _current_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None,
-                  criterion: str | None) -> list[tuple[Any, ...]]:
-    """The verdict that counts per (conversation, criterion): current transcript, newest version, newest."""
+
+class _Tally:
+    """Raw counts of one criterion or group, and the (failed, weight) pairs of its applicable verdicts."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.not_run_reasons: Counter[str] = Counter()
+        self.review: Counter[str] = Counter()
+        self.fail_review: Counter[str] = Counter()
+        self.pairs: list[tuple[bool, float]] = []
+        self.judged = 0
+
+    def add(self, result: str, verified: bool, flagged: bool, error_code: str | None, p: float,
+            review: str | None, n: int) -> None:
+        self.judged += n
+        if result == "pass" and not verified:
+            self.counts["pass_unverified"] += n  # never a clean pass, kept out of the rate
+        else:
+            self.counts[result] += n
+        if result == "fail" and flagged:
+            self.counts["flagged"] += n
+        if result == "error":
+            self.errors[error_code or ""] += n
+        if result == "fail" or (result == "pass" and verified):
+            self.pairs += [(result == "fail", 1 / p)] * n
+        if review is not None:
+            self.review[review] += n
+            if result == "fail":
+                self.fail_review[review] += n
+
+    def entry(self) -> dict[str, Any]:
+        rate = weighted_proportion(self.pairs)
+        decided = self.fail_review["confirmed"] + self.fail_review["rejected"]
+        return {
+            "judged": self.judged, **{k: self.counts[k] for k in _COUNTED},
+            "failure_rate": None if rate is None else {
+                "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
+                "count": rate.count, "n": rate.n, "method": rate.method},
+            "review": {"pending": self.review["pending"], "confirmed": self.review["confirmed"],
+                       "rejected": self.review["rejected"],
+                       "fails_rejected_share": self.fail_review["rejected"] / decided if decided else None},
+            "errors": dict(self.errors), "not_run_reasons": dict(self.not_run_reasons),
+        }
+
+
+def _current(since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
+    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
     where, params = _filters(criterion=criterion, since=since)
     where.append("NOT superseded")
-    return cur.execute(
-        "SELECT v.id, v.conversation_id, v.criterion_id, v.criterion_version, v.result, v.error_reason, "
-        "v.evidence_verified, v.flagged, v.transcript_sha256, v.inclusion_probability, r.state, "
-        "v.judge_provider, v.judge_model "
-        f"FROM (SELECT * FROM verdicts {_where(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
-        "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1) v "
-        "LEFT JOIN review_items r ON r.verdict_id = v.id", params).fetchall()
-
-
-def _rate_entries(keyed: list[tuple[str, tuple[Any, ...]]],
-                  not_run: list[tuple[str, NotRun]]) -> dict[str, RateStats]:
-    """Counts and the weighted failure rate per key, by ``judges.summarize``.
-
-    Each verdict is given a conversation of its own carrying the verdict's
-    inclusion probability, so the weight is exactly 1/p of that verdict (a
-    conversation backfilled for one criterion may carry another p than for the next).
-    """
-    verdicts: list[Verdict] = []
-    convs: list[Conversation] = []
-    for n, (key, row) in enumerate(keyed):
-        (_, _, _, version, result, reason, verified, flagged, sha, p, _, provider, model) = row
-        unit = f"v{n}"
-        verdicts.append(Verdict(conversation_id=unit, criterion_id=key, criterion_version=version, result=result,
-                                error_reason=reason, evidence_verified=verified, flagged=flagged,
-                                judge={"provider": provider, "model": model}, transcript_sha256=sha))
-        convs.append(Conversation.model_validate({"id": unit, "source": "production", "ended_by": "unknown",
-                                                  "messages": [], "sampling": {"probability": p}}))
-    runs = [NotRun(conversation_id=r.conversation_id, criterion_id=key, criterion_version=r.criterion_version,
-                   reason=r.reason) for key, r in not_run]
-    summary = summarize(verdicts, conversations=convs, not_run=runs)
-    return {s.criterion_id: s for s in summary.criteria}
-
-
-def _entry(stats: RateStats, rows: list[tuple[Any, ...]]) -> dict[str, Any]:
-    c = stats.counts
-    rate = stats.weighted_failure_rate
-    review = Counter(r[10] for r in rows if r[10] is not None)
-    fail_reviews = Counter(r[10] for r in rows if r[10] in ("confirmed", "rejected") and r[4] == "fail")
-    decided_fails = fail_reviews["confirmed"] + fail_reviews["rejected"]
-    return {
-        "judged": len(rows),
-        "pass": c.pass_, "fail": c.fail, "not_applicable": c.not_applicable, "error": c.error,
-        "not_run": c.not_run, "pass_unverified": c.pass_unverified, "flagged": c.flagged,
-        "failure_rate": None if rate is None else {
-            "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
-            "count": rate.count, "n": rate.n, "method": rate.method},
-        "review": {"pending": review["pending"], "confirmed": review["confirmed"], "rejected": review["rejected"],
-                   "fails_rejected_share": fail_reviews["rejected"] / decided_fails if decided_fails else None},
-        "errors": stats.errors, "not_run_reasons": stats.not_run_reasons,
-    }
+    return (f"SELECT * FROM verdicts {_where(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
+            "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
 
 def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
@@ -603,8 +643,9 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
     version. ``failure_rate`` is the estimate for all production traffic among
     applicable verdicts (clean pass + fail), each weighted by 1/inclusion
     probability, with a 95% interval from the effective sample size (the
-    statistics of ``judges.summarize``); None when nothing was applicable.
-    Passes with unverified evidence are counted apart and kept out of the rate.
+    statistics of ``judges``); None when nothing was applicable. Passes with
+    unverified evidence are counted apart and kept out of the rate. Groups are
+    those ``store_criteria`` recorded for each criterion's newest version.
 
     Args:
         since: only verdicts judged (and conversations ended, decided, not run) at or after this time.
@@ -616,12 +657,22 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         each criterion entry has ``criterion_id``, ``criterion_version``, ``group``,
         ``judged``, ``pass``, ``fail``, ``not_applicable``, ``error``, ``not_run``,
         ``pass_unverified``, ``flagged``, ``failure_rate`` ({``estimate``, ``low``,
-        ``high``, ``n_eff``, ...} or None), ``review`` ({``pending``, ``confirmed``,
-        ``rejected``, ``fails_rejected_share``}), ``errors`` and ``not_run_reasons``.
+        ``high``, ``n_eff``, ``count``, ``n``, ``method``} or None), ``review``
+        ({``pending``, ``confirmed``, ``rejected``, ``fails_rejected_share``}),
+        ``errors`` (by reason code) and ``not_run_reasons``; group entries have
+        ``group`` in place of the criterion's id, version and group.
     """
-    rows = _current_rows(cur, since, criterion)
-    nr_where: list[str] = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-                           "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
+    current, params = _current(since, criterion)
+    # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
+    rows = cur.execute(
+        "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
+        "CASE WHEN v.result = 'error' THEN split_part(coalesce(v.error_reason, ''), ':', 1) END AS code, "
+        "v.inclusion_probability, r.state, count(*) "
+        f"FROM ({current}) v LEFT JOIN review_items r ON r.verdict_id = v.id "
+        "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
+        params).fetchall()
+    nr_where = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
+                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
     nr_params: list[Any] = []
     if criterion is not None:
         nr_where.append("n.criterion_id = ?")
@@ -629,45 +680,37 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
     if since is not None:
         nr_where.append('n."at" >= ?')
         nr_params.append(since)
-    not_run = [NotRun(conversation_id=r[0], criterion_id=r[1], criterion_version=r[2], reason=r[3])
-               for r in cur.execute("SELECT conversation_id, criterion_id, criterion_version, reason FROM not_run n "
-                                    f"{_where(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
-                                    "criterion_id ORDER BY criterion_version DESC) = 1", nr_params).fetchall()]
-    groups_of = dict(cur.execute(
+    not_run = cur.execute(
+        "SELECT criterion_id, max(criterion_version), reason, count(*) FROM (SELECT * FROM not_run n "
+        f"{_where(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, criterion_id "
+        "ORDER BY criterion_version DESC) = 1) GROUP BY criterion_id, reason", nr_params).fetchall()
+    groups_of: dict[str, str | None] = dict(cur.execute(
         "SELECT criterion_id, criterion_group FROM criteria QUALIFY row_number() OVER "
         "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall())
 
-    by_crit: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-    by_group: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-    for r in rows:
-        by_crit[r[2]].append(r)
-        if group := groups_of.get(r[2]):
-            by_group[group].append(r)
-    keyed = [(f"c:{k}", r) for k, rs in by_crit.items() for r in rs]
-    keyed += [(f"g:{g}", r) for g, rs in by_group.items() for r in rs]
-    nr_keyed = [(f"c:{r.criterion_id}", r) for r in not_run]
-    nr_keyed += [(f"g:{g}", r) for r in not_run if (g := groups_of.get(r.criterion_id))]
-    computed = _rate_entries(keyed, nr_keyed)
-
-    crit_ids = sorted(set(by_crit) | {r.criterion_id for r in not_run})
-    criteria_out = []
-    for cid in crit_ids:
-        crows = by_crit.get(cid, [])
-        versions = [r[3] for r in crows] + [r.criterion_version for r in not_run if r.criterion_id == cid]
-        criteria_out.append({"criterion_id": cid, "criterion_version": max(versions),
-                             "group": groups_of.get(cid), **_entry(computed[f"c:{cid}"], crows)})
-    group_names = sorted(set(by_group) | {g for r in not_run if (g := groups_of.get(r.criterion_id))})
-    groups_out = [{"group": g, **_entry(computed[f"g:{g}"], by_group.get(g, []))} for g in group_names]
+    crits: dict[str, _Tally] = defaultdict(_Tally)
+    groups: dict[str, _Tally] = defaultdict(_Tally)
+    versions: dict[str, int] = {}
+    for cid, version, result, verified, flagged, code, p, review, n in rows:
+        versions[cid] = max(versions.get(cid, 0), version)
+        for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
+            t.add(result, verified, flagged, code, p, review, n)
+    for cid, version, reason, n in not_run:
+        versions[cid] = max(versions.get(cid, 0), version)
+        for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
+            t.counts["not_run"] += n
+            t.not_run_reasons[reason] += n
+    judged = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
     return {
-        "criteria": criteria_out,
-        "groups": groups_out,
-        "conversations": _conversation_counts(cur, since, rows),
+        "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
+                      **crits[cid].entry()} for cid in sorted(crits)],
+        "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
+        "conversations": {**_conversation_counts(cur, since), "judged": int(judged[0]) if judged else 0},
         "tokens": _tokens(cur, since, criterion),
     }
 
 
-def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None,
-                         rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> dict[str, Any]:
     ended_sql = "SELECT count(*) FROM conversations WHERE state = 'ended'"
     params: list[Any] = []
     if since is not None:
@@ -687,7 +730,6 @@ def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | No
         "sampled": sum(n for sampled, reason, n in decided if sampled and reason is None),
         "not_sampled": sum(n for sampled, reason, n in decided if not sampled and reason is None),
         "skipped": skipped,
-        "judged": len({r[1] for r in rows}),
     }
 
 

@@ -8,7 +8,7 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import duckdb
 import orjson
@@ -23,6 +23,7 @@ from judges import Conversation, JudgeInfo, LLMCriterion, NotRun, Usage, Verdict
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "otlp"
 T0 = dt.datetime(2025, 3, 1, 12, 0, tzinfo=dt.timezone.utc)
 LLM = JudgeInfo(provider="anthropic", model="judge-model")
+Result = Literal["pass", "fail", "not_applicable", "error"]
 
 
 @pytest.fixture
@@ -63,10 +64,10 @@ def fixture_conversation(cur: duckdb.DuckDBPyConnection) -> tuple[str, str]:
     return cid, add_conversation(cur, cid, conv["messages"], conv.get("system_prompt"))
 
 
-def verdict(cid: str, crit: str = "c1", result: str = "fail", sha: str = "0" * 64, *, version: int = 1,
+def verdict(cid: str, crit: str = "c1", result: Result = "fail", sha: str = "0" * 64, *, version: int = 1,
             judge: JudgeInfo = LLM, evidence: Sequence[str] = (), verified: bool = True, flagged: bool = False,
             tokens: int = 0, reasoning: str = "") -> Verdict:
-    return Verdict(conversation_id=cid, criterion_id=crit, criterion_version=version, result=result,  # type: ignore[arg-type]
+    return Verdict(conversation_id=cid, criterion_id=crit, criterion_version=version, result=result,
                    error_reason="timeout: no reply in 60s" if result == "error" else None, reasoning=reasoning,
                    evidence=list(evidence), evidence_verified=verified, judge=judge, flagged=flagged,
                    usage=Usage(input_tokens=tokens, output_tokens=tokens // 10), transcript_sha256=sha,
@@ -240,7 +241,7 @@ def wilson(p: float, n: float, z: float = 1.959963984540054) -> tuple[float, flo
 def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection) -> None:
     evals.store_criteria(cur, [LLMCriterion(id="triage", version=1, prompt="p", group="clinical"),
                                LLMCriterion(id="tone", version=1, prompt="p", group="clinical")])
-    judged = [  # (conversation, result, inclusion probability, evidence verified)
+    judged: list[tuple[str, Result, float, bool]] = [  # (conversation, result, probability, evidence verified)
         ("c1", "fail", 0.5, True),    # weight 2
         ("c2", "pass", 0.1, True),    # weight 10
         ("c3", "pass", 1.0, True),    # weight 1
@@ -279,6 +280,7 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
     assert rate["n_eff"] == pytest.approx(n_eff)
     assert (rate["low"], rate["high"]) == (pytest.approx(low), pytest.approx(high))
     assert triage["review"] == {"pending": 0, "confirmed": 1, "rejected": 1, "fails_rejected_share": 0.5}
+    assert triage["errors"] == {"timeout": 1} and triage["flagged"] == 0
     assert tone["not_run"] == 1 and tone["judged"] == 0 and tone["failure_rate"] is None
     assert tone["not_run_reasons"] == {"no provider configured": 1}
     (group,) = out["groups"]
