@@ -280,6 +280,9 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
     on the conversation's current transcript marks the conversation's verdicts
     for that criterion on other transcripts superseded; one judged on a
     transcript that is no longer current (a late reply) is stored superseded.
+    "Current" is the ``judges.transcript_sha256`` of the stored messages
+    (``conversation_record``), or, for a conversation not stored, the last hash
+    in the batch.
 
     Args:
         verdicts: from ``judges.run_judges`` / ``arun_judges``.
