@@ -271,9 +271,12 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
     assert {k: triage[k] for k in ("judged", "pass", "fail", "not_applicable", "error", "not_run",
                                    "pass_unverified")} == {"judged": 7, "pass": 2, "fail": 2, "not_applicable": 1,
                                                            "error": 1, "not_run": 0, "pass_unverified": 1}
-    # By hand: applicable are c1..c4 with weights 2, 10, 1, 4; fails weigh 2 + 4.
+    # By hand: applicable are c1..c4 with weights 2, 10, 1, 4; fails weigh 2 + 4. The interval's size is
+    # Kish's (sum w)^2 / sum w^2, capped by R(1-R) / var with var = sum w(w-1)(y-R)^2 / (sum w)^2.
     estimate = 6 / 17
-    n_eff = 17 ** 2 / (2 ** 2 + 10 ** 2 + 1 ** 2 + 4 ** 2)
+    kish = 17 ** 2 / (2 ** 2 + 10 ** 2 + 1 ** 2 + 4 ** 2)
+    var = (2 * 1 * (1 - estimate) ** 2 + 10 * 9 * estimate ** 2 + 0 + 4 * 3 * (1 - estimate) ** 2) / 17 ** 2
+    n_eff = min(kish, estimate * (1 - estimate) / var)
     low, high = wilson(estimate, n_eff)
     rate = triage["failure_rate"]
     assert rate["estimate"] == pytest.approx(estimate)
@@ -306,6 +309,22 @@ def test_stats_with_equal_weights_is_the_plain_rate_and_zero_fails_use_rule_of_t
     some = out["sometimes"]["failure_rate"]
     assert some["estimate"] == pytest.approx(0.3) and some["n_eff"] == pytest.approx(10)
     assert (some["low"], some["high"]) == (pytest.approx(wilson(0.3, 10)[0]), pytest.approx(wilson(0.3, 10)[1]))
+
+
+def test_stats_failures_in_lightly_sampled_traffic_widen_the_interval(cur: duckdb.DuckDBPyConnection) -> None:
+    # Two fails sampled at 10% (weight 10), fifty passes sampled with certainty (weight 1).
+    for n in range(2):
+        evals.store_verdicts(cur, [verdict(f"rare{n}", "k", "fail")], probability=0.1, rule="rare")
+    for n in range(50):
+        evals.store_verdicts(cur, [verdict(f"all{n}", "k", "pass")], probability=1.0, rule=None)
+    rate = evals.stats(cur)["criteria"][0]["failure_rate"]
+    estimate = 20 / 70
+    kish = 70 ** 2 / (2 * 10 ** 2 + 50)
+    capped = estimate * (1 - estimate) / (2 * 10 * 9 * (1 - estimate) ** 2 / 70 ** 2)
+    assert capped < kish  # the cap binds here
+    assert rate["estimate"] == pytest.approx(estimate) and rate["n_eff"] == pytest.approx(capped)
+    assert (rate["low"], rate["high"]) == (pytest.approx(wilson(estimate, capped)[0]),
+                                           pytest.approx(wilson(estimate, capped)[1]))
 
 
 # --- review page ----------------------------------------------------------------------------------------
