@@ -208,6 +208,7 @@ class Conversations:
         # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
         self._memos: OrderedDict[str, ParseMemo] = OrderedDict()
         self.max_memos = max_memos
+        self._work_started = 0.0
         self._processed_batch = 0
         self._resume_from = 0
         self.tick = min(1.0, settings.idle_timeout / 4)
@@ -484,17 +485,22 @@ class Conversations:
             return
         traces = list(touched)
         current = self._conversation_of(traces)
-        rows = self._rows(traces)
         keys: dict[str, str] = {}
-        for tid in traces:
-            key = conversation_key(rows[tid].spans, self.settings.id_attributes)
-            if key is None and current.get(tid) is None and not self._is_genai(rows[tid]):
-                self._pending[tid] = touched[tid]  # nothing conversational yet
-                continue
-            self._pending.pop(tid, None)
-            if key is None:
-                key = self._chained(tid, rows[tid])
-            keys[tid] = key or f"trace:{tid}"
+        self._work_started = time.perf_counter()
+        for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
+            chunk = traces[i:i + 500]
+            rows = self._rows(chunk)
+            for tid in chunk:
+                self._yield_to_ingest(False)
+                key = conversation_key(rows[tid].spans, self.settings.id_attributes)
+                if key is None and current.get(tid) is None and not self._is_genai(rows[tid]):
+                    self._pending[tid] = touched[tid]  # nothing conversational yet
+                    continue
+                self._pending.pop(tid, None)
+                if key is None:
+                    key = self._chained(tid, rows[tid])
+                keys[tid] = key or f"trace:{tid}"
+            del rows
         self._load_convs([*keys.values(), *(c for c in current.values() if c is not None)])
         now = self.clock()
         for tid, cid in keys.items():
@@ -530,15 +536,30 @@ class Conversations:
             self._responses.popitem(last=False)
         return cid
 
+    def _yield_to_ingest(self, force: bool) -> None:
+        """While data streams in, work at most a quarter of the time.
+
+        Ingestion and this stage share one interpreter lock; the receivers come
+        first, and conversations catch up when the stream slows down.
+        """
+        worked = time.perf_counter() - self._work_started
+        if force or worked < 0.02:
+            return
+        if self.store.queue_depth or time.monotonic() - self.store.last_commit < 0.25:
+            time.sleep(3 * worked)
+        self._work_started = time.perf_counter()
+
     def _rebuild_due(self, force: bool = False) -> None:
         now = self.clock()
         due = sorted(c for c, at in self._dirty.items() if force or at <= now)
+        self._work_started = time.perf_counter()
         for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
             part = [self._convs[c] for c in due[i:i + 200] if c in self._convs]
             rows = self._rows({t for conv in part for t in conv.traces})
             for conv in part:
                 del self._dirty[conv.id]
                 self._rebuild(conv, rows)
+                self._yield_to_ingest(force)
         for cid in due:
             self._dirty.pop(cid, None)
 

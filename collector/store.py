@@ -187,6 +187,7 @@ class Store:
         self._thread: threading.Thread | None = None
         self._con: duckdb.DuckDBPyConnection | None = None
         self._batch_id = 0
+        self.last_commit = 0.0  # time.monotonic() of the last commit
         self._listeners: list[Callable[[Committed], None]] = []
 
     # ------------------------------------------------------------ lifecycle
@@ -320,6 +321,7 @@ class Store:
                                                           reason="storage_error"))
             return
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        self.last_commit = time.monotonic()
         self.metrics.spans_stored.inc(stored_spans)
         self.metrics.logs_stored.inc(stored_logs)
         self._finish(items)

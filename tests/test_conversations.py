@@ -68,7 +68,7 @@ def test_idle_timeout_ends_and_new_trace_reopens(make_daemon: Any) -> None:
     """Idle is measured on arrival (daemon clock), not on the (old) span timestamps."""
     import time
 
-    daemon = make_daemon(conversations={"idle_timeout": "1s"})
+    daemon = make_daemon(conversations={"idle_timeout": "4s"})
     reqs = list(fixture_requests("openai-v2-latest-span-only-grpc"))
     replay(reqs[0], daemon.grpc, daemon.http)
     wait_conversations(daemon)
