@@ -211,6 +211,7 @@ class Conversations:
         self._work_started = 0.0
         self._processed_batch = 0
         self._resume_from = 0
+        self._resume_to = 0
         self.tick = min(1.0, settings.idle_timeout / 4)
         self.rebuild_interval = rebuild_interval
         self.max_queued_commits = max_queued_commits
@@ -227,6 +228,7 @@ class Conversations:
         row = self._cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
         self._processed_batch = int(row[0]) if row else 0
         self._resume_from = self._processed_batch
+        self._resume_to = self.store.batch_id  # the last commit made before this stage opened
         for rec in self._cur.execute(
                 "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
                 "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
@@ -312,7 +314,7 @@ class Conversations:
         committed = [it for it in items if isinstance(it, (Committed, _Light))]
         idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
         if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
-            committed = self._catch_up(committed)
+            self._catch_up()
         if committed:
             self._ingest(committed)
         # Waiters (tests, shutdown) want everything current: no debounce for them.
@@ -322,15 +324,17 @@ class Conversations:
         if idle_waiters:
             self._idle_event.set()
 
-    def _catch_up(self, committed: list[Any]) -> list[Any]:
+    def _catch_up(self) -> None:
         """Rebuild what commits after the last recorded batch touched (a crash came between)."""
         touched = self._traces_since(self._resume_from)
         if touched:
             log.info("catching up on %d traces committed before the last stop", len(touched))
             self._touch(touched)
-        return committed
+        # Every commit made before this stage opened is now taken in, traceless logs included.
+        self._processed_batch = max(self._processed_batch, self._resume_to)
 
     def _traces_since(self, batch: int) -> dict[str, float]:
+        """Traces with rows committed after ``batch``, with their last arrival."""
         assert self._cur is not None
         return dict(self._cur.execute(
             "SELECT trace_id, epoch(max(received_at)) FROM ("

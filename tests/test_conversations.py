@@ -161,3 +161,19 @@ def test_traces_without_id_chain_by_previous_response_id(make_daemon: Any) -> No
     record = daemon.get("/api/conversations/" + urllib.parse.quote(listed[0]["conversation_id"], safe=""))[1]
     assert [m["content"] for m in record["messages"]] == [t for pair in turns for t in pair]
     assert len(record["trace_ids"]) == 2
+
+
+def test_kill9_before_conversations_caught_up_then_restart(make_daemon: Any) -> None:
+    """Spans acknowledged but not yet turned into conversations are picked up after a restart."""
+    case = "openllmetry-anthropic-0.47-legacy-http"
+    daemon = make_daemon(**HANDOVER)
+    for req in fixture_requests(case):
+        replay(req, daemon.grpc, daemon.http)
+    daemon.kill9()  # most likely before the stage's one-second rebuild
+    daemon.start()
+    wait_conversations(daemon)
+    expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())
+    for conv in expected["conversations"]:
+        record = daemon.get("/api/conversations/" + urllib.parse.quote(_cid(conv), safe=""))[1]
+        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in conv["messages"]]
+        assert record["ended_by"] == ("handover" if conv["handover"] else "open")
