@@ -14,6 +14,8 @@ hits all three alike, and prints spans/s, p50/p99 request latency and peak RSS,
 with tracejudge as a ratio of each reference. Run by hand:
 
     .venv/bin/python bench/ingest.py [--spans 200000] [--rounds 2] [--transports grpc,http]
+
+BENCH_STORAGE=", max_batch_spans: 4096" tries a storage setting on tracejudge's side.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SYSTEM = ("You are ShopBot, the support assistant of an online bookshop. Always 
           "a person, or is upset twice in a row, hand the conversation over with the handover tool. Answer in "
           "the user's language, briefly, without marketing phrases.")
 CONCURRENCY = 8
+STORAGE_EXTRA = os.environ.get("BENCH_STORAGE", "")  # e.g. ", max_batch_spans: 4096" to try a setting
 
 # ----------------------------------------------------------------- payloads
 
@@ -234,7 +237,7 @@ def run_one(name: str, transport: str, bodies: list[bytes], workdir: Path) -> di
         cfg = data / "otel-config.yaml"
         cfg.write_text(
             "receivers: {otlp: {protocols: {grpc: {endpoint: '127.0.0.1:0'}, http: {endpoint: '127.0.0.1:0'}}}}\n"
-            f"storage: {{duckdb: {{path: '{data / 'bench.duckdb'}'}}}}\napi: {{endpoint: '127.0.0.1:0'}}\n")
+            f"storage: {{duckdb: {{path: '{data / 'bench.duckdb'}'}}{STORAGE_EXTRA}}}\napi: {{endpoint: '127.0.0.1:0'}}\n")
         proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(cfg),
                                  "--log-level", "warning"], stdout=subprocess.DEVNULL, cwd=REPO)
         runtime = data / "bench.duckdb.daemon.json"
