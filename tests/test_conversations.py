@@ -10,7 +10,7 @@ import pytest
 
 from .conftest import run_cli, wait_conversations
 from .genai_fixtures import case_names
-from .test_normalize import _expected_message, _got_message
+from .test_normalize import comparable_message
 from .wire import FIXTURES, fixture_requests, replay
 
 HANDOVER = {"conversations": {"end_rules": [{"attribute": "app.handover", "equals": True, "ended_by": "handover"}]}}
@@ -43,7 +43,7 @@ def test_fixture_conversations_rebuilt_by_the_daemon(make_daemon: Any, case: str
             assert record["messages"] == [] and record["attributes"]["content_captured"] is False
             continue
         assert record["system"] == conv["system_prompt"]
-        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in conv["messages"]]
+        assert [comparable_message(m) for m in record["messages"]] == [comparable_message(m) for m in conv["messages"]]
     if not has_content:
         metrics = daemon.get("/metrics")[1]
         assert f"tracejudge_conversations_without_content {len(expected['conversations'])}" in metrics
@@ -61,7 +61,7 @@ def test_requests_in_reverse_order_and_retried_give_the_same_conversations(make_
     expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())
     for conv in expected["conversations"]:
         record = daemon.get("/api/conversations/" + urllib.parse.quote(_cid(conv), safe=""))[1]
-        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in conv["messages"]]
+        assert [comparable_message(m) for m in record["messages"]] == [comparable_message(m) for m in conv["messages"]]
 
 
 def test_idle_timeout_ends_and_new_trace_reopens(make_daemon: Any) -> None:
@@ -104,7 +104,7 @@ def test_conversations_cli_with_and_without_daemon(make_daemon: Any) -> None:
                       "--json")
         record = json.loads(res.stdout)
         assert record["ended_by"] == "handover"
-        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in handover["messages"]]
+        assert [comparable_message(m) for m in record["messages"]] == [comparable_message(m) for m in handover["messages"]]
         text = run_cli("conversations", "show", handover["conversation_key"], "--config",
                        str(daemon.config_path)).stdout
         assert "USER:" in text and handover["messages"][0]["content"][:30] in text
@@ -175,5 +175,5 @@ def test_kill9_before_conversations_caught_up_then_restart(make_daemon: Any) -> 
     expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())
     for conv in expected["conversations"]:
         record = daemon.get("/api/conversations/" + urllib.parse.quote(_cid(conv), safe=""))[1]
-        assert [_got_message(m) for m in record["messages"]] == [_expected_message(m) for m in conv["messages"]]
+        assert [comparable_message(m) for m in record["messages"]] == [comparable_message(m) for m in conv["messages"]]
         assert record["ended_by"] == ("handover" if conv["handover"] else "open")

@@ -40,19 +40,9 @@ def test_fixture_cases_found() -> None:
     assert CASES, "no *.expected.json under ../shared/fixtures/otlp"
 
 
-def _expected_message(m: dict[str, Any]) -> dict[str, Any]:
+def comparable_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A conversation/v1 or ground-truth message reduced to what both must agree on."""
     out: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
-    if m.get("tool_calls"):
-        out["tool_calls"] = [{"id": tc.get("id"), "name": tc["name"], "arguments": tc["arguments"]}
-                             for tc in m["tool_calls"]]
-    if m["role"] == "tool":
-        out["tool_call_id"] = m.get("tool_call_id")
-        out["name"] = m.get("name")
-    return out
-
-
-def _got_message(m: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m["role"], "content": m["content"]}
     if m.get("tool_calls"):
         out["tool_calls"] = [{"id": tc.get("id"), "name": tc["name"], "arguments": tc["arguments"]}
                              for tc in m["tool_calls"]]
@@ -90,8 +80,8 @@ def test_fixture_case(name: str) -> None:
             continue
         assert t.content_captured and t.no_content_reason is None
         assert record["system"] == conv["system_prompt"], cid
-        got = [_got_message(m) for m in record["messages"]]
-        assert got == [_expected_message(m) for m in conv["messages"]], cid
+        got = [comparable_message(m) for m in record["messages"]]
+        assert got == [comparable_message(m) for m in conv["messages"]], cid
         assert all(m.get("span_id") for m in record["messages"])
         assert t.user_turns == sum(1 for m in conv["messages"] if m["role"] == "user")
 
