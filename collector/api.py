@@ -183,11 +183,4 @@ def _dicts(result: Any) -> list[dict[str, Any]]:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, default=_default)
-
-
-def _default(value: Any) -> Any:
-    if hasattr(value, "isoformat"):
-        text: str = value.isoformat()
-        return text if value.tzinfo else text + "Z"
-    return str(value)
+    return json.dumps(obj, ensure_ascii=False, default=lambda v: str(queries.iso_utc(v)))

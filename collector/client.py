@@ -38,7 +38,8 @@ class APIReader:
         self.base = base.rstrip("/")
         self.token = token
 
-    def _get(self, path: str) -> Any:
+    def get(self, path: str) -> Any:
+        """GET a JSON API path; None for 404, UserError for other errors or no answer."""
         req = urllib.request.Request(self.base + path)
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
@@ -60,11 +61,11 @@ class APIReader:
                            limit: int) -> list[dict[str, Any]]:
         params = {k: v for k, v in {"since": since, "state": state, "service": service,
                                     "limit": str(limit)}.items() if v}
-        body = self._get("/api/conversations?" + urllib.parse.urlencode(params))
+        body = self.get("/api/conversations?" + urllib.parse.urlencode(params))
         return list(body["conversations"])
 
     def conversation(self, conversation_id: str) -> dict[str, Any] | None:
-        record = self._get("/api/conversations/" + urllib.parse.quote(conversation_id, safe=""))
+        record = self.get("/api/conversations/" + urllib.parse.quote(conversation_id, safe=""))
         return record if isinstance(record, dict) else None
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ from .config import Conversations as Settings
 from .config import EndRule
 from .conversation_keys import conversation_key, load_json_column, response_links
 from .metrics import Metrics
+from .normalize import Attrs, span_kind
 from .otlp import LOG_COLUMNS, SPAN_COLUMNS
 from .store import Committed, Store
 from .transcript import Transcript
@@ -229,15 +230,8 @@ class Conversations:
         self._processed_batch = int(row[0]) if row else 0
         self._resume_from = self._processed_batch
         self._resume_to = self.store.batch_id  # the last commit made before this stage opened
-        for rec in self._cur.execute(
-                "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
-                "WHERE state = 'open'").fetchall():
-            conv = _Conv(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
-                         rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
-            self._convs[conv.id] = conv
-            for t in conv.traces:
-                self._trace_map[t] = conv.id
+        for conv in self._read_convs("state = 'open'", []):
+            self._keep(conv)
 
     def start(self) -> None:
         self.open()
@@ -401,8 +395,8 @@ class Conversations:
             rows = self._cache.pop(tid, None)
             if rows is not None:
                 self._cached_spans -= len(rows.spans) + len(rows.logs)
-        unseen = [t for t in fresh if t not in self._cache and t not in self._pending]
-        known = {t for t, cid in self._conversation_of(unseen).items() if cid is not None} | stale
+        current = self._conversation_of(list(touched))
+        known = {t for t, cid in current.items() if cid is not None} | stale
         for tid, rows in fresh.items():
             cached = self._cache.get(tid)
             if cached is not None:
@@ -414,7 +408,7 @@ class Conversations:
             else:
                 self._cache[tid] = rows
             self._cached_spans += len(rows.spans) + len(rows.logs)
-        self._touch(touched)
+        self._touch(touched, current)
         self._evict()
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
 
@@ -469,26 +463,35 @@ class Conversations:
         missing = sorted({c for c in cids if c not in self._convs})
         if not missing:
             return
-        assert self._cur is not None
-        found = {}
-        for rec in self._cur.execute(
-                "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
-                "WHERE conversation_id IN (SELECT unnest(?))", [missing]).fetchall():
-            found[rec[0]] = _Conv(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0,
-                                  rec[8] or 0.0, rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
+        found = {c.id: c for c in self._read_convs("conversation_id IN (SELECT unnest(?))", [missing])}
         for cid in missing:
-            conv = found.get(cid) or _Conv(cid, [])
-            self._convs[cid] = conv
-            for t in conv.traces:
-                self._trace_map[t] = cid
+            self._keep(found.get(cid) or _Conv(cid, []))
 
-    def _touch(self, touched: dict[str, float]) -> None:
-        """Resolve each touched trace to its conversation and mark those conversations for a rebuild."""
+    def _read_convs(self, where: str, params: list[Any]) -> list[_Conv]:
+        """Stored conversations as the stage tracks them."""
+        assert self._cur is not None
+        return [_Conv(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
+                      rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
+                for rec in self._cur.execute(
+                    "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
+                    "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
+                    f"WHERE {where}", params).fetchall()]
+
+    def _keep(self, conv: _Conv) -> None:
+        self._convs[conv.id] = conv
+        for t in conv.traces:
+            self._trace_map[t] = conv.id
+
+    def _touch(self, touched: dict[str, float], current: dict[str, str | None] | None = None) -> None:
+        """Resolve each touched trace to its conversation and mark those conversations for a rebuild.
+
+        ``current`` is the trace map for these traces when the caller has read it already.
+        """
         if not touched:
             return
         traces = list(touched)
-        current = self._conversation_of(traces)
+        if current is None:
+            current = self._conversation_of(traces)
         keys: dict[str, str] = {}
         self._work_started = time.perf_counter()
         for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
@@ -569,11 +572,16 @@ class Conversations:
 
     @staticmethod
     def _is_genai(rows: _TraceRows) -> bool:
-        if rows.logs:
-            return any((r.get("event_name") or "").startswith("gen_ai") for r in rows.logs)
+        """A trace without an id is a conversation once the normalizer finds an LLM call or agent span
+        in it, or a GenAI event; any other trace (health checks, plain HTTP) is not."""
+        if any((r.get("event_name") or "").startswith("gen_ai") for r in rows.logs):
+            return True
         for r in rows.spans:
-            text = r.get("attributes") or ""
-            if any(marker in text for marker in ('"gen_ai.', '"llm.', '"ai.', '"langfuse.observation', '"openinference.')):
+            try:
+                attrs = load_json_column(r.get("attributes"))
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(attrs, dict) and span_kind(Attrs(attrs), str(r.get("name") or "")) in ("llm", "agent"):
                 return True
         return False
 

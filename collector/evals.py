@@ -38,7 +38,7 @@ from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript
 from judges._stats import weighted_proportion  # the weighted rate of summarize, without a Verdict per row
 
 from .errors import UserError
-from .queries import _iso, conversation_record
+from .queries import conversation_record, iso_utc
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sampling_decisions (
@@ -220,7 +220,7 @@ def sampling_decision(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> d
             "decided_at")
     row = cur.execute(f"SELECT {', '.join(cols)} FROM sampling_decisions WHERE conversation_id = ?",
                       [conversation_id]).fetchone()
-    return None if row is None else {k: _iso(v) for k, v in zip(cols, row)}
+    return None if row is None else {k: iso_utc(v) for k, v in zip(cols, row)}
 
 
 # --- criteria, verdicts, not run ------------------------------------------------------------------
@@ -389,7 +389,7 @@ def _verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
         "usage": {"input_tokens": d["input_tokens"], "output_tokens": d["output_tokens"]},
         "transcript_sha256": d["transcript_sha256"], "raw_reply": d["raw_reply"] or "",
         "inclusion_probability": d["inclusion_probability"], "sampling_rule": d["sampling_rule"],
-        "judged_at": _iso(d["judged_at"]), "superseded": d["superseded"],
+        "judged_at": iso_utc(d["judged_at"]), "superseded": d["superseded"],
     }
 
 
@@ -476,7 +476,7 @@ def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], 
         f"SELECT {', '.join('r.' + c for c in _ITEM_COLUMNS)}, v.criterion_version, v.result, v.flagged, "
         f"v.evidence_verified, v.superseded FROM review_items r JOIN verdicts v ON v.id = r.verdict_id "
         f"{_where(where)} ORDER BY r.created_at, r.id LIMIT ?", [*params, limit]).fetchall()
-    return [{k: _iso(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
+    return [{k: iso_utc(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
 
 
 def _item_id(item_id: int | str) -> int:
@@ -501,7 +501,7 @@ def review_history(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> list[d
             "forced", "decided_at")
     rows = cur.execute(f"SELECT {', '.join(cols)} FROM review_history WHERE item_id = ? ORDER BY id",
                        [_item_id(item_id)]).fetchall()
-    return [{k: _iso(v) for k, v in zip(cols, r)} for r in rows]
+    return [{k: iso_utc(v) for k, v in zip(cols, r)} for r in rows]
 
 
 def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:

@@ -18,7 +18,8 @@ CONVERSATION_LIST_COLUMNS = (
 )
 
 
-def _iso(value: Any) -> Any:
+def iso_utc(value: Any) -> Any:
+    """A datetime (naive ones are UTC, as DuckDB returns them) as RFC 3339 UTC text; anything else as is."""
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
             value = value.replace(tzinfo=dt.timezone.utc)
@@ -61,7 +62,7 @@ def list_conversations(cur: duckdb.DuckDBPyConnection, *, since: dt.datetime | N
            f"{'WHERE ' + ' AND '.join(where) if where else ''} "
            "ORDER BY last_arrival_at DESC, conversation_id LIMIT ?")
     rows = cur.execute(sql, [*params, limit]).fetchall()
-    return [{k: _iso(v) for k, v in zip(CONVERSATION_LIST_COLUMNS, r)} for r in rows]
+    return [{k: iso_utc(v) for k, v in zip(CONVERSATION_LIST_COLUMNS, r)} for r in rows]
 
 
 def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> dict[str, Any] | None:
@@ -87,7 +88,7 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
         if name:
             msg["name"] = name
         if at is not None:
-            msg["at"] = _iso(at)
+            msg["at"] = iso_utc(at)
         if span_id:
             msg["span_id"] = span_id
         if truncated:
@@ -105,8 +106,8 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
         "id": conversation_id,
         "source": "production",
         "service": service,
-        "started_at": _iso(started),
-        "ended_at": _iso(ended),
+        "started_at": iso_utc(started),
+        "ended_at": iso_utc(ended),
         "ended_by": ended_by if state == "ended" and ended_by else "open",
         "system": system,
         "messages": messages,

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import FrameType
 
 import click
 
+from ..client import APIReader
 from ..config import load_config
 from ..errors import UserError
 from ..runtime import RuntimeInfo, running_daemon
@@ -54,11 +53,6 @@ def _start_daemon(config_path: Path, log_path: Path, runtime_file: Path) -> tupl
         time.sleep(0.1)
     proc.terminate()
     raise UserError(f"the demo daemon did not become ready within 60s; see {log_path}")
-
-
-def _get(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (our own loopback API)
-        return json.loads(resp.read())  # type: ignore[no-any-return]
 
 
 @click.command()
@@ -102,7 +96,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
         sent = send_demo_traffic(info.grpc, progress=click.echo)
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
-    counts = _get(info.api + "/api/spans/count")
+    counts = APIReader(info.api, cfg.api.auth.bearer_token).get("/api/spans/count")
     api = info.api
     cfg_arg = f"--config {config_path}"
     # Name the command as the user can type it: `.venv/bin/tracejudge` when the venv is not active.

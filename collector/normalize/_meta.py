@@ -140,21 +140,22 @@ def span_kind(attrs: Attrs, name: str = "") -> SpanKind:
     return "other"
 
 
+def _model(attrs: Attrs, keys: tuple[str, ...], in_json: Any) -> str | None:
+    """A model name from a flat key, else from a field of a JSON attribute."""
+    found = _flat(attrs, keys)
+    if found is None:
+        for attr, key in in_json:
+            found = as_str(_json_field(attrs, attr, (key,)))
+            if found:
+                break
+    return found
+
+
 def read_meta(attrs: Attrs, name: str = "") -> Meta:
     """Read kind, models, token usage and ids from one span's (or log's) attributes."""
     meta = Meta(kind=span_kind(attrs, name))
-    meta.request_model = _flat(attrs, REQUEST_MODEL_KEYS)
-    if meta.request_model is None:
-        for attr, key in REQUEST_MODEL_JSON:
-            meta.request_model = as_str(_json_field(attrs, attr, (key,)))
-            if meta.request_model:
-                break
-    meta.response_model = _flat(attrs, RESPONSE_MODEL_KEYS)
-    if meta.response_model is None:
-        for attr, key in RESPONSE_MODEL_JSON:
-            meta.response_model = as_str(_json_field(attrs, attr, (key,)))
-            if meta.response_model:
-                break
+    meta.request_model = _model(attrs, REQUEST_MODEL_KEYS, REQUEST_MODEL_JSON)
+    meta.response_model = _model(attrs, RESPONSE_MODEL_KEYS, RESPONSE_MODEL_JSON)
     meta.input_tokens = _tokens(attrs, INPUT_TOKEN_KEYS, USAGE_INPUT_FIELDS)
     meta.output_tokens = _tokens(attrs, OUTPUT_TOKEN_KEYS, USAGE_OUTPUT_FIELDS)
     meta.response_id = _flat(attrs, RESPONSE_ID_KEYS)
