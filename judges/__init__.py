@@ -34,7 +34,7 @@ from ._providers import (
     register_provider,
 )
 from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges
-from ._stats import Proportion, RateStats, Summary, summarize
+from ._stats import Proportion, RateStats, Summary, summarize, weighted_proportion
 from ._transcript import (
     Conversation,
     Message,
@@ -97,4 +97,5 @@ __all__ = [
     "summarize",
     "transcript_sha256",
     "verify_evidence",
+    "weighted_proportion",
 ]

@@ -14,7 +14,7 @@ import duckdb
 import orjson
 import pytest
 
-from collector import evals
+from collector import evals, review
 from collector.conversations import SCHEMA as CONVERSATIONS_SCHEMA
 from collector.queries import conversation_record
 from collector.review_page import highlight, render_item, render_list
@@ -111,7 +111,7 @@ def test_an_error_is_replaced_by_the_retry_and_never_queued(cur: duckdb.DuckDBPy
     evals.store_verdicts(cur, [verdict(cid, "c1", "fail", sha)], probability=1.0, rule=None)
     assert cur.execute("SELECT result FROM verdicts").fetchall() == [("fail",)]
     assert evals.list_verdicts(cur, result="error") == []
-    assert [i["criterion_id"] for i in evals.list_reviews(cur)] == ["c1"]
+    assert [i["criterion_id"] for i in review.list_reviews(cur)] == ["c1"]
 
 
 def test_a_changed_transcript_supersedes_older_verdicts(cur: duckdb.DuckDBPyConnection) -> None:
@@ -132,8 +132,8 @@ def test_a_changed_transcript_supersedes_older_verdicts(cur: duckdb.DuckDBPyConn
     assert cur.execute("SELECT superseded FROM verdicts WHERE judge_model = 'other-model'").fetchall() == [(True,)]
     assert [v["result"] for v in evals.list_verdicts(cur, criterion="c1")] == ["pass"]
     assert len(evals.list_verdicts(cur, criterion="c1", include_superseded=True)) == 3
-    assert len(evals.list_reviews(cur)) == 1  # only the first fail, whose item says its verdict is superseded
-    assert evals.list_reviews(cur)[0]["superseded"] is True
+    assert len(review.list_reviews(cur)) == 1  # only the first fail, whose item says its verdict is superseded
+    assert review.list_reviews(cur)[0]["superseded"] is True
     s = evals.stats(cur)
     c1 = next(c for c in s["criteria"] if c["criterion_id"] == "c1")
     assert (c1["judged"], c1["pass"], c1["fail"], c1["review"]["pending"]) == (1, 1, 0, 0)
@@ -148,18 +148,18 @@ def test_queueing_rules(cur: duckdb.DuckDBPyConnection) -> None:
         verdict("a", "broken", "error"),
     ]
     evals.store_verdicts(cur, batch, probability=1.0, rule=None)
-    assert sorted(i["criterion_id"] for i in evals.list_reviews(cur)) == ["fail-flagged", "fail-plain"]
+    assert sorted(i["criterion_id"] for i in review.list_reviews(cur)) == ["fail-flagged", "fail-plain"]
     # queue_results from config: here only not_applicable, yet a flagged fail is always queued, an error never.
     evals.store_verdicts(cur, [verdict("b", c.criterion_id, c.result, evidence=c.evidence,
                                        verified=c.evidence_verified, flagged=c.flagged) for c in batch],
                          probability=1.0, rule=None, queue_results=("not_applicable", "error"))
-    queued_b = {(i["criterion_id"], i["state"]) for i in evals.list_reviews(cur) if i["conversation_id"] == "b"}
+    queued_b = {(i["criterion_id"], i["state"]) for i in review.list_reviews(cur) if i["conversation_id"] == "b"}
     assert queued_b == {("fail-flagged", "pending"), ("na", "pending")}
-    listed = evals.list_reviews(cur, state="all", criterion="fail-flagged")
+    listed = review.list_reviews(cur, state="all", criterion="fail-flagged")
     assert [(i["conversation_id"], i["flagged"], i["result"]) for i in listed] == [("a", True, "fail"),
                                                                                   ("b", True, "fail")]
-    with pytest.raises(evals.ReviewInputError):
-        evals.list_reviews(cur, state="done")
+    with pytest.raises(review.ReviewInputError):
+        review.list_reviews(cur, state="done")
 
 
 # --- decisions ------------------------------------------------------------------------------------------
@@ -169,37 +169,37 @@ def test_decisions_conflicts_and_forced_history(cur: duckdb.DuckDBPyConnection) 
     cid, sha = fixture_conversation(cur)
     evals.store_verdicts(cur, [verdict(cid, "c1", "fail", sha), verdict(cid, "c2", "fail", sha)],
                          probability=1.0, rule=None, now=T0)
-    first, second = (i["id"] for i in evals.list_reviews(cur))
-    done = evals.decide(cur, first, "confirm", "Dr. Amal", "real miss", now=T0 + dt.timedelta(hours=1))
+    first, second = (i["id"] for i in review.list_reviews(cur))
+    done = review.decide(cur, first, "confirm", "Dr. Amal", "real miss", now=T0 + dt.timedelta(hours=1))
     assert (done["state"], done["reviewer"], done["note"]) == ("confirmed", "Dr. Amal", "real miss")
     assert done["decided_at"] == "2025-03-01T13:00:00Z"
-    evals.decide(cur, str(second), "reject", "Sam")  # ids from a URL arrive as text
+    review.decide(cur, str(second), "reject", "Sam")  # ids from a URL arrive as text
 
-    with pytest.raises(evals.ReviewConflict) as conflict:
-        evals.decide(cur, first, "reject", "Sam")
+    with pytest.raises(review.ReviewConflict) as conflict:
+        review.decide(cur, first, "reject", "Sam")
     assert conflict.value.status == 409 and conflict.value.code == "already_decided"
     assert "confirmed" in str(conflict.value)
-    assert evals.review_item(cur, first)["item"]["state"] == "confirmed"  # the refusal changed nothing
+    assert review.review_item(cur, first)["item"]["state"] == "confirmed"  # the refusal changed nothing
 
-    evals.decide(cur, first, "reject", "Sam", "the bot did ask", force=True, now=T0 + dt.timedelta(hours=2))
-    history = evals.review_history(cur, first)
+    review.decide(cur, first, "reject", "Sam", "the bot did ask", force=True, now=T0 + dt.timedelta(hours=2))
+    history = review.review_history(cur, first)
     assert [(h["previous_state"], h["previous_reviewer"], h["state"], h["reviewer"], h["forced"])
             for h in history] == [("pending", None, "confirmed", "Dr. Amal", False),
                                   ("confirmed", "Dr. Amal", "rejected", "Sam", True)]
     assert history[0]["note"] == "real miss" and history[1]["previous_note"] == "real miss"
 
     for bad_id in (999, "999", "abc"):
-        with pytest.raises(evals.ReviewNotFound) as missing:
-            evals.decide(cur, bad_id, "confirm", "Sam")
+        with pytest.raises(review.ReviewNotFound) as missing:
+            review.decide(cur, bad_id, "confirm", "Sam")
         assert missing.value.status == 404
-    with pytest.raises(evals.ReviewNotFound):
-        evals.review_item(cur, 999)
-    with pytest.raises(evals.ReviewInputError) as bad:
-        evals.decide(cur, first, "approve", "Sam")
+    with pytest.raises(review.ReviewNotFound):
+        review.review_item(cur, 999)
+    with pytest.raises(review.ReviewInputError) as bad:
+        review.decide(cur, first, "approve", "Sam")
     assert bad.value.status == 400
-    with pytest.raises(evals.ReviewInputError):
-        evals.decide(cur, first, "confirm", "  ", force=True)
-    assert [i["state"] for i in evals.list_reviews(cur, state="rejected")] == ["rejected", "rejected"]
+    with pytest.raises(review.ReviewInputError):
+        review.decide(cur, first, "confirm", "  ", force=True)
+    assert [i["state"] for i in review.list_reviews(cur, state="rejected")] == ["rejected", "rejected"]
 
 
 def test_review_item_has_what_a_reviewer_needs(cur: duckdb.DuckDBPyConnection) -> None:
@@ -210,8 +210,8 @@ def test_review_item_has_what_a_reviewer_needs(cur: duckdb.DuckDBPyConnection) -
     evals.store_verdicts(cur, [verdict(cid, crit.id, "fail", sha, version=3, reasoning="It never asked.",
                                        evidence=["Could you give me your order number?"])],
                          probability=0.2, rule="handover")
-    (item,) = evals.list_reviews(cur)
-    detail = evals.review_item(cur, item["id"])
+    (item,) = review.list_reviews(cur)
+    detail = review.review_item(cur, item["id"])
     assert detail["criterion"] == {"id": crit.id, "version": 3, "text": crit.prompt, "group": "support",
                                    "severity": "high"}
     assert detail["verdict"]["reasoning"] == "It never asked."
@@ -260,9 +260,9 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
                           reason="no provider configured")
     evals.store_not_run(cur, [tone_not_run], now=T0)
     evals.store_not_run(cur, [tone_not_run], now=T0 + dt.timedelta(days=2))  # recorded again: still one
-    c1_item, c4_item = (i["id"] for i in evals.list_reviews(cur))
-    evals.decide(cur, c1_item, "confirm", "Dr. Amal")
-    evals.decide(cur, c4_item, "reject", "Dr. Amal")
+    c1_item, c4_item = (i["id"] for i in review.list_reviews(cur))
+    review.decide(cur, c1_item, "confirm", "Dr. Amal")
+    review.decide(cur, c4_item, "reject", "Dr. Amal")
 
     out = evals.stats(cur)
     json.dumps(out)  # JSON-ready as it is
@@ -344,8 +344,8 @@ def page_detail(cur: duckdb.DuckDBPyConnection) -> dict[str, Any]:
                                        evidence=["BOT: take an aspirin ... you will be fine",
                                                  "a quote nobody said"])],
                          probability=1.0, rule=None)
-    (item,) = evals.list_reviews(cur)
-    return evals.review_item(cur, item["id"])
+    (item,) = review.list_reviews(cur)
+    return review.review_item(cur, item["id"])
 
 
 def test_review_page_escapes_everything(cur: duckdb.DuckDBPyConnection) -> None:
@@ -356,7 +356,7 @@ def test_review_page_escapes_everything(cur: duckdb.DuckDBPyConnection) -> None:
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
     assert "Ask about &lt;arm&gt; pain first." in page
     assert "conv-&lt;b&gt;" in page
-    listing = render_list(evals.list_reviews(cur), criterion='"><script>', criteria=["chest-pain"])
+    listing = render_list(review.list_reviews(cur), criterion='"><script>', criteria=["chest-pain"])
     assert "<script" not in listing.lower()
     assert f'href="/review/{detail["item"]["id"]}"' in listing
 
@@ -372,8 +372,8 @@ def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConne
     assert 'action="/review/1/decision"' in page and 'name="reviewer"' in page and 'for="reviewer"' in page
     assert 'value="confirm"' in page and 'value="reject"' in page and 'name="force"' not in page
     assert 'name="viewport"' in page
-    evals.decide(cur, detail["item"]["id"], "confirm", "Dr. <Amal>")
-    decided = render_item(evals.review_item(cur, detail["item"]["id"]))
+    review.decide(cur, detail["item"]["id"], "confirm", "Dr. <Amal>")
+    decided = render_item(review.review_item(cur, detail["item"]["id"]))
     assert 'name="force" value="1"' in decided and "Dr. &lt;Amal&gt;" in decided
 
 

@@ -14,7 +14,7 @@ EXPORTED = [
     "OpenAICompatibleProvider", "Proportion", "Provider", "ProviderError", "ProviderReply", "ProviderSetupError", "RateStats", "RetryPolicy",
     "ScriptedProvider", "Summary", "ToolCall", "Usage", "Verdict", "VerdictCache", "arun_judges", "load_criteria",
     "make_provider", "parse_conversations", "read_conversations", "register_check", "register_provider",
-    "render_transcript", "run_judges", "summarize", "transcript_sha256", "verify_evidence",
+    "render_transcript", "run_judges", "summarize", "transcript_sha256", "verify_evidence", "weighted_proportion",
 ]
 
 

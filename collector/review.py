@@ -1,0 +1,198 @@
+"""The review queue: list, show and decide the items that verdicts opened.
+
+Items are made by ``evals.store_verdicts`` (every verdict whose result is in
+``review.queue_results``, and every flagged fail); this module reads them and
+records reviewers' decisions. Decisions are history: each one is a row of
+``review_history`` with the state it replaced.
+
+Errors (all ``UserError``, so the CLI prints one line; ``status`` and ``code``
+give the JSON API's answer)::
+
+    ReviewError              status, code
+    ├── ReviewNotFound       404 not_found: no review item with that id
+    ├── ReviewConflict       409 already_decided: decided before, no force
+    └── ReviewInputError     400 bad_request: unknown decision, no reviewer
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+import duckdb
+
+from .errors import UserError
+from .evals import _VERDICT_COLUMNS, Transaction, _now, _verdict_dict, _where
+from .queries import conversation_record, iso_utc
+
+ReviewState = Literal["pending", "confirmed", "rejected"]
+REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected")
+_DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected"}
+_ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state", "reviewer", "note",
+                 "created_at", "decided_at")
+
+
+class ReviewError(UserError):
+    """A review request that cannot be done; ``status`` and ``code`` are its JSON API answer."""
+
+    status = 400
+    code = "bad_request"
+
+
+class ReviewNotFound(ReviewError):
+    """No review item has that id."""
+
+    status = 404
+    code = "not_found"
+
+
+class ReviewConflict(ReviewError):
+    """The item was decided already; deciding again needs ``force``."""
+
+    status = 409
+    code = "already_decided"
+
+
+class ReviewInputError(ReviewError):
+    """The decision or the reviewer is missing or unknown."""
+
+
+
+def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criterion: str | None = None,
+                 limit: int = 100) -> list[dict[str, Any]]:
+    """Review items, the oldest first (the queue's order).
+
+    Args:
+        state: ``pending`` (default), ``confirmed``, ``rejected`` or ``all``.
+        criterion: only this criterion id.
+        limit: at most this many.
+
+    Returns:
+        Items with ``id``, ``conversation_id``, ``criterion_id``, ``state``, ``reviewer``,
+        ``note``, ``created_at``, ``decided_at``, ``verdict_id`` and, from the verdict,
+        ``criterion_version``, ``result``, ``flagged``, ``evidence_verified`` and ``superseded``.
+
+    Raises:
+        ReviewInputError: an unknown state.
+    """
+    if state != "all" and state not in REVIEW_STATES:
+        raise ReviewInputError(f"state must be one of {', '.join(REVIEW_STATES)} or all, got {state!r}")
+    where, params = [], []
+    if state != "all":
+        where.append("r.state = ?")
+        params.append(state)
+    if criterion is not None:
+        where.append("r.criterion_id = ?")
+        params.append(criterion)
+    return _items(cur, where, params, limit)
+
+
+_ITEM_KEYS = (*_ITEM_COLUMNS, "criterion_version", "result", "flagged", "evidence_verified", "superseded")
+
+
+def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], limit: int) -> list[dict[str, Any]]:
+    rows = cur.execute(
+        f"SELECT {', '.join('r.' + c for c in _ITEM_COLUMNS)}, v.criterion_version, v.result, v.flagged, "
+        f"v.evidence_verified, v.superseded FROM review_items r JOIN verdicts v ON v.id = r.verdict_id "
+        f"{_where(where)} ORDER BY r.created_at, r.id LIMIT ?", [*params, limit]).fetchall()
+    return [{k: iso_utc(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
+
+
+def _item_id(item_id: int | str) -> int:
+    # Ids arrive from URLs and command lines as text.
+    try:
+        return int(item_id)
+    except (TypeError, ValueError):
+        raise ReviewNotFound(f"no review item {item_id!r}") from None
+
+
+def _item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:
+    row = cur.execute(f"SELECT {', '.join(_ITEM_COLUMNS)} FROM review_items WHERE id = ?",
+                      [_item_id(item_id)]).fetchone()
+    if row is None:
+        raise ReviewNotFound(f"no review item {item_id!r}")
+    return dict(zip(_ITEM_COLUMNS, row))
+
+
+def review_history(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> list[dict[str, Any]]:
+    """Every decision on an item, the oldest first, each with the state, reviewer and note it replaced."""
+    cols = ("decision", "previous_state", "previous_reviewer", "previous_note", "state", "reviewer", "note",
+            "forced", "decided_at")
+    rows = cur.execute(f"SELECT {', '.join(cols)} FROM review_history WHERE item_id = ? ORDER BY id",
+                       [_item_id(item_id)]).fetchall()
+    return [{k: iso_utc(v) for k, v in zip(cols, r)} for r in rows]
+
+
+def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:
+    """One review item with everything a reviewer needs.
+
+    Returns:
+        ``{"item", "verdict", "criterion", "history", "conversation"}``: the item
+        (as in ``list_reviews``), the full verdict (reasoning, evidence, judge),
+        the criterion ``{"id", "version", "text", "group", "severity"}`` (text and
+        group are None when ``store_criteria`` never saw that version), the
+        decisions so far, and the conversation/v1 record (None if it is gone).
+
+    Raises:
+        ReviewNotFound: no item with that id.
+    """
+    found = _items(cur, ["r.id = ?"], [_item_id(item_id)], 1)
+    if not found:
+        raise ReviewNotFound(f"no review item {item_id!r}")
+    item = found[0]
+    row = cur.execute(f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts WHERE id = ?",
+                      [item["verdict_id"]]).fetchone()
+    assert row is not None  # items are only made with their verdict
+    verdict = _verdict_dict(row)
+    crit = cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
+                       "AND criterion_version = ?", [verdict["criterion_id"], verdict["criterion_version"]]
+                       ).fetchone()
+    return {
+        "item": item,
+        "verdict": verdict,
+        "criterion": {"id": verdict["criterion_id"], "version": verdict["criterion_version"],
+                      "text": crit[0] if crit else None, "group": crit[1] if crit else None,
+                      "severity": crit[2] if crit else None},
+        "history": review_history(cur, item["id"]),
+        "conversation": conversation_record(cur, verdict["conversation_id"]),
+    }
+
+
+def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, reviewer: str,
+           note: str | None = None, force: bool = False, *, now: dt.datetime | None = None) -> dict[str, Any]:
+    """Confirm or reject a review item; the decision is added to the item's history.
+
+    Args:
+        item_id: the item.
+        decision: ``confirm`` (the judge was right) or ``reject`` (it was wrong).
+        reviewer: who decided (required: provenance of every human edit).
+        note: why, in the reviewer's words.
+        force: decide an item that was decided already; the earlier decision stays in the history.
+        now: the clock (UTC).
+
+    Returns:
+        The item after the decision (as in ``list_reviews``).
+
+    Raises:
+        ReviewInputError: an unknown decision or an empty reviewer (400).
+        ReviewNotFound: no item with that id (404).
+        ReviewConflict: the item was decided already and ``force`` is false (409).
+    """
+    if decision not in _DECIDED:
+        raise ReviewInputError(f"decision must be confirm or reject, got {decision!r}")
+    if not reviewer or not reviewer.strip():
+        raise ReviewInputError("a reviewer is required")
+    reviewer = reviewer.strip()
+    state = _DECIDED[decision]
+    at = _now(now)
+    with Transaction(cur):
+        item = _item(cur, item_id)
+        if item["state"] != "pending" and not force:
+            raise ReviewConflict(f"review item {item['id']} was already {item['state']} by {item['reviewer']}; "
+                                 "use force to decide again")
+        cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer, note,
+                     item["state"] != "pending", at])
+        cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? WHERE id = ?",
+                    [state, reviewer, note, at, item["id"]])
+    return _items(cur, ["r.id = ?"], [item["id"]], 1)[0]
