@@ -11,6 +11,7 @@ so a config written for a newer tracejudge still starts an older one.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -216,6 +217,111 @@ class Judges(Section):
     """Per judge call."""
 
 
+# --------------------------------------------------------------- sampling
+def _check_rate(value: float) -> float:
+    if not (0.0 <= value <= 1.0) or math.isnan(value):
+        raise ValueError("a rate is a probability from 0 to 1 (10% is 0.1)")
+    return value
+
+
+Rate = Annotated[float, AfterValidator(_check_rate)]
+
+
+def _check_regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"not a valid regular expression: {exc}") from None
+    return value
+
+
+Regex = Annotated[str, AfterValidator(_check_regex)]
+
+
+class AttributeMatch(Section):
+    """A span or resource attribute of the conversation; give ``equals`` or ``matches``."""
+
+    key: str = Field(min_length=1)
+    """The attribute name, for example ``gen_ai.request.model``."""
+    equals: str | int | float | bool | None = None
+    """Holds when a value of the attribute equals this one (``5`` and ``"5"``, ``true`` and ``"true"`` are equal)."""
+    matches: Regex | None = None
+    """Holds when a regular expression finds a match anywhere in a value (anchor it with ``^...$``)."""
+
+    @model_validator(mode="after")
+    def _one_test(self) -> AttributeMatch:
+        if (self.equals is None) == (self.matches is None):
+            raise ValueError("give exactly one of equals or matches")
+        return self
+
+
+WHEN_KEYS = ("ended_by", "service", "model", "attribute", "min_user_turns", "max_user_turns", "status")
+
+
+class When(Section):
+    """Conditions on a finished conversation; every key given must hold."""
+
+    ended_by: Literal["idle", "handover", "bot_closed", "unknown"] | None = None
+    """How the conversation ended: the idle timeout, or the ``ended_by`` of an end rule."""
+    service: str | None = None
+    """The conversation's ``service.name``."""
+    model: str | None = None
+    """A model that answered in the conversation (any of them)."""
+    attribute: AttributeMatch | None = None
+    """A span or resource attribute on any span of the conversation."""
+    min_user_turns: int | None = Field(None, ge=0)
+    """At least this many user messages."""
+    max_user_turns: int | None = Field(None, ge=0)
+    """At most this many user messages."""
+    status: Literal["error"] | None = None
+    """``error``: some span of the conversation has status ERROR."""
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> When:
+        if all(getattr(self, k) is None for k in WHEN_KEYS):
+            raise ValueError(f"an empty when matches everything; give at least one of {', '.join(WHEN_KEYS)}"
+                             " (or set the default rate)")
+        if (self.min_user_turns is not None and self.max_user_turns is not None
+                and self.min_user_turns > self.max_user_turns):
+            raise ValueError(f"min_user_turns ({self.min_user_turns}) is above max_user_turns "
+                             f"({self.max_user_turns}): nothing can match")
+        return self
+
+
+class SamplingRule(Section):
+    """One rule: the conversations its ``when`` matches are sampled at its ``rate``."""
+
+    when: When
+    rate: Rate
+    """Inclusion probability, from 0 (never) to 1 (always)."""
+
+
+class SamplingBudget(Section):
+    """Caps on judging; null means unlimited. What a budget stops is recorded as skipped."""
+
+    conversations_per_hour: int | None = Field(None, ge=0)
+    """Conversations admitted for judging in any sliding 3600 seconds (daemon clock)."""
+    judge_tokens_per_day: int | None = Field(None, ge=0)
+    """Judge tokens (input + output) per UTC calendar day; none admitted once spent."""
+
+
+class SamplingSettings(Section):
+    """The ``sampling:`` section: a default rate, rules tried in order, budgets."""
+
+    rate: Rate = 0.1
+    """Inclusion probability of a conversation no rule matches."""
+    seed: int = 0
+    """Mixed into the hash; change it to draw a different sample of the same traffic."""
+    rules: list[SamplingRule] = []
+    """Tried in order; the first whose ``when`` holds gives the rate."""
+    budget: SamplingBudget = SamplingBudget()
+
+
+class Review(Section):
+    queue_results: list[Literal["pass", "fail", "not_applicable"]] = Field(default_factory=lambda: ["fail"])
+    """Verdict results that open a review item (every flagged fail does too; an error never does)."""
+
+
 class Config(BaseModel):
     """The whole configuration. Sections not built yet stay raw in ``unbuilt``."""
 
@@ -226,6 +332,8 @@ class Config(BaseModel):
     api: API = API()
     conversations: Conversations = Conversations()
     judges: Judges = Judges()
+    sampling: SamplingSettings = SamplingSettings()
+    review: Review = Review()
     source: str = "<defaults>"
     unbuilt: dict[str, Any] = {}
 
@@ -235,7 +343,7 @@ class Config(BaseModel):
         return Path(str(self.storage.duckdb.path) + ".daemon.json")
 
 
-BUILT = ("receivers", "storage", "api", "conversations", "judges")
+BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review")
 
 # --------------------------------------------------------------- loading
 

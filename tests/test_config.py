@@ -24,8 +24,9 @@ def test_good_config_substitutes_env_and_resolves_paths() -> None:
     assert cfg.storage.duckdb.path == TESTDATA / "data" / "db.duckdb"  # relative to the config's folder
     assert cfg.storage.max_queue_spans == 200_000  # default
     assert cfg.runtime_file == TESTDATA / "data" / "db.duckdb.daemon.json"
-    assert sorted(cfg.unbuilt) == ["review", "sampling"]
-    assert any("'sampling' is not used" in w for w in warnings)
+    assert cfg.sampling.rate == 0.5 and cfg.review.queue_results == ["fail"]
+    assert sorted(cfg.unbuilt) == ["scenarios"]
+    assert any("'scenarios' is not used" in w for w in warnings)
 
 
 def test_env_default_used_when_unset_and_value_when_set() -> None:
