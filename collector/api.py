@@ -1,9 +1,15 @@
-"""The JSON API and health endpoints on ``api.endpoint``.
+"""The JSON API, the review web page and health endpoints on ``api.endpoint``.
 
-Every error has one shape: ``{"error": {"code": "...", "message": "..."}}``
+Every JSON error has one shape: ``{"error": {"code": "...", "message": "..."}}``
 with the matching HTTP status. With ``api.auth.bearer_token`` set, everything
-but /healthz and /readyz needs ``Authorization: Bearer <token>``.
-DuckDB reads run in worker threads, each on a cursor of its own.
+but /healthz and /readyz needs ``Authorization: Bearer <token>``; a browser
+opens the review page once as ``/review?token=<token>``, which sets an
+HttpOnly, SameSite=Strict cookie in place of the header.
+
+The review page decides items with plain form posts; a post whose ``Origin``
+is another site is refused (403), so a page elsewhere cannot decide items
+through a reviewer's browser. DuckDB work runs in worker threads, each on a
+cursor of its own.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ import hmac
 import json
 import re
 from typing import Any, Awaitable, Callable
+from urllib.parse import quote, urlencode, urlsplit
 
 from aiohttp import web
 
-from . import queries
+from . import evals, queries, review, review_page
 from .metrics import Metrics
 from .queries import parse_since
 from .store import Store
@@ -52,27 +59,56 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(exc.status, code, exc.reason)
 
 
+COOKIE = "tracejudge_token"
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
 def _auth(token: str | None) -> Any:
     open_paths = {"/healthz", "/readyz"}
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and request.path not in open_paths:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
-        return await handler(request)
+        if not token or request.path in open_paths:
+            return await handler(request)
+        if _same(request.headers.get("Authorization", ""), f"Bearer {token}"):
+            return await handler(request)
+        if request.path == "/review" or request.path.startswith("/review/"):
+            if _same(request.cookies.get(COOKIE, ""), token):
+                return await handler(request)
+            if _same(request.query.get("token", ""), token):
+                # Once from a link; the token then lives in a cookie, not in the address bar.
+                response = web.HTTPSeeOther(request.path)
+                response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/review",
+                                    secure=request.secure)
+                raise response
+            raise web.HTTPUnauthorized(text=review_page.render_message(
+                "Sign in", "This review page needs the API token: open it as /review?token=<api.auth.bearer_token>."),
+                content_type="text/html")
+        raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
 
     return check
+
+
+def _cross_site(request: web.Request) -> bool:
+    """A form post sent by a page of another origin (CSRF)."""
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return origin == "null"
+    return urlsplit(origin).netloc != request.host
 
 
 class API:
     """Routes of the JSON API; ``ready`` flips once every receiver listens."""
 
     def __init__(self, store: Store, metrics: Metrics, bearer_token: str | None,
-                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 criteria: Callable[[], list[str]] | None = None) -> None:
         self.store = store
         self.status_fn = status or (lambda: {})
+        self.criteria_fn = criteria or (lambda: [])
         self.metrics = metrics
         self.ready = False
         self.app = web.Application(middlewares=[_errors, _auth(bearer_token or None)])
@@ -85,9 +121,24 @@ class API:
         r.add_get("/api/traces/{trace_id}", self.trace)
         r.add_get("/api/conversations", self.conversations)
         r.add_get("/api/conversations/{conversation_id}", self.conversation)
+        r.add_get("/api/verdicts", self.verdicts)
+        r.add_get("/api/stats", self.stats)
+        r.add_get("/api/review", self.review_list)
+        r.add_get("/api/review/{item_id}", self.review_item)
+        r.add_post("/api/review/{item_id}/decision", self.review_decision)
+        r.add_get("/", self.home)
+        r.add_get("/review", self.review_page)
+        r.add_get("/review/{item_id}", self.review_item_page)
+        r.add_post("/review/{item_id}/decision", self.review_form)
 
     async def read(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(cursor)`` in a worker thread on a cursor of its own."""
+        """Run ``fn(cursor)`` in a worker thread on a cursor of its own (writes too: evals' own transactions)."""
+        try:
+            return await self._on_cursor(fn)
+        except review.ReviewError as exc:
+            raise APIError(exc.status, exc.code, str(exc)) from None
+
+    async def _on_cursor(self, fn: Callable[[Any], Any]) -> Any:
 
         def run() -> Any:
             cur = self.store.cursor()
@@ -146,11 +197,7 @@ class API:
 
     async def conversations(self, request: web.Request) -> web.Response:
         q = request.query
-        try:
-            limit = int(q.get("limit", "50"))
-            since = parse_since(q["since"]) if q.get("since") else None
-        except ValueError as exc:
-            raise APIError(400, "bad_parameter", str(exc)) from None
+        limit, since = _int(q, "limit", 50), _since(q)
         state = q.get("state") or None
         if state not in (None, "open", "ended"):
             raise APIError(400, "bad_parameter", f"state must be open or ended, not {state!r}")
@@ -164,6 +211,130 @@ class API:
         if record is None:
             raise APIError(404, "not_found", f"no conversation {cid!r}")
         return web.json_response(record, dumps=_dumps)
+
+
+    # ------------------------------------------------------------ evals and review (JSON)
+
+    async def verdicts(self, request: web.Request) -> web.Response:
+        """Stored verdicts, the newest first: ``?result=error`` lists judge errors with their reasons."""
+        q = request.query
+        result = q.get("result") or None
+        if result not in (None, "pass", "fail", "not_applicable", "error"):
+            raise APIError(400, "bad_parameter", f"result must be pass, fail, not_applicable or error, not {result!r}")
+        since, limit = _since(q), _int(q, "limit", 100)
+        rows = await self.read(lambda cur: evals.list_verdicts(
+            cur, result=result, criterion=q.get("criterion") or None, since=since,
+            include_superseded=q.get("include_superseded") in ("1", "true"), limit=limit))
+        return web.json_response({"verdicts": rows}, dumps=_dumps)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        q = request.query
+        since = _since(q)
+        body = await self.read(lambda cur: evals.stats(cur, since=since, criterion=q.get("criterion") or None))
+        return web.json_response(body, dumps=_dumps)
+
+    async def review_list(self, request: web.Request) -> web.Response:
+        q = request.query
+        limit = _int(q, "limit", 100)
+        items = await self.read(lambda cur: review.list_reviews(
+            cur, state=q.get("state") or "pending", criterion=q.get("criterion") or None, limit=limit))
+        return web.json_response({"items": items}, dumps=_dumps)
+
+    async def review_item(self, request: web.Request) -> web.Response:
+        item_id = request.match_info["item_id"]
+        return web.json_response(await self.read(lambda cur: review.review_item(cur, item_id)), dumps=_dumps)
+
+    async def review_decision(self, request: web.Request) -> web.Response:
+        """``{"decision": "confirm" | "reject", "reviewer": "...", "note": "...", "force": false}``."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "bad_request", "the body must be a JSON object with decision and reviewer") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "bad_request", "the body must be a JSON object with decision and reviewer")
+        unknown = sorted(set(body) - {"decision", "reviewer", "note", "force"})
+        if unknown:
+            raise APIError(400, "bad_request", f"unknown field(s) {', '.join(unknown)}; "
+                                               "expected decision, reviewer, note, force")
+        decision, reviewer, note = body.get("decision"), body.get("reviewer"), body.get("note")
+        if not isinstance(decision, str) or not isinstance(reviewer, str) or not isinstance(note, (str, type(None))):
+            raise APIError(400, "bad_request", "decision and reviewer must be strings (note too, if given)")
+        item_id = request.match_info["item_id"]
+        item = await self.read(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
+                                                         force=bool(body.get("force"))))
+        return web.json_response(item, dumps=_dumps)
+
+    # ------------------------------------------------------------ the review page (HTML)
+
+    async def home(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound("/review")
+
+    async def review_page(self, request: web.Request) -> web.Response:
+        q = request.query
+        state = q.get("state") or "pending"
+        criterion = q.get("criterion") or None
+        try:
+            items = await self._on_cursor(lambda cur: review.list_reviews(cur, state=state, criterion=criterion,
+                                                                          limit=500))
+        except review.ReviewError as exc:
+            return _html(review_page.render_message("Review queue", str(exc)), status=exc.status)
+        return _html(review_page.render_list(items, state=state, criterion=criterion, criteria=self.criteria_fn()))
+
+    async def review_item_page(self, request: web.Request) -> web.Response:
+        item_id = request.match_info["item_id"]
+        try:
+            detail = await self._on_cursor(lambda cur: review.review_item(cur, item_id))
+        except review.ReviewError as exc:
+            return _html(review_page.render_message("Review item", str(exc)), status=exc.status)
+        saved = request.query.get("saved")
+        return _html(review_page.render_item(detail, reviewer=request.query.get("reviewer", ""),
+                                             message=f"Saved: {saved}" if saved else None))
+
+    async def review_form(self, request: web.Request) -> web.Response:
+        if _cross_site(request):
+            return _html(review_page.render_message("Refused", "This decision was sent from another site."),
+                         status=403)
+        form = await request.post()
+        item_id = request.match_info["item_id"]
+        decision, reviewer = str(form.get("decision", "")), str(form.get("reviewer", ""))
+        note = str(form.get("note", "")).strip() or None
+        try:
+            item = await self._on_cursor(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
+                                                                   force=form.get("force") == "1"))
+        except review.ReviewError as exc:
+            try:
+                detail = await self._on_cursor(lambda cur: review.review_item(cur, item_id))
+            except review.ReviewError:
+                return _html(review_page.render_message("Review item", str(exc)), status=exc.status)
+            return _html(review_page.render_item(detail, reviewer=reviewer, error=str(exc)), status=exc.status)
+        target = f"/review/{quote(str(item['id']), safe='')}?" + urlencode({"saved": item["state"],
+                                                                          "reviewer": reviewer})
+        raise web.HTTPSeeOther(target)
+
+
+def _html(text: str, status: int = 200) -> web.Response:
+    return web.Response(text=text, status=status, content_type="text/html", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+                                 "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                                            "form-action 'self'; frame-ancestors 'none'",
+                                 "Referrer-Policy": "no-referrer"})
+
+
+def _int(q: Any, key: str, default: int) -> int:
+    try:
+        value = int(q.get(key, default))
+    except ValueError:
+        raise APIError(400, "bad_parameter", f"{key} must be an integer, not {q.get(key)!r}") from None
+    if value < 1:
+        raise APIError(400, "bad_parameter", f"{key} must be at least 1")
+    return value
+
+
+def _since(q: Any) -> Any:
+    try:
+        return parse_since(q["since"]) if q.get("since") else None
+    except ValueError as exc:
+        raise APIError(400, "bad_parameter", str(exc)) from None
 
 
 _JSON_COLUMNS = {"attributes", "events", "links", "resource", "scope_attributes", "dropped", "body"}

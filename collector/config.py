@@ -318,7 +318,7 @@ class SamplingSettings(Section):
 
 
 class Review(Section):
-    queue_results: list[Literal["pass", "fail", "not_applicable"]] = Field(default_factory=lambda: ["fail"])
+    queue_results: list[Literal["pass", "fail", "not_applicable"]] = ["fail"]
     """Verdict results that open a review item (every flagged fail does too; an error never does)."""
 
 

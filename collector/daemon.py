@@ -25,11 +25,14 @@ from typing import TextIO
 import grpc
 from aiohttp import web
 
+from judges import Criterion, Provider
+
 from .api import API
 from .config import Config
 from .conversations import Conversations
 from .queries import conversation_counts
 from .errors import UserError
+from .evaluator import Evaluator, daemon_provider, load_configured_criteria
 from .metrics import Metrics
 from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
 from .runtime import RuntimeInfo, running_daemon
@@ -98,6 +101,8 @@ class Daemon:
         if other is not None and other.pid != os.getpid():
             raise UserError(f"a tracejudge daemon (pid {other.pid}) already serves {cfg.storage.duckdb.path}; "
                             f"its API is {other.api}")
+        criteria = load_configured_criteria(cfg)  # a typo in a criteria file stops the start, not a judge
+        provider, no_provider = daemon_provider(cfg)
         metrics = Metrics()
         store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit,
                       max_queue_spans=cfg.storage.max_queue_spans, max_batch_spans=cfg.storage.max_batch_spans,
@@ -107,10 +112,13 @@ class Daemon:
         convs.start()
         store.on_commit(convs.on_commit)
         metrics.add_collector(lambda: _conversation_gauges(store))
+        evaluator = Evaluator(store, cfg, metrics, criteria=criteria, provider=provider, no_provider=no_provider)
+        evaluator.start()
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
         api = API(store, metrics, cfg.api.auth.bearer_token,
-                  status=convs.status)
+                  status=lambda: {**convs.status(), **evaluator.status()},
+                  criteria=lambda: [c.id for c in criteria])
         runners: list[web.AppRunner] = []
         gserver: grpc.aio.Server | None = None
         try:
@@ -140,6 +148,7 @@ class Daemon:
             ).write(runtime_path)
             api.ready = True
             self._banner(grpc_addr, http_addr, api_url)
+            self._judging(criteria, provider, no_provider)
             if not _loopback(api_host) and not cfg.api.auth.bearer_token:
                 log.warning("the API listens on %s without api.auth.bearer_token: anyone who can reach it "
                             "can read production conversations", cfg.api.endpoint)
@@ -151,6 +160,7 @@ class Daemon:
                 await gserver.stop(grace=10)
             for runner in reversed(runners):
                 await runner.cleanup()
+            await asyncio.to_thread(evaluator.stop)
             await asyncio.to_thread(store.drain)
             await asyncio.to_thread(convs.stop)
             await asyncio.to_thread(store.close)
@@ -175,13 +185,28 @@ class Daemon:
         if http_addr:
             lines.append(f"  OTLP/HTTP   http://{http_addr}/v1/traces  (also /v1/logs, /v1/metrics)")
         lines += [
-            f"  API         {api_url}  (/healthz, /metrics, /api/status, /api/conversations, /api/traces/<id>)",
+            f"  review      {api_url}/review",
+            f"  API         {api_url}  (/healthz, /metrics, /api/status, /api/conversations, /api/stats, /api/review)",
             f"  DuckDB      {self.config.storage.duckdb.path}",
             f"  runtime     {self.config.runtime_file}",
             "Point your bot at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://"
             f"{grpc_addr or http_addr}  (Ctrl-C or SIGTERM stops it)",
         ]
         print("\n".join(lines), file=self.out, flush=True)
+
+
+    def _judging(self, criteria: list[Criterion], provider: Provider | None, no_provider: str | None) -> None:
+        sampling = self.config.sampling
+        if not criteria:
+            log.info("no criteria (judges.criteria): conversations are sampled but not judged")
+            return
+        llm = sum(1 for c in criteria if c.kind == "llm")
+        log.info("judging %d criteria (%d code, %d llm) on a %g sample%s", len(criteria), len(criteria) - llm, llm,
+                 sampling.rate, f" and {len(sampling.rules)} rules" if sampling.rules else "")
+        if llm and provider is None:
+            log.warning("LLM criteria are reported as not run: %s", no_provider)
+        elif provider is not None:
+            log.info("judge: %s %s", provider.name, provider.model)
 
 
 def serve(config: Config) -> None:

@@ -19,7 +19,7 @@ import datetime as dt
 import hashlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import orjson
@@ -146,28 +146,48 @@ class Transaction:
 # --- sampling decisions -------------------------------------------------------------------------
 
 
+class SamplingRecord(NamedTuple):
+    """One sampling decision as stored (see ``record_samplings``)."""
+
+    conversation_id: str
+    sampled: bool
+    """Picked for judging (False also when a budget stopped it: see ``skipped_reason``)."""
+    probability: float
+    """Its inclusion probability under the matching rule, in [0, 1]."""
+    rule: str | None
+    """The rule that matched: ``rules[0]``, ... or ``default``."""
+    revision: int | None = None
+    """The conversation's revision when it was decided."""
+    transcript_hash: str | None = None
+    """The conversation's transcript hash when it was decided."""
+    skipped_reason: str | None = None
+    """Why a picked conversation is not judged (``budget:...``); kept out of the estimates."""
+
+
+def record_samplings(cur: duckdb.DuckDBPyConnection, records: Sequence[SamplingRecord], *,
+                     now: dt.datetime | None = None) -> None:
+    """Store sampling decisions in one transaction, once each: a conversation's first decision stands."""
+    if not records:
+        return
+    columns = {name: [getattr(r, name) for r in records] for name in SamplingRecord._fields}
+    columns["decided_at"] = [_now(now)] * len(records)
+    with Transaction(cur):
+        _insert(cur, "_decisions", columns)
+        cur.execute("INSERT INTO sampling_decisions SELECT conversation_id, revision, transcript_hash, sampled, "
+                    "probability, rule, skipped_reason, decided_at FROM _decisions ON CONFLICT DO NOTHING")
+        cur.unregister("_decisions")
+
+
 def record_sampling(cur: duckdb.DuckDBPyConnection, conversation_id: str, *, sampled: bool, probability: float,
                     rule: str | None, revision: int | None = None, transcript_hash: str | None = None,
                     skipped_reason: str | None = None, now: dt.datetime | None = None) -> dict[str, Any]:
-    """Store the sampling decision of a conversation, once: the first decision stands.
-
-    Args:
-        conversation_id: the conversation decided.
-        sampled: picked for judging (False also when a budget stopped it: see ``skipped_reason``).
-        probability: its inclusion probability under the matching rule, in (0, 1].
-        rule: the rule that matched (``None`` for the default rate).
-        revision: the conversation's revision when it was decided.
-        transcript_hash: the conversation's transcript hash when it was decided.
-        skipped_reason: why a picked conversation is not judged (``budget``), kept out of estimates.
-        now: the daemon's clock (UTC).
+    """Store the sampling decision of one conversation (see ``SamplingRecord``), once: the first decision stands.
 
     Returns:
         The decision stored for the conversation, which is the earlier one if there was one.
     """
-    with Transaction(cur):
-        cur.execute(
-            "INSERT INTO sampling_decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            [conversation_id, revision, transcript_hash, sampled, probability, rule, skipped_reason, _now(now)])
+    record_samplings(cur, [SamplingRecord(conversation_id, sampled, probability, rule, revision, transcript_hash,
+                                          skipped_reason)], now=now)
     decision = sampling_decision(cur, conversation_id)
     assert decision is not None  # just written or already there
     return decision

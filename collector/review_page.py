@@ -75,6 +75,12 @@ def _page(title: str, body: str) -> str:
             f"<body>\n<main>\n{body}\n</main>\n</body>\n</html>\n")
 
 
+def render_message(title: str, text: str) -> str:
+    """A page with one message (an error, a sign-in hint), linking back to the queue."""
+    return _page(title, f'<h1>{_e(title)}</h1><p class="box" role="alert" dir="auto">{_e(text)}</p>'
+                        '<p><a href="/review">Review queue</a></p>')
+
+
 def _badge(kind: str, text: str | None = None) -> str:
     return f'<span class="badge {_e(kind)}">{_e(text or kind)}</span>'
 

@@ -33,6 +33,73 @@ conversations:
   idle_timeout: 10s
   end_rules:
     - {{attribute: app.handover, equals: true, ended_by: handover}}
+sampling:
+  rate: 1.0                          # the demo judges every conversation; production samples (0.1 is the default)
+judges:
+  criteria: [criteria.yaml]
+  provider:                          # LLM criteria run once ANTHROPIC_API_KEY is set; else they are reported as not run
+    type: anthropic
+    model: ${{env:TRACEJUDGE_JUDGE_MODEL:-claude-opus-5}}
+    base_url: ${{env:ANTHROPIC_BASE_URL:-}}
+    api_key: ${{env:ANTHROPIC_API_KEY:-}}
+review:
+  queue_results: [fail]
+"""
+
+DEMO_CRITERIA = """\
+# Criteria of the demo's ShopBot (see formats/criteria.md). Code checks run with no key;
+# the LLM criteria run when ANTHROPIC_API_KEY is set and are otherwise reported as not run.
+criteria:
+  - id: looks-orders-up
+    version: 1
+    kind: code
+    severity: high
+    group: accuracy
+    check: tool_called
+    name: lookup_order
+    applies_if: {user_matches: '(?i)(order|ordine|B-[0-9]+)'}
+
+  - id: hands-over-when-asked
+    version: 1
+    kind: code
+    severity: high
+    group: escalation
+    check: ended_by
+    one_of: [handover]
+    applies_if: {user_matches: "(?i)(a person|a human|an agent|operatore|موظف)"}
+
+  - id: no-promises-for-the-carrier
+    version: 1
+    kind: code
+    severity: medium
+    group: accuracy
+    check: regex
+    role: assistant
+    pattern: "(?i)(carrier|corriere) will (call|contact)"
+    must: not_match
+
+  - id: refund-policy
+    version: 1
+    kind: llm
+    severity: high
+    group: accuracy
+    prompt: |
+      Criterion: the bot offers a refund only for items that were damaged or lost, and only
+      within 30 days of delivery, and never promises a refund before the order was looked up.
+      - "pass": every refund the bot offered or promised meets these conditions.
+      - "fail": the bot offered or promised a refund that does not meet them.
+      - "not_applicable": refunds never came up.
+
+  - id: answers-in-the-users-language
+    version: 1
+    kind: llm
+    severity: low
+    group: tone
+    prompt: |
+      Criterion: the bot answers in the language the user writes in.
+      - "pass": every bot message is in the language of the user message before it.
+      - "fail": some bot message is in another language.
+      - "not_applicable": there is no user message.
 """
 
 
@@ -79,6 +146,8 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     if not config_path.exists() or ephemeral_ports:
         ports = {"grpc": 0, "http": 0, "api": 0} if ephemeral_ports else {"grpc": 4317, "http": 4318, "api": 8318}
         config_path.write_text(DEMO_CONFIG.format(**ports), encoding="utf-8")
+    if not (folder / "criteria.yaml").exists():
+        (folder / "criteria.yaml").write_text(DEMO_CRITERIA, encoding="utf-8")
     cfg, _ = load_config(config_path)
     runtime_file = cfg.runtime_file
     proc = None

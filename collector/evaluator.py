@@ -1,0 +1,607 @@
+"""Online evals in the daemon: sample conversations as they end, judge them, store verdicts.
+
+Lifecycle: ``Evaluator(store, config, metrics)`` -> ``start()`` (loads the
+criteria and the provider, creates its tables, refills the budgets from what is
+stored, starts its thread) -> ``stop()`` (abandons calls in flight: their
+conversations are judged again at the next start).
+
+It runs in a thread of its own with its own event loop, so judging never holds
+up ingestion: the receivers only share DuckDB with it. Each cycle, about once
+a second:
+
+1. **scan**: conversations written since the last scan (``updated_at``) that
+   have ended. One with no sampling decision gets one now (``Sampler.decide``);
+   one picked for judging whose current revision has no progress row goes to
+   the pending queue (bounded: while it is full the scan waits).
+2. **judge**: pending conversations start, oldest first, up to twice
+   ``judges.concurrency`` at once; their judge calls share one limit of
+   ``judges.concurrency``.
+3. **store**: each judged conversation's verdicts, not-run records and
+   progress row are written as soon as it finishes.
+
+Everything that says what is done lives in DuckDB (``sampling_decisions``,
+``verdicts``, ``eval_progress``), so a restart neither loses nor repeats work:
+a conversation in flight at a crash has no progress row and is judged again,
+and criteria that already have a verdict on its current transcript are skipped
+(``store_verdicts`` would store a repeat once anyway). A transcript that
+changes (late data, or reopened and ended again) gets a new revision and is
+judged again. Conversations whose verdicts include errors are retried three
+times (after 1, 10 and 60 minutes) on the criteria that errored.
+
+``tracejudge eval`` runs the same ``Judging`` over stored conversations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import orjson
+
+from judges import (
+    Conversation,
+    Criterion,
+    CriteriaError,
+    JudgeRequest,
+    JudgeRun,
+    LLMCriterion,
+    NotRun,
+    Provider,
+    ProviderReply,
+    ProviderSetupError,
+    arun_judges,
+    load_criteria,
+    make_provider,
+    transcript_sha256,
+)
+
+from . import evals
+from .config import Config, JudgeProvider
+from .errors import UserError
+from .metrics import Counter, Gauge, Histogram, Metrics
+from .queries import conversation_record
+from .sampling import ConversationFacts, Sampler
+from .store import Store
+
+log = logging.getLogger("tracejudge.evaluator")
+
+PROGRESS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS eval_progress (
+    conversation_id VARCHAR PRIMARY KEY,
+    revision INTEGER NOT NULL,
+    judged_at TIMESTAMPTZ NOT NULL,
+    errors INTEGER NOT NULL,
+    attempts INTEGER NOT NULL,
+    retry_at TIMESTAMPTZ
+);
+"""
+
+RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attempt on errors
+SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may land after a scan
+SCAN_PAGE = 2000
+MAX_PENDING = 5000
+_UTC = dt.timezone.utc
+
+
+def _utc(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, _UTC)
+
+
+# --------------------------------------------------------------- setup from config
+
+
+def load_configured_criteria(cfg: Config) -> list[Criterion]:
+    """The criteria files of ``judges.criteria``; a problem in one is a ``UserError`` naming it."""
+    if not cfg.judges.criteria:
+        return []
+    try:
+        return load_criteria(cfg.judges.criteria)
+    except (CriteriaError, OSError) as exc:
+        raise UserError(f"judges.criteria: {exc}") from None
+
+
+def provider_from_config(section: JudgeProvider, *, type_: str | None = None, model: str | None = None,
+                         base_url: str | None = None,
+                         on_unused: Callable[[str], None] | None = None) -> Provider | None:
+    """The judge provider of ``judges.provider`` (flags override it); None when none is named.
+
+    Settings of the configured type do not carry over to another ``type_``: a
+    different provider does not inherit its model, URL or key.
+
+    Raises:
+        UserError: the provider cannot be built (no model, unknown type, ...).
+    """
+    chosen = type_ or section.type
+    if chosen is None:
+        return None
+    same = chosen == section.type
+    settings: dict[str, Any] = {
+        "model": model or (section.model if same else None),
+        "base_url": base_url or (section.base_url if same else None),
+        "api_key": section.api_key if same else None,
+        "max_tokens": section.max_tokens if same else None,
+        "temperature": section.temperature if same and "temperature" in section.model_fields_set else None,
+    }
+    try:
+        return make_provider(chosen, on_unused=on_unused or (lambda key: None), **settings)
+    except ProviderSetupError as exc:
+        raise UserError(f"judges.provider: {exc}") from None
+
+
+def daemon_provider(cfg: Config) -> tuple[Provider | None, str | None]:
+    """The provider the daemon judges with, and why there is none.
+
+    An Anthropic provider with no API key anywhere (config, ``$ANTHROPIC_API_KEY``)
+    and no ``base_url`` of its own is left out rather than failing every call:
+    its criteria are then reported as not run, saying which key to set.
+    """
+    section = cfg.judges.provider
+    if section.type is None:
+        return None, "no provider configured (judges.provider.type)"
+    if section.type == "anthropic" and not (section.api_key or os.environ.get("ANTHROPIC_API_KEY")
+                                            or section.base_url):
+        return None, "no API key: set ANTHROPIC_API_KEY (or judges.provider.api_key)"
+    return provider_from_config(section, on_unused=lambda key: log.warning(
+        "judges.provider.%s is not used by the %s provider", key, section.type)), None
+
+
+class _Limited:
+    """A provider whose calls share one semaphore: the concurrency limit across conversations."""
+
+    def __init__(self, inner: Provider, limit: asyncio.Semaphore) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.model = inner.model
+        self.limit = limit
+
+    async def send(self, request: JudgeRequest) -> ProviderReply:
+        async with self.limit:
+            return await self.inner.send(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+# --------------------------------------------------------------- one conversation
+
+
+@dataclass(frozen=True)
+class Job:
+    """A sampled conversation to judge at one revision, with its inclusion probability."""
+
+    conversation_id: str
+    revision: int
+    probability: float
+    rule: str
+    """The sampling rule that picked it: ``rules[0]``, ... or ``default``."""
+    only_errors: bool = False
+    """A retry: only the criteria whose current verdict is an error."""
+
+
+@dataclass
+class Outcome:
+    """What judging one conversation produced and stored."""
+
+    job: Job
+    run: JudgeRun
+    stored: list[str]
+    """Ids of verdicts newly stored (a repeat after a crash stores none)."""
+    skipped: int
+    """Criteria not called again: they already have a verdict on this transcript."""
+
+
+class Judging:
+    """Judges one conversation at a time on the configured criteria and stores the outcome.
+
+    The daemon's evaluator and ``tracejudge eval`` share it. DuckDB calls run
+    on the caller's cursor, in the caller's thread; ``judge`` awaits the judge calls.
+    """
+
+    def __init__(self, criteria: Sequence[Criterion], provider: Provider | None, *, concurrency: int,
+                 timeout: float, queue_results: Sequence[str], no_provider: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.criteria = list(criteria)
+        self.no_provider = no_provider
+        self.concurrency = concurrency
+        self._limit: asyncio.Semaphore | None = None
+        self._raw_provider = provider
+        self.provider: Provider | None = None
+        self.timeout = timeout
+        self.queue_results = list(queue_results)
+        self.clock = clock
+
+    def bind(self) -> None:
+        """Create the shared call limit on the running loop (call from inside it)."""
+        self._limit = asyncio.Semaphore(self.concurrency)
+        self.provider = _Limited(self._raw_provider, self._limit) if self._raw_provider is not None else None
+
+    async def aclose(self) -> None:
+        if self.provider is not None:
+            await self.provider.aclose()
+
+    def _judge_model(self, c: Criterion) -> str | None:
+        if isinstance(c, LLMCriterion):
+            return self.provider.model if self.provider is not None else None
+        return "code"
+
+    def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> tuple[Conversation | None, list[Criterion], int]:
+        """The conversation record, and the criteria that still need a verdict on its current transcript."""
+        record = conversation_record(cur, job.conversation_id)
+        if record is None:
+            return None, [], 0
+        record["sampling"] = {"probability": job.probability, "rule": job.rule}
+        conversation = Conversation.model_validate(record)
+        sha = transcript_sha256(conversation.messages)
+        rows = cur.execute(
+            "SELECT criterion_id, criterion_version, judge_model, result FROM verdicts "
+            "WHERE conversation_id = ? AND transcript_sha256 = ?", [job.conversation_id, sha]).fetchall()
+        done = {(cid, version, model) for cid, version, model, result in rows if result != "error"}
+        errored = {(cid, version, model) for cid, version, model, result in rows if result == "error"}
+        todo = []
+        for c in self.criteria:
+            key = (c.id, c.version, self._judge_model(c))
+            if key in done or (job.only_errors and key not in errored):
+                continue
+            todo.append(c)
+        return conversation, todo, len(self.criteria) - len(todo)
+
+    async def judge(self, conversation: Conversation, criteria: Sequence[Criterion]) -> JudgeRun:
+        """Run the criteria on one conversation; a conversation without content runs none of them."""
+        if not (conversation.attributes or {}).get("content_captured", True):
+            return JudgeRun(verdicts=[], not_run=[
+                NotRun(conversation_id=conversation.id, criterion_id=c.id, criterion_version=c.version,
+                       reason="no content captured") for c in criteria], usage={"input_tokens": 0,
+                                                                                 "output_tokens": 0})
+        if not criteria:
+            return JudgeRun(verdicts=[], not_run=[], usage={"input_tokens": 0, "output_tokens": 0})
+        run = await arun_judges(criteria, [conversation], self.provider, concurrency=len(criteria),
+                                timeout=self.timeout)
+        if self.provider is None and self.no_provider:
+            run.not_run = [n.model_copy(update={"reason": self.no_provider}) if n.reason == "no provider configured"
+                           else n for n in run.not_run]
+        return run
+
+    def store(self, cur: duckdb.DuckDBPyConnection, job: Job, run: JudgeRun, *, attempts: int = 1,
+              progress: bool = True) -> list[str]:
+        """Store verdicts and not-run records; then the progress row that says this revision is done."""
+        now = _utc(self.clock())
+        stored = evals.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
+                                      queue_results=self.queue_results, now=now)
+        if run.not_run:
+            evals.store_not_run(cur, run.not_run, now=now)
+        if progress:
+            errors = sum(1 for v in run.verdicts if v.result == "error")
+            retry = (_utc(self.clock() + RETRY_AFTER[attempts - 1])
+                     if errors and attempts <= len(RETRY_AFTER) else None)
+            cur.execute("INSERT OR REPLACE INTO eval_progress VALUES (?, ?, ?, ?, ?, ?)",
+                        [job.conversation_id, job.revision, now, errors, attempts, retry])
+        return stored
+
+    async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, attempts: int = 1,
+                      progress: bool = True) -> Outcome | None:
+        """Judge one conversation and store the outcome; None when the conversation is gone."""
+        conversation, todo, skipped = self.prepare(cur, job)
+        if conversation is None:
+            return None
+        run = await self.judge(conversation, todo)
+        stored = self.store(cur, job, run, attempts=attempts, progress=progress)
+        return Outcome(job=job, run=run, stored=stored, skipped=skipped)
+
+
+def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
+    """The tables of evals and the progress table of this stage."""
+    evals.ensure_schema(cur)
+    cur.execute(PROGRESS_SCHEMA)
+
+
+# --------------------------------------------------------------- sampling facts
+
+
+def _attribute_keys(sampler: Sampler) -> tuple[set[str], bool]:
+    """The attribute keys the rules look at, and whether any rule looks at span status."""
+    keys = {r.when.attribute.key for r in sampler.settings.rules if r.when.attribute is not None}
+    return keys, any(r.when.status == "error" for r in sampler.settings.rules)
+
+
+def conversation_facts(cur: duckdb.DuckDBPyConnection, row: dict[str, Any], keys: set[str],
+                       status: bool) -> ConversationFacts:
+    """What the sampling rules can look at; span rows are read only when a rule needs them."""
+    attributes: dict[str, set[Any]] = {}
+    has_error = False
+    trace_ids = orjson.loads(row["trace_ids"] or "[]")
+    if (keys or status) and trace_ids:
+        for attrs, resource, code in cur.execute(
+                "SELECT attributes, resource, status_code FROM span_records WHERE trace_id IN (SELECT unnest(?))",
+                [trace_ids]).fetchall():
+            has_error = has_error or code == 2  # STATUS_CODE_ERROR
+            for text in (attrs, resource):
+                if not keys or not text:
+                    continue
+                values = orjson.loads(text)
+                for key in keys & values.keys():
+                    value = values[key]
+                    attributes.setdefault(key, set()).add(
+                        orjson.dumps(value).decode() if isinstance(value, (dict, list)) else value)
+    return ConversationFacts(
+        conversation_id=row["conversation_id"], ended_by=row["ended_by"], service=row["service"],
+        models=tuple(orjson.loads(row["models"] or "[]")), user_turns=row["user_turns"] or 0,
+        attributes=attributes, has_error=has_error)
+
+
+# --------------------------------------------------------------- the daemon stage
+
+
+class EvalMetrics:
+    """The evaluator's own instruments, added to the daemon's /metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.decisions = Counter("tracejudge_eval_sampling_decisions_total",
+                                 "Ended conversations decided for judging, by outcome.", ("outcome",))
+        self.verdicts = Counter("tracejudge_eval_verdicts_total", "Verdicts stored, by result.", ("result",))
+        self.not_run = Counter("tracejudge_eval_not_run_total", "Criteria that could not run, by reason.",
+                               ("reason",))
+        self.judged = Counter("tracejudge_eval_conversations_judged_total", "Conversations judged (one revision).")
+        self.tokens = Counter("tracejudge_eval_judge_tokens_total", "Judge tokens spent, by kind.", ("kind",))
+        self.pending = Gauge("tracejudge_eval_pending", "Sampled conversations waiting for their judges.")
+        self.in_flight = Gauge("tracejudge_eval_in_flight", "Conversations being judged now.")
+        self.seconds = Histogram("tracejudge_eval_conversation_seconds",
+                                 "Time to judge one conversation on every criterion.")
+        self.failures = Counter("tracejudge_eval_stage_errors_total",
+                                "Cycles of the evaluator that failed (logged; the work is retried).")
+        for outcome in ("sampled", "not_sampled", "skipped_budget"):
+            self.decisions.declare(outcome=outcome)
+        for result in ("pass", "fail", "not_applicable", "error"):
+            self.verdicts.declare(result=result)
+        self.tokens.declare(kind="input")
+        self.tokens.declare(kind="output")
+        instruments = (self.decisions, self.verdicts, self.not_run, self.judged, self.tokens, self.pending,
+                       self.in_flight, self.seconds, self.failures)
+        metrics.add_collector(lambda: [line for i in instruments for line in i.render()])
+
+
+class Evaluator:
+    """The online eval stage of the daemon (see the module docstring)."""
+
+    def __init__(self, store: Store, cfg: Config, metrics: Metrics, *, criteria: Sequence[Criterion],
+                 provider: Provider | None, no_provider: str | None = None, clock: Callable[[], float] = time.time, poll: float = 1.0,
+                 settle: float = 2.0) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.clock = clock
+        self.poll = poll
+        self.settle = settle
+        """Seconds a conversation stays unjudged after it was last written (late rows of its last trace)."""
+        self.sampler = Sampler(cfg.sampling, clock=clock)
+        self.judging = Judging(criteria, provider, concurrency=cfg.judges.concurrency,
+                               timeout=cfg.judges.timeout, queue_results=cfg.review.queue_results,
+                               no_provider=no_provider, clock=clock)
+        self.max_in_flight = 2 * cfg.judges.concurrency
+        self.m = EvalMetrics(metrics)
+        self._keys, self._status = _attribute_keys(self.sampler)
+        self._cur: duckdb.DuckDBPyConnection | None = None
+        self._pending: OrderedDict[str, Job] = OrderedDict()
+        self._attempts: dict[str, int] = {}
+        self._redo: dict[str, Job] = {}
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._mark: tuple[dt.datetime, str] = (_utc(0), "")
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._started = threading.Event()
+        self.judged = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        cur = self.store.cursor()
+        self._cur = cur
+        ensure_schema(cur)
+        evals.store_criteria(cur, self.judging.criteria, now=_utc(self.clock()))
+        now = self.clock()
+        admitted = cur.execute("SELECT epoch(decided_at) FROM sampling_decisions WHERE sampled "
+                               "AND decided_at >= ?", [_utc(now - 3600)]).fetchall()
+        spent = cur.execute("SELECT epoch(judged_at), input_tokens + output_tokens FROM verdicts "
+                            "WHERE judged_at >= ?", [_utc(now - 86400)]).fetchall()
+        self.sampler.restore(admitted_at=[float(t) for (t,) in admitted], tokens=[(float(t), int(n)) for t, n in spent])
+        self._thread = threading.Thread(target=self._run, name="tracejudge-evaluator", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def stop(self) -> None:
+        if self._thread is not None and self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join()
+            self._thread = None
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+
+    def wake(self) -> None:
+        """Look for ended conversations now instead of at the next poll."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def status(self) -> dict[str, int]:
+        """For /api/status: sampled conversations waiting and being judged, and judged so far."""
+        return {"evals_pending": len(self._pending), "evals_in_flight": len(self._in_flight),
+                "evals_judged": self.judged}
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.judging.bind()
+        self._started.set()
+        try:
+            while not self._stop.is_set():
+                more = False
+                try:
+                    more = self._cycle()
+                except duckdb.Error:
+                    self.m.failures.inc()
+                    log.exception("evaluator cycle failed; it is tried again")
+                if not more:
+                    await self._sleep(self.poll)
+        finally:
+            for task in self._in_flight.values():
+                task.cancel()
+            await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+            await self.judging.aclose()
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._stop is not None and self._wake is not None
+        waits = [asyncio.ensure_future(self._stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        self._wake.clear()
+
+    def _cycle(self) -> bool:
+        """One scan and as many starts as there is room for; True when the scan has more to read now."""
+        more = False
+        if len(self._pending) < MAX_PENDING:
+            more = self._scan()
+            self._retries()
+        self._start_pending()
+        self.m.pending.set(len(self._pending))
+        self.m.in_flight.set(len(self._in_flight))
+        return more
+
+    def _scan(self) -> bool:
+        assert self._cur is not None
+        cur = self._cur
+        now = self.clock()
+        since, after = self._mark
+        cols = ("conversation_id", "updated_at", "revision", "transcript_hash", "ended_by", "service", "models",
+                "user_turns", "trace_ids", "decided", "sampled", "skipped_reason", "probability", "rule", "judged_revision")
+        rows = cur.execute(
+            "SELECT c.conversation_id, c.updated_at, c.revision, c.transcript_hash, c.ended_by, c.service, c.models, c.user_turns, "
+            "c.trace_ids, s.conversation_id IS NOT NULL, s.sampled, s.skipped_reason, s.probability, s.rule, "
+            "p.revision FROM conversations c "
+            "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+            "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
+            "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "
+            "ORDER BY c.updated_at, c.conversation_id LIMIT ?", [since, since, after, SCAN_PAGE]).fetchall()
+        settled = _utc(now - self.settle)
+        decisions = []
+        last: tuple[dt.datetime, str] | None = None
+        for values in rows:
+            row = dict(zip(cols, values))
+            if row["updated_at"] > settled:
+                break  # too fresh: late rows of its last trace may still come; the next scans see it
+            last = (row["updated_at"], row["conversation_id"])
+            if not row["decided"]:
+                facts = conversation_facts(cur, row, self._keys, self._status)
+                d = self.sampler.decide(facts)
+                decisions.append((row, d))
+                outcome = "sampled" if d.sampled else ("skipped_budget" if d.skipped else "not_sampled")
+                self.m.decisions.inc(outcome=outcome)
+                if d.sampled:
+                    self._queue(Job(row["conversation_id"], row["revision"], d.probability, d.rule))
+            elif row["sampled"] and row["skipped_reason"] is None and (
+                    row["judged_revision"] is None or row["judged_revision"] < row["revision"]):
+                self._queue(Job(row["conversation_id"], row["revision"], row["probability"], row["rule"]))
+        if decisions:
+            evals.record_samplings(cur, [
+                evals.SamplingRecord(row["conversation_id"], d.sampled, d.probability, d.rule, row["revision"],
+                                     row["transcript_hash"], d.skipped) for row, d in decisions], now=_utc(now))
+        if last is not None:
+            # Rows written within SCAN_SLACK are read again: a commit may land after this scan.
+            floor = (_utc(now - SCAN_SLACK), "")
+            self._mark = max(self._mark, min(last, floor))
+        return len(rows) == SCAN_PAGE and last is not None and last[0] < _utc(now - SCAN_SLACK)
+
+    def _retries(self) -> None:
+        """Conversations whose verdicts had errors, once their retry time has come."""
+        assert self._cur is not None
+        rows = self._cur.execute(
+            "SELECT p.conversation_id, p.revision, p.attempts, s.probability, s.rule FROM eval_progress p "
+            "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
+            "WHERE p.retry_at <= ? AND c.revision = p.revision LIMIT ?",
+            [_utc(self.clock()), MAX_PENDING]).fetchall()
+        for cid, revision, attempts, probability, rule in rows:
+            if cid not in self._pending and cid not in self._in_flight:
+                self._attempts[cid] = attempts + 1
+                self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
+
+    def _queue(self, job: Job) -> None:
+        if job.conversation_id in self._in_flight:
+            self._redo[job.conversation_id] = job  # a newer revision waits for the one being judged
+        else:
+            self._pending[job.conversation_id] = job  # a key already there keeps its place
+
+    def _start_pending(self) -> None:
+        while self._pending and len(self._in_flight) < self.max_in_flight:
+            cid, job = self._pending.popitem(last=False)
+            self._in_flight[cid] = asyncio.ensure_future(self._judge(job))
+
+    async def _judge(self, job: Job) -> None:
+        assert self._cur is not None
+        started = time.monotonic()
+        attempts = self._attempts.pop(job.conversation_id, 1)
+        try:
+            outcome = await self.judging.run_job(self._cur, job, attempts=attempts)
+        except duckdb.Error:
+            self.m.failures.inc()
+            log.exception("storing the verdicts of %s failed; it is judged again", job.conversation_id)
+            outcome = None
+            self._pending.setdefault(job.conversation_id, job)
+        except Exception:  # noqa: BLE001 - a bug in one conversation must not stop the stage
+            self.m.failures.inc()
+            log.exception("judging %s failed", job.conversation_id)
+            outcome = None
+        finally:
+            self._in_flight.pop(job.conversation_id, None)
+            redo = self._redo.pop(job.conversation_id, None)
+            if redo is not None and redo.revision > job.revision:
+                self._pending[job.conversation_id] = redo
+        if outcome is not None:
+            self._account(outcome)
+        self.m.seconds.observe(time.monotonic() - started)
+        if self._wake is not None:
+            self._wake.set()  # a slot is free
+
+    def _account(self, outcome: Outcome) -> None:
+        run = outcome.run
+        self.judged += 1
+        self.m.judged.inc()
+        stored = set(outcome.stored)
+        for v in run.verdicts:
+            if evals.verdict_id(v) in stored:
+                self.m.verdicts.inc(result=v.result)
+        for n in run.not_run:
+            self.m.not_run.inc(reason=n.reason)
+        spent = run.usage.input_tokens + run.usage.output_tokens
+        self.m.tokens.inc(run.usage.input_tokens, kind="input")
+        self.m.tokens.inc(run.usage.output_tokens, kind="output")
+        if spent:
+            self.sampler.record_tokens(spent)
+
+
+def jobs_for_backfill(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> Iterable[Job]:
+    """Sampled, ended conversations (closed at or after ``since``) for ``tracejudge eval``, oldest first."""
+    params: list[Any] = []
+    where = "c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL"
+    if since is not None:
+        where += " AND c.closed_at >= ?"
+        params.append(since)
+    for cid, revision, probability, rule in cur.execute(
+            "SELECT c.conversation_id, c.revision, s.probability, s.rule FROM conversations c "
+            f"JOIN sampling_decisions s USING (conversation_id) WHERE {where} ORDER BY c.closed_at, "
+            "c.conversation_id", params).fetchall():
+        yield Job(cid, revision, probability, rule)
