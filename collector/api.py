@@ -24,6 +24,8 @@ from urllib.parse import quote, urlencode, urlsplit
 from aiohttp import web
 
 from . import evals, queries, review, review_page
+from .errors import UserError
+from .evaluator import Evaluator
 from .metrics import Metrics
 from .queries import parse_since
 from .store import Store
@@ -84,9 +86,10 @@ def _auth(token: str | None) -> Any:
                 response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/review",
                                     secure=request.secure)
                 raise response
-            raise web.HTTPUnauthorized(text=review_page.render_message(
+            # Returned, not raised: _errors turns a raised HTTPException into JSON.
+            return _html(review_page.render_message(
                 "Sign in", "This review page needs the API token: open it as /review?token=<api.auth.bearer_token>."),
-                content_type="text/html")
+                status=401)
         raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
 
     return check
@@ -104,11 +107,10 @@ class API:
     """Routes of the JSON API; ``ready`` flips once every receiver listens."""
 
     def __init__(self, store: Store, metrics: Metrics, bearer_token: str | None,
-                 status: Callable[[], dict[str, Any]] | None = None,
-                 criteria: Callable[[], list[str]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None, evaluator: Evaluator | None = None) -> None:
         self.store = store
         self.status_fn = status or (lambda: {})
-        self.criteria_fn = criteria or (lambda: [])
+        self.evaluator = evaluator
         self.metrics = metrics
         self.ready = False
         self.app = web.Application(middlewares=[_errors, _auth(bearer_token or None)])
@@ -123,6 +125,8 @@ class API:
         r.add_get("/api/conversations/{conversation_id}", self.conversation)
         r.add_get("/api/verdicts", self.verdicts)
         r.add_get("/api/stats", self.stats)
+        r.add_post("/api/evals", self.eval_start)
+        r.add_get("/api/evals/{eval_id}", self.eval_progress)
         r.add_get("/api/review", self.review_list)
         r.add_get("/api/review/{item_id}", self.review_item)
         r.add_post("/api/review/{item_id}/decision", self.review_decision)
@@ -233,6 +237,34 @@ class API:
         body = await self.read(lambda cur: evals.stats(cur, since=since, criterion=q.get("criterion") or None))
         return web.json_response(body, dumps=_dumps)
 
+    async def eval_start(self, request: web.Request) -> web.Response:
+        """Start a ``tracejudge eval`` pass: ``{"since": "7d", "criteria": ["id", ...]}`` (both optional)."""
+        if self.evaluator is None:
+            raise APIError(503, "not_ready", "the evaluator is not running")
+        body = await _json_object(request, {"since", "criteria"})
+        since, criteria = body.get("since"), body.get("criteria") or []
+        if not isinstance(criteria, list) or not all(isinstance(c, str) for c in criteria):
+            raise APIError(400, "bad_request", "criteria must be a list of criterion ids")
+        if since is not None and not isinstance(since, str):
+            raise APIError(400, "bad_request", "since must be a string such as 7d or an ISO 8601 time")
+        when = _since({"since": since} if since else {})
+        try:
+            progress = self.evaluator.start_backfill(when, criteria)
+        except UserError as exc:
+            raise APIError(400, "bad_request", str(exc)) from None
+        return web.json_response(progress.to_dict(), status=202)
+
+    async def eval_progress(self, request: web.Request) -> web.Response:
+        progress = None
+        if self.evaluator is not None and request.match_info["eval_id"].isdigit():
+            progress = self.evaluator.backfill(int(request.match_info["eval_id"]))
+        if progress is None:
+            raise APIError(404, "not_found", f"no eval pass {request.match_info['eval_id']!r}")
+        return web.json_response(progress.to_dict())
+
+    def _criterion_ids(self) -> list[str]:
+        return [c.id for c in self.evaluator.judging.criteria] if self.evaluator is not None else []
+
     async def review_list(self, request: web.Request) -> web.Response:
         q = request.query
         limit = _int(q, "limit", 100)
@@ -246,22 +278,15 @@ class API:
 
     async def review_decision(self, request: web.Request) -> web.Response:
         """``{"decision": "confirm" | "reject", "reviewer": "...", "note": "...", "force": false}``."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "bad_request", "the body must be a JSON object with decision and reviewer") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "bad_request", "the body must be a JSON object with decision and reviewer")
-        unknown = sorted(set(body) - {"decision", "reviewer", "note", "force"})
-        if unknown:
-            raise APIError(400, "bad_request", f"unknown field(s) {', '.join(unknown)}; "
-                                               "expected decision, reviewer, note, force")
+        body = await _json_object(request, {"decision", "reviewer", "note", "force"})
+        if not isinstance(body.get("force", False), bool):
+            raise APIError(400, "bad_request", "force must be true or false")
         decision, reviewer, note = body.get("decision"), body.get("reviewer"), body.get("note")
         if not isinstance(decision, str) or not isinstance(reviewer, str) or not isinstance(note, (str, type(None))):
             raise APIError(400, "bad_request", "decision and reviewer must be strings (note too, if given)")
         item_id = request.match_info["item_id"]
         item = await self.read(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
-                                                         force=bool(body.get("force"))))
+                                                         force=body.get("force", False)))
         return web.json_response(item, dumps=_dumps)
 
     # ------------------------------------------------------------ the review page (HTML)
@@ -278,7 +303,7 @@ class API:
                                                                           limit=500))
         except review.ReviewError as exc:
             return _html(review_page.render_message("Review queue", str(exc)), status=exc.status)
-        return _html(review_page.render_list(items, state=state, criterion=criterion, criteria=self.criteria_fn()))
+        return _html(review_page.render_list(items, state=state, criterion=criterion, criteria=self._criterion_ids()))
 
     async def review_item_page(self, request: web.Request) -> web.Response:
         item_id = request.match_info["item_id"]
@@ -318,6 +343,21 @@ def _html(text: str, status: int = 200) -> web.Response:
                                  "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
                                                             "form-action 'self'; frame-ancestors 'none'",
                                  "Referrer-Policy": "no-referrer"})
+
+
+async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]:
+    """The request body as a JSON object with only the ``fields`` named (400 otherwise)."""
+    expected = ", ".join(sorted(fields))
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "bad_request", f"the body must be a JSON object with {expected}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "bad_request", f"the body must be a JSON object with {expected}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise APIError(400, "bad_request", f"unknown field(s) {', '.join(unknown)}; expected {expected}")
+    return body
 
 
 def _int(q: Any, key: str, default: int) -> int:

@@ -1,8 +1,9 @@
-"""How subcommands read data: through a running daemon's API, else from the DuckDB file.
+"""How subcommands reach the data: through a running daemon's API, else the DuckDB file.
 
 The daemon holds the DuckDB write lock, so while it runs every other process
-goes through its JSON API (found through the runtime file); with no daemon the
-file is opened read-only with the same queries the API uses.
+goes through its JSON API (found through the runtime file). With no daemon
+the file is opened directly with the same functions the API calls: read-only
+to read, read-write only to record a review decision.
 """
 
 from __future__ import annotations
@@ -15,32 +16,56 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import queries
+from . import evals, queries, review
 from .config import Config
 from .errors import UserError
 from .runtime import running_daemon
 from .store import connect
 
 
-class Reader(Protocol):
+class Client(Protocol):
     def list_conversations(self, *, since: str | None, state: str | None, service: str | None,
                            limit: int) -> list[dict[str, Any]]: ...
 
     def conversation(self, conversation_id: str) -> dict[str, Any] | None: ...
 
+    def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]: ...
+
+    def review_item(self, item_id: str) -> dict[str, Any]: ...
+
+    def decide(self, item_id: str, decision: str, reviewer: str, note: str | None,
+               force: bool) -> dict[str, Any]: ...
+
+    def verdicts(self, *, result: str | None, criterion: str | None, since: str | None,
+                 limit: int) -> list[dict[str, Any]]: ...
+
+    def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]: ...
+
     def close(self) -> None: ...
 
 
-class APIReader:
-    """Reads through a running daemon's JSON API."""
+def _query(**params: Any) -> str:
+    given = {k: str(v) for k, v in params.items() if v is not None and v != ""}
+    return "?" + urllib.parse.urlencode(given) if given else ""
+
+
+class APIClient:
+    """Talks to a running daemon's JSON API."""
 
     def __init__(self, base: str, token: str | None) -> None:
         self.base = base.rstrip("/")
         self.token = token
 
-    def get(self, path: str) -> Any:
-        """GET a JSON API path; None for 404, UserError for other errors or no answer."""
-        req = urllib.request.Request(self.base + path)
+    def request(self, path: str, body: Any = None, *, missing_ok: bool = True) -> Any:
+        """GET (or POST ``body`` as JSON) an API path; None for 404 when ``missing_ok``.
+
+        Raises:
+            UserError: the daemon answered with an error (its message), or did not answer.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method="GET" if body is None else "POST")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -51,61 +76,131 @@ class APIReader:
                 err = json.loads(exc.read())["error"]
             except (ValueError, KeyError, TypeError):
                 err = {"code": str(exc.code), "message": exc.reason}
-            if exc.code == 404:
+            if exc.code == 404 and missing_ok:
                 return None
+            if exc.code in (400, 404, 409):  # the request was wrong: the daemon's words are the message
+                raise UserError(err["message"]) from None
             raise UserError(f"the daemon at {self.base} answered {exc.code}: {err['message']}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise UserError(f"cannot reach the daemon at {self.base}: {exc}") from None
 
+    def get(self, path: str) -> Any:
+        return self.request(path)
+
     def list_conversations(self, *, since: str | None, state: str | None, service: str | None,
                            limit: int) -> list[dict[str, Any]]:
-        params = {k: v for k, v in {"since": since, "state": state, "service": service,
-                                    "limit": str(limit)}.items() if v}
-        body = self.get("/api/conversations?" + urllib.parse.urlencode(params))
+        body = self.get("/api/conversations" + _query(since=since, state=state, service=service, limit=limit))
         return list(body["conversations"])
 
     def conversation(self, conversation_id: str) -> dict[str, Any] | None:
         record = self.get("/api/conversations/" + urllib.parse.quote(conversation_id, safe=""))
         return record if isinstance(record, dict) else None
 
+    def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]:
+        body = self.get("/api/review" + _query(state=state, criterion=criterion, limit=limit))
+        return list(body["items"])
+
+    def review_item(self, item_id: str) -> dict[str, Any]:
+        detail: dict[str, Any] = self.request("/api/review/" + urllib.parse.quote(item_id, safe=""),
+                                              missing_ok=False)
+        return detail
+
+    def decide(self, item_id: str, decision: str, reviewer: str, note: str | None, force: bool) -> dict[str, Any]:
+        item: dict[str, Any] = self.request(
+            f"/api/review/{urllib.parse.quote(item_id, safe='')}/decision",
+            {"decision": decision, "reviewer": reviewer, "note": note, "force": force}, missing_ok=False)
+        return item
+
+    def verdicts(self, *, result: str | None, criterion: str | None, since: str | None,
+                 limit: int) -> list[dict[str, Any]]:
+        body = self.get("/api/verdicts" + _query(result=result, criterion=criterion, since=since, limit=limit))
+        return list(body["verdicts"])
+
+    def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion))
+        return body
+
     def close(self) -> None:
         return None
 
 
-class FileReader:
-    """Reads the DuckDB file directly (read-only) when no daemon runs."""
+def _since(text: str | None) -> dt.datetime | None:
+    if not text:
+        return None
+    try:
+        return queries.parse_since(text)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+class FileClient:
+    """Opens the DuckDB file when no daemon runs: read-only, read-write only for decisions."""
 
     def __init__(self, path: Path) -> None:
         if not path.exists():
             raise UserError(f"no database at {path}: start the daemon (tracejudge serve) with this config first")
         self.path = path
         self.con = connect(path, read_only=True)
-        tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-        if "conversations" not in tables:
+        self.tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "conversations" not in self.tables:
             self.con.close()
             raise UserError(f"{path} has no conversations table yet (written by an older tracejudge): "
                             "run `tracejudge reindex` once")
 
+    def _evals(self) -> bool:
+        # A file the daemon has not opened since evals came has no eval tables: nothing judged yet.
+        return "verdicts" in self.tables and "review_items" in self.tables
+
     def list_conversations(self, *, since: str | None, state: str | None, service: str | None,
                            limit: int) -> list[dict[str, Any]]:
-        when: dt.datetime | None = None
-        if since:
-            try:
-                when = queries.parse_since(since)
-            except ValueError as exc:
-                raise UserError(str(exc)) from None
-        return queries.list_conversations(self.con, since=when, state=state, service=service, limit=limit)
+        return queries.list_conversations(self.con, since=_since(since), state=state, service=service, limit=limit)
 
     def conversation(self, conversation_id: str) -> dict[str, Any] | None:
         return queries.conversation_record(self.con, conversation_id)
+
+    def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]:
+        if not self._evals():
+            review.check_state(state)
+            return []
+        return review.list_reviews(self.con, state=state, criterion=criterion, limit=limit)
+
+    def review_item(self, item_id: str) -> dict[str, Any]:
+        if not self._evals():
+            raise review.ReviewNotFound(f"no review item {item_id!r}")
+        return review.review_item(self.con, item_id)
+
+    def decide(self, item_id: str, decision: str, reviewer: str, note: str | None, force: bool) -> dict[str, Any]:
+        if not self._evals():
+            raise review.ReviewNotFound(f"no review item {item_id!r}")
+        self.con.close()
+        con = connect(self.path)  # the only write a command makes without the daemon
+        try:
+            return review.decide(con, item_id, decision, reviewer, note, force=force)
+        finally:
+            con.close()
+            self.con = connect(self.path, read_only=True)
+
+    def verdicts(self, *, result: str | None, criterion: str | None, since: str | None,
+                 limit: int) -> list[dict[str, Any]]:
+        if not self._evals():
+            return []
+        return evals.list_verdicts(self.con, result=result, criterion=criterion, since=_since(since), limit=limit)
+
+    def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
+        if not self._evals():
+            ended = self.con.execute("SELECT count(*) FROM conversations WHERE state = 'ended'").fetchone()
+            return {"criteria": [], "groups": [], "tokens": {"input_tokens": 0, "output_tokens": 0},
+                    "conversations": {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0,
+                                      "skipped": {}, "judged": 0}}
+        return evals.stats(self.con, since=_since(since), criterion=criterion)
 
     def close(self) -> None:
         self.con.close()
 
 
-def reader(cfg: Config) -> Reader:
+def client(cfg: Config) -> Client:
     """The daemon's API when one serves this config's database, else the file."""
     info = running_daemon(cfg.runtime_file)
     if info is not None:
-        return APIReader(info.api, cfg.api.auth.bearer_token)
-    return FileReader(cfg.storage.duckdb.path)
+        return APIClient(info.api, cfg.api.auth.bearer_token)
+    return FileClient(cfg.storage.duckdb.path)

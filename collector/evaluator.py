@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,10 +228,28 @@ class Judging:
         if self.provider is not None:
             await self.provider.aclose()
 
+    def subset(self, criterion_ids: Sequence[str]) -> Judging:
+        """The same judging on some criteria only, sharing the provider and its call limit.
+
+        Raises:
+            UserError: an id that is not among the configured criteria.
+        """
+        known = {c.id for c in self.criteria}
+        unknown = sorted(set(criterion_ids) - known)
+        if unknown:
+            raise UserError(f"no criterion {', '.join(unknown)} in judges.criteria "
+                            f"(configured: {', '.join(sorted(known)) or 'none'})")
+        other = Judging([c for c in self.criteria if c.id in criterion_ids], None, concurrency=self.concurrency,
+                        timeout=self.timeout, queue_results=self.queue_results, no_provider=self.no_provider,
+                        clock=self.clock)
+        other._raw_provider, other.provider, other._limit = self._raw_provider, self.provider, self._limit
+        return other
+
     def _judge_model(self, c: Criterion) -> str | None:
+        # As the runner records it: the provider's model, or the code check's name.
         if isinstance(c, LLMCriterion):
             return self.provider.model if self.provider is not None else None
-        return "code"
+        return c.check
 
     def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> tuple[Conversation | None, list[Criterion], int]:
         """The conversation record, and the criteria that still need a verdict on its current transcript."""
@@ -391,6 +409,7 @@ class Evaluator:
         self._pending: OrderedDict[str, Job] = OrderedDict()
         self._attempts: dict[str, int] = {}
         self._redo: dict[str, Job] = {}
+        self._backfills: list[Backfill] = []
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._mark: tuple[dt.datetime, str] = (_utc(0), "")
         self._thread: threading.Thread | None = None
@@ -430,6 +449,34 @@ class Evaluator:
         """Look for ended conversations now instead of at the next poll."""
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
+
+    def start_backfill(self, since: dt.datetime | None, criterion_ids: Sequence[str]) -> Backfill:
+        """Start a ``tracejudge eval`` pass on this stage's loop; poll the returned progress.
+
+        Raises:
+            UserError: an unknown criterion id, or no criteria configured.
+        """
+        if not self.judging.criteria:
+            raise UserError("no criteria to judge with: judges.criteria is empty")
+        judging = self.judging.subset(criterion_ids) if criterion_ids else self.judging
+        assert self._loop is not None and self._cur is not None
+        self._backfills.append(Backfill(id=len(self._backfills) + 1))
+        progress = self._backfills[-1]
+        cur = self._cur
+
+        async def run() -> None:
+            jobs = backfill_jobs(cur, since)
+            try:
+                await run_backfill(cur, judging, jobs, progress, parallel=self.max_in_flight)
+            except Exception:  # noqa: BLE001
+                log.exception("tracejudge eval pass %d failed", progress.id)
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop)
+        return progress
+
+    def backfill(self, backfill_id: int) -> Backfill | None:
+        """The progress of an eval pass started by ``start_backfill``."""
+        return self._backfills[backfill_id - 1] if 0 < backfill_id <= len(self._backfills) else None
 
     def status(self) -> dict[str, int]:
         """For /api/status: sampled conversations waiting and being judged, and judged so far."""
@@ -593,15 +640,67 @@ class Evaluator:
             self.sampler.record_tokens(spent)
 
 
-def jobs_for_backfill(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> Iterable[Job]:
-    """Sampled, ended conversations (closed at or after ``since``) for ``tracejudge eval``, oldest first."""
+# --------------------------------------------------------------- backfill (tracejudge eval)
+
+
+@dataclass
+class Backfill:
+    """Progress of one ``tracejudge eval`` pass."""
+
+    id: int
+    total: int = 0
+    done: int = 0
+    verdicts: int = 0
+    """Verdicts newly stored (criteria already judged on a transcript are not called again)."""
+    skipped: int = 0
+    """Criterion runs skipped: a verdict on the same transcript was there already."""
+    not_run: int = 0
+    errors: int = 0
+    finished: bool = False
+    failure: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def backfill_jobs(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> list[Job]:
+    """Sampled, ended conversations (closed at or after ``since``), oldest first."""
     params: list[Any] = []
     where = "c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL"
     if since is not None:
         where += " AND c.closed_at >= ?"
         params.append(since)
-    for cid, revision, probability, rule in cur.execute(
-            "SELECT c.conversation_id, c.revision, s.probability, s.rule FROM conversations c "
-            f"JOIN sampling_decisions s USING (conversation_id) WHERE {where} ORDER BY c.closed_at, "
-            "c.conversation_id", params).fetchall():
-        yield Job(cid, revision, probability, rule)
+    return [Job(cid, revision, probability, rule) for cid, revision, probability, rule in cur.execute(
+        "SELECT c.conversation_id, c.revision, s.probability, s.rule FROM conversations c "
+        f"JOIN sampling_decisions s USING (conversation_id) WHERE {where} ORDER BY c.closed_at, "
+        "c.conversation_id", params).fetchall()]
+
+
+async def run_backfill(cur: duckdb.DuckDBPyConnection, judging: Judging, jobs: Sequence[Job], progress: Backfill,
+                       *, parallel: int) -> Backfill:
+    """Judge ``jobs`` with ``judging``, ``parallel`` conversations at once, updating ``progress`` as each ends.
+
+    The daemon's path without its progress rows: the daemon's own schedule is
+    left as it was, and what is stored is stored once all the same.
+    """
+    progress.total = len(jobs)
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(job: Job) -> None:
+        async with gate:
+            outcome = await judging.run_job(cur, job, progress=False)
+        progress.done += 1
+        if outcome is not None:
+            progress.verdicts += len(outcome.stored)
+            progress.skipped += outcome.skipped
+            progress.not_run += len(outcome.run.not_run)
+            progress.errors += sum(1 for v in outcome.run.verdicts if v.result == "error")
+
+    try:
+        await asyncio.gather(*(one(job) for job in jobs))
+    except Exception as exc:  # noqa: BLE001 - reported to whoever started the pass
+        progress.failure = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        progress.finished = True
+    return progress

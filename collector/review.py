@@ -58,6 +58,12 @@ class ReviewInputError(ReviewError):
 
 
 
+def check_state(state: str) -> None:
+    """Raise ``ReviewInputError`` unless ``state`` is a review state or ``all``."""
+    if state != "all" and state not in REVIEW_STATES:
+        raise ReviewInputError(f"state must be one of {', '.join(REVIEW_STATES)} or all, got {state!r}")
+
+
 def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criterion: str | None = None,
                  limit: int = 100) -> list[dict[str, Any]]:
     """Review items, the oldest first (the queue's order).
@@ -75,8 +81,7 @@ def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criteri
     Raises:
         ReviewInputError: an unknown state.
     """
-    if state != "all" and state not in REVIEW_STATES:
-        raise ReviewInputError(f"state must be one of {', '.join(REVIEW_STATES)} or all, got {state!r}")
+    check_state(state)
     where, params = [], []
     if state != "all":
         where.append("r.state = ?")
@@ -189,7 +194,7 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
         item = _item(cur, item_id)
         if item["state"] != "pending" and not force:
             raise ReviewConflict(f"review item {item['id']} was already {item['state']} by {item['reviewer']}; "
-                                 "use force to decide again")
+                                 "decide again with force (--force; \"force\": true in the API)")
         cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer, note,
                      item["state"] != "pending", at])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -185,20 +185,26 @@ def _highlight_ranges(text: str, patterns: Sequence[re.Pattern[str]]) -> list[tu
     return merged
 
 
-def highlight(text: str, evidence: Iterable[str]) -> str:
-    """Escape ``text`` and wrap every passage quoted in ``evidence`` in ``<mark>``.
+def mark_quotes(text: str, evidence: Iterable[str], *, before: str, after: str,
+                escape: Callable[[str], str] = lambda t: t) -> str:
+    """Wrap every passage of ``text`` quoted in ``evidence`` in ``before`` ... ``after``.
 
     Quotes are matched ignoring case, runs of whitespace, typographic quote
-    marks and a speaker prefix; an ellipsis splits a quote into pieces marked apart.
+    marks and a speaker prefix; an ellipsis splits a quote into pieces marked
+    apart. ``escape`` is applied to the text, never to the marks.
     """
     patterns = [p for q in evidence for p in _quote_patterns(q)]
     out, at = [], 0
     for start, end in _highlight_ranges(text, patterns):
-        out.append(_e(text[at:start]))
-        out.append(f"<mark>{_e(text[start:end])}</mark>")
+        out += [escape(text[at:start]), before, escape(text[start:end]), after]
         at = end
-    out.append(_e(text[at:]))
+    out.append(escape(text[at:]))
     return "".join(out)
+
+
+def highlight(text: str, evidence: Iterable[str]) -> str:
+    """Escape ``text`` for HTML and wrap every passage quoted in ``evidence`` in ``<mark>``."""
+    return mark_quotes(text, evidence, before="<mark>", after="</mark>", escape=_e)
 
 
 def _quote_found(quote_text: str, texts: Sequence[str]) -> bool:

@@ -24,6 +24,10 @@ COMMANDS = {
     "judge": "collector.cli.judge:judge",
     "conversations": "collector.cli.conversations:conversations",
     "reindex": "collector.cli.reindex:reindex",
+    "review": "collector.cli.review:review",
+    "verdicts": "collector.cli.verdicts:verdicts",
+    "stats": "collector.cli.stats:stats",
+    "eval": "collector.cli.eval:eval_cmd",
 }
 
 

@@ -30,3 +30,20 @@ def load(config_path: Path | None) -> Config:
     for w in warnings:
         click.echo(f"tracejudge: warning: {w}", err=True)
     return cfg
+
+
+def rate_text(estimate: float, low: float, high: float, method: str) -> str:
+    """A failure rate with its 95% interval, as people read it."""
+    if method == "rule_of_three":
+        return f"0% (at most {high:.1%}, rule of three)"
+    return f"{estimate:.1%} ({low:.1%} to {high:.1%})"
+
+
+def table(rows: list[list[str]]) -> str:
+    """Rows as aligned columns: the first left-aligned, the last free, numbers in between right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(r) - 1)] + [r[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

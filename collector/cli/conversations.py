@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
-from ..client import reader
+from ..client import client
 from ..errors import UserError
 from .common import config_option, json_option, load
 
@@ -28,7 +28,7 @@ def conversations() -> None:
 def list_cmd(config_path: Path | None, as_json: bool, since: str | None, state: str | None, service: str | None,
              limit: int) -> None:
     """Conversations, the most recently active first."""
-    r = reader(load(config_path))
+    r = client(load(config_path))
     try:
         rows = r.list_conversations(since=since, state=state, service=service, limit=limit)
     finally:
@@ -61,7 +61,7 @@ def _cut(text: str, width: int) -> str:
 @json_option
 def show_cmd(conversation_id: str, config_path: Path | None, as_json: bool) -> None:
     """One conversation: a readable transcript, or its conversation/v1 record with --json."""
-    r = reader(load(config_path))
+    r = client(load(config_path))
     try:
         record = r.conversation(conversation_id)
     finally:
@@ -74,8 +74,8 @@ def show_cmd(conversation_id: str, config_path: Path | None, as_json: bool) -> N
     click.echo(render(record))
 
 
-def render(record: dict[str, Any]) -> str:
-    """A conversation/v1 record as text a person reads."""
+def render(record: dict[str, Any], mark: Callable[[str], str] = lambda text: text) -> str:
+    """A conversation/v1 record as text a person reads; ``mark`` is applied to every message's text."""
     attrs = record.get("attributes", {})
     usage = record.get("usage") or {}
     lines = [
@@ -92,13 +92,13 @@ def render(record: dict[str, Any]) -> str:
     lines.append("")
     for m in record["messages"]:
         if m["role"] == "user":
-            lines.append(f"USER: {m['content']}")
+            lines.append(f"USER: {mark(m['content'])}")
         elif m["role"] == "assistant":
             if m["content"]:
-                lines.append(f"BOT: {m['content']}")
+                lines.append(f"BOT: {mark(m['content'])}")
             for tc in m.get("tool_calls") or []:
                 args = json.dumps(tc.get("arguments"), ensure_ascii=False)
                 lines.append(f"BOT -> {tc['name']}({args})")
         else:
-            lines.append(f"TOOL {m.get('name') or m.get('tool_call_id') or ''}: {m['content']}")
+            lines.append(f"TOOL {m.get('name') or m.get('tool_call_id') or ''}: {mark(m['content'])}")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from types import FrameType
 
 import click
 
-from ..client import APIReader
+from ..client import APIClient
 from ..config import load_config
 from ..errors import UserError
 from ..runtime import RuntimeInfo, running_daemon
@@ -165,7 +165,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
         sent = send_demo_traffic(info.grpc, progress=click.echo)
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
-    counts = APIReader(info.api, cfg.api.auth.bearer_token).get("/api/spans/count")
+    counts = APIClient(info.api, cfg.api.auth.bearer_token).get("/api/spans/count")
     api = info.api
     cfg_arg = f"--config {config_path}"
     # Name the command as the user can type it: `.venv/bin/tracejudge` when the venv is not active.

@@ -38,7 +38,7 @@ from judges import (
 
 from ..config import Config, parse_duration
 from ..errors import UserError
-from .common import config_option, json_option, load
+from .common import config_option, json_option, load, rate_text, table
 
 FAIL_ON = ("fail", "error", "flagged", "not_run")
 
@@ -69,11 +69,7 @@ def _provider(cfg: Config, type_: str | None, model: str | None, base_url: str |
 
 
 def _rate(p: Proportion | None) -> str:
-    if p is None:
-        return "-"
-    if p.method == "rule_of_three":
-        return f"0% (at most {p.high:.1%}, rule of three)"
-    return f"{p.estimate:.1%} ({p.low:.1%} to {p.high:.1%})"
+    return "-" if p is None else rate_text(p.estimate, p.low, p.high, p.method)
 
 
 def _row(name: str, s: RateStats) -> list[str]:
@@ -85,22 +81,13 @@ def _row(name: str, s: RateStats) -> list[str]:
             str(c.error), str(c.not_run), rate]
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(r) - 1)] + [r[-1]]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
 HEADER = ["criterion", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run", "failure rate (95% CI)"]
 
 
 def _report(summary: Summary, run: JudgeRun) -> str:
-    out = [_table([HEADER] + [_row(s.criterion_id, s) for s in summary.criteria])]
+    out = [table([HEADER] + [_row(s.criterion_id, s) for s in summary.criteria])]
     if summary.groups:
-        out.append(_table([["group"] + HEADER[1:]] + [_row(g.group, g) for g in summary.groups]))
+        out.append(table([["group"] + HEADER[1:]] + [_row(g.group, g) for g in summary.groups]))
     failing = [s for s in summary.scenarios if s.failing]
     if failing:
         out.append("failing scenarios (a scenario is failing if any replicate failed):\n" + "\n".join(

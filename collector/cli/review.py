@@ -1,0 +1,143 @@
+"""``tracejudge review list|show|confirm|reject``: the queue of judge failures a person checks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..client import client
+from ..review import REVIEW_STATES
+from ..review_page import mark_quotes
+from .common import config_option, json_option, load
+from .conversations import render
+
+
+@click.group()
+def review() -> None:
+    """Review the failures the judges found: list, show, confirm or reject them.
+
+    Works through the running daemon's API, or on the DuckDB file when no daemon
+    runs. The web page at <api>/review does the same in a browser.
+    """
+
+
+@review.command("list")
+@config_option
+@json_option
+@click.option("--state", type=click.Choice([*REVIEW_STATES, "all"]), default="pending", show_default=True,
+              help="Which items.")
+@click.option("--criterion", help="Only this criterion id.")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
+def list_cmd(config_path: Path | None, as_json: bool, state: str, criterion: str | None, limit: int) -> None:
+    """Review items, the oldest first (the queue's order)."""
+    c = client(load(config_path))
+    try:
+        items = c.list_reviews(state=state, criterion=criterion, limit=limit)
+    finally:
+        c.close()
+    if as_json:
+        click.echo(json.dumps(items, ensure_ascii=False, indent=2))
+        return
+    if not items:
+        click.echo(f"no {'' if state == 'all' else state + ' '}review items")
+        return
+    click.echo(f"{'item':>6}  {'state':10}  {'judge said':16}  {'criterion':32}  conversation")
+    for it in items:
+        said = it["result"] + (" (flagged)" if it.get("flagged") else "")
+        state_text = it["state"] + (f" by {it['reviewer']}" if it.get("reviewer") else "")
+        click.echo(f"{it['id']:>6}  {state_text:10}  {said:16}  {it['criterion_id']:32}  {it['conversation_id']}")
+
+
+def _marker() -> tuple[str, str]:
+    # Reverse video on a terminal; visible brackets in a pipe or a file.
+    return ("\x1b[7m", "\x1b[0m") if sys.stdout.isatty() else ("[[", "]]")
+
+
+def render_item(detail: dict[str, Any]) -> str:
+    """A review item as text: the criterion, the judge's verdict and reasoning, the transcript with quotes marked."""
+    item, verdict, crit = detail["item"], detail["verdict"], detail["criterion"]
+    evidence = [str(q) for q in verdict.get("evidence") or []]
+    before, after = _marker()
+    lines = [
+        f"review item {item['id']}: {item['state']}"
+        + (f" by {item['reviewer']} ({item['decided_at']})" if item.get("reviewer") else ""),
+        f"criterion {crit['id']} v{crit['version']}"
+        + (f"  severity {crit['severity']}" if crit.get("severity") else "")
+        + (f"  group {crit['group']}" if crit.get("group") else ""),
+    ]
+    if crit.get("text"):
+        lines += ["", *(f"  | {line}" for line in str(crit["text"]).rstrip().splitlines())]
+    judge = verdict.get("judge") or {}
+    lines += ["", f"judge ({judge.get('provider')}/{judge.get('model')}) said: {verdict['result']}"
+              + ("  FLAGGED: no quote was found in the transcript" if verdict.get("flagged") else "")]
+    if verdict.get("reasoning"):
+        lines.append(f"reasoning: {verdict['reasoning']}")
+    for q in evidence:
+        lines.append(f"evidence: {before}{q}{after}")
+    if evidence and not verdict.get("evidence_verified"):
+        lines.append("  (not every quote was found in the transcript)")
+    if verdict.get("superseded"):
+        lines.append("note: the transcript changed since this verdict (late data); it is superseded")
+    for h in detail.get("history") or []:
+        lines.append(f"history: {h['decided_at']} {h['reviewer']} {h['decision']}ed"
+                     + (" (forced)" if h.get("forced") else "") + (f": {h['note']}" if h.get("note") else ""))
+    conversation = detail.get("conversation")
+    lines.append("")
+    if conversation is None:
+        lines.append("(the conversation is no longer stored)")
+    else:
+        lines.append(render(conversation, mark=lambda text: mark_quotes(text, evidence, before=before,
+                                                                       after=after)))
+    return "\n".join(lines)
+
+
+@review.command("show")
+@click.argument("item_id")
+@config_option
+@json_option
+def show_cmd(item_id: str, config_path: Path | None, as_json: bool) -> None:
+    """One item: the criterion text, the judge's reasoning and the transcript with the quoted evidence marked."""
+    c = client(load(config_path))
+    try:
+        detail = c.review_item(item_id)
+    finally:
+        c.close()
+    click.echo(json.dumps(detail, ensure_ascii=False, indent=2) if as_json else render_item(detail))
+
+
+def _decide(decision: str, item_id: str, config_path: Path | None, reviewer: str, note: str | None, force: bool,
+            as_json: bool) -> None:
+    c = client(load(config_path))
+    try:
+        item = c.decide(item_id, decision, reviewer, note, force)
+    finally:
+        c.close()
+    if as_json:
+        click.echo(json.dumps(item, ensure_ascii=False, indent=2))
+    else:
+        click.echo(f"review item {item['id']} ({item['criterion_id']} on {item['conversation_id']}): "
+                   f"{item['state']} by {item['reviewer']}")
+
+
+def _decision_command(decision: str, help_text: str) -> click.Command:
+    @click.argument("item_id")
+    @config_option
+    @json_option
+    @click.option("--reviewer", required=True, envvar="TRACEJUDGE_REVIEWER", show_envvar=True,
+                  help="Who decides (kept with the decision).")
+    @click.option("--note", help="Why, in your words.")
+    @click.option("--force", is_flag=True, help="Decide an item decided already; the earlier decision stays "
+                                                "in its history.")
+    def cmd(item_id: str, config_path: Path | None, as_json: bool, reviewer: str, note: str | None,
+            force: bool) -> None:
+        _decide(decision, item_id, config_path, reviewer, note, force, as_json)
+
+    return click.command(decision, help=help_text)(cmd)
+
+
+review.add_command(_decision_command("confirm", "Confirm an item: the judge was right, this is a real failure."))
+review.add_command(_decision_command("reject", "Reject an item: the judge was wrong."))

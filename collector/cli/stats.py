@@ -1,0 +1,75 @@
+"""``tracejudge stats``: per criterion, what was judged, how often it fails, what reviewers said."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..client import client
+from .common import config_option, json_option, load, rate_text, table
+
+HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
+          "review p/c/r", "failure rate, all traffic (95% CI)"]
+
+
+def _row(name: str, e: dict[str, Any]) -> list[str]:
+    r = e["failure_rate"]
+    rate = "-" if r is None else rate_text(r["estimate"], r["low"], r["high"], r["method"]) + f"  n_eff {r['n_eff']:.1f}"
+    review = e["review"]
+    return [name, *(str(e[k]) for k in ("judged", "pass", "pass_unverified", "fail", "flagged", "not_applicable",
+                                         "error", "not_run")),
+            f"{review['pending']}/{review['confirmed']}/{review['rejected']}", rate]
+
+
+def render(stats: dict[str, Any]) -> str:
+    """The stats report as text."""
+    conv = stats["conversations"]
+    skipped = sum(conv["skipped"].values())
+    out = [f"conversations: {conv['ended']} ended, {conv['sampled']} sampled, {conv['not_sampled']} not sampled, "
+           f"{skipped} skipped for budget, {conv['judged']} judged"]
+    if not stats["criteria"]:
+        out.append("no verdicts yet")
+        return "\n\n".join(out)
+    out.append(table([HEADER] + [_row(e["criterion_id"], e) for e in stats["criteria"]]))
+    if stats["groups"]:
+        out.append(table([["group", *HEADER[1:]]] + [_row(g["group"], g) for g in stats["groups"]]))
+    notes = ["pass? = passes whose quoted evidence was not found (kept out of the rate); flagged = fails with no "
+             "verified quote; review p/c/r = pending/confirmed/rejected; the rate weighs each verdict by "
+             "1/inclusion probability"]
+    for e in stats["criteria"]:
+        share = e["review"]["fails_rejected_share"]
+        if share is not None:
+            notes.append(f"{e['criterion_id']}: reviewers rejected {share:.0%} of the fails they decided")
+        for reason, n in sorted(e["not_run_reasons"].items()):
+            notes.append(f"{e['criterion_id']}: {n} not run: {reason}")
+        for code, n in sorted(e["errors"].items()):
+            notes.append(f"{e['criterion_id']}: {n} error: {code or 'unknown'} (tracejudge verdicts --result error)")
+    for reason, n in sorted(conv["skipped"].items()):
+        notes.append(f"{n} conversations skipped: {reason} (kept out of the estimates)")
+    tokens = stats["tokens"]
+    notes.append(f"judge tokens: {tokens['input_tokens']} in, {tokens['output_tokens']} out")
+    out.append("\n".join(notes))
+    return "\n\n".join(out)
+
+
+@click.command()
+@config_option
+@json_option
+@click.option("--since", help="Only verdicts since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
+@click.option("--criterion", help="Only this criterion id.")
+def stats(config_path: Path | None, as_json: bool, since: str | None, criterion: str | None) -> None:
+    """Counts, failure rates for all production traffic (weighted, with 95% intervals) and review outcomes.
+
+    Counts are raw counts of current verdicts (one per conversation and
+    criterion, on its newest transcript). The failure rate is among applicable
+    verdicts (pass + fail), each weighted by 1 / its inclusion probability.
+    """
+    c = client(load(config_path))
+    try:
+        body = c.stats(since=since, criterion=criterion)
+    finally:
+        c.close()
+    click.echo(json.dumps(body, ensure_ascii=False, indent=2) if as_json else render(body))
