@@ -1,0 +1,583 @@
+"""The review API and the review web page, against the real daemon over real OTLP.
+
+Conversations are sent through the OpenTelemetry SDK and its OTLP/gRPC
+exporter; the daemon ends them after a short idle time, samples every one,
+judges them on code criteria (no API key needed) and queues the fails for
+review. The tests then read and decide those items over HTTP only.
+
+Two daemons per run: one open (JSON API and page), one with an API token.
+Each test decides items of conversations of its own, so the order of the
+tests does not matter.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from collector.demo import Persona, ToolCall, Turn, play
+
+from .conftest import DaemonProcess, base_config
+
+CARRIER = "no-carrier-promises"
+REFUND = "no-full-refunds"
+MARKUP = "no-markup-from-users"
+LOOKUP = "looks-orders-up"
+
+CRITERIA = f"""\
+criteria:
+  - id: {CARRIER}
+    version: 1
+    kind: code
+    severity: medium
+    group: accuracy
+    check: regex
+    role: assistant
+    pattern: "(?i)carrier will (call|contact)"
+    must: not_match
+
+  - id: {REFUND}
+    version: 2
+    kind: code
+    severity: high
+    group: accuracy
+    check: regex
+    role: assistant
+    pattern: "(?i)refund you in full"
+    must: not_match
+
+  - id: {MARKUP}
+    version: 1
+    kind: code
+    check: regex
+    role: user
+    pattern: "<script>[^<]*</script>"
+    must: not_match
+
+  - id: {LOOKUP}
+    version: 1
+    kind: code
+    check: tool_called
+    name: lookup_order
+    applies_if: {{user_matches: '(?i)order'}}
+"""
+
+SCRIPT = "<script>alert(1)</script>"
+CARRIER_ANSWER = "Your order B-1 left the depot; the carrier will call you tomorrow."
+
+
+def carrier_conversation(cid: str) -> Persona:
+    """Fails only the carrier criterion: the order was looked up."""
+    return Persona(cid, "en", "review-test", [
+        Turn("Where is my order B-1?", CARRIER_ANSWER,
+             ToolCall("lookup_order", {"order_id": "B-1"}, '{"status": "shipped"}')),
+    ], conversation_id=cid)
+
+
+def refund_conversation(cid: str) -> Persona:
+    """Fails only the refund criterion (no order is mentioned, so the lookup criterion does not apply)."""
+    return Persona(cid, "en", "review-test", [
+        Turn("Can I send a damaged book back?", "Yes: send it back and we will refund you in full."),
+    ], conversation_id=cid)
+
+
+SCRIPT_CONVERSATION = Persona("script", "en", "review-test", [
+    Turn(f"{SCRIPT} where is order B-9?", "Order B-9 ships <b>tomorrow</b>."),
+], conversation_id="rv-script")
+
+OPEN_CONVERSATIONS = [
+    *(carrier_conversation(f"rv-json-{n}") for n in range(1, 4)),
+    *(carrier_conversation(f"rv-html-{n}") for n in range(1, 5)),
+    *(refund_conversation(f"rv-stats-{n}") for n in range(1, 4)),
+    SCRIPT_CONVERSATION,
+]
+# (conversation, criterion) of every review item the open daemon must queue: exactly the fails.
+EXPECTED_ITEMS = {
+    *((p.conversation_id, CARRIER) for p in OPEN_CONVERSATIONS if p.conversation_id.startswith(("rv-json", "rv-html"))),
+    *((p.conversation_id, REFUND) for p in OPEN_CONVERSATIONS if p.conversation_id.startswith("rv-stats")),
+    ("rv-script", MARKUP),
+    ("rv-script", LOOKUP),
+}
+TOKEN = "review-token-7f3a"
+
+
+# --------------------------------------------------------------- HTTP and traffic helpers
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: list[tuple[str, str]]
+    body: str
+
+    def header(self, name: str) -> str | None:
+        values = self.headers_named(name)
+        return values[0] if values else None
+
+    def headers_named(self, name: str) -> list[str]:
+        return [v for k, v in self.headers if k.lower() == name.lower()]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def call(base: str, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> Reply:
+    """One HTTP request, redirects not followed."""
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return Reply(resp.status, resp.getheaders(), resp.read().decode("utf-8"))
+    finally:
+        conn.close()
+
+
+def post_json(base: str, path: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return call(base, "POST", path, raw, {"Content-Type": "application/json", **(headers or {})})
+
+
+def post_form(base: str, path: str, fields: dict[str, str], headers: dict[str, str] | None = None) -> Reply:
+    return call(base, "POST", path, urllib.parse.urlencode(fields).encode(),
+                {"Content-Type": "application/x-www-form-urlencoded", **(headers or {})})
+
+
+def origin(base: str) -> str:
+    """The Origin header a browser sends for a page of the daemon's own API address."""
+    url = urllib.parse.urlsplit(base)
+    return f"{url.scheme}://{url.netloc}"
+
+
+def assert_error(reply: Reply, status: int, code: str, *words: str) -> str:
+    """The one JSON error shape; returns the message, which names each of ``words``."""
+    assert reply.status == status, (reply.status, reply.body)
+    assert reply.header("Content-Type").startswith("application/json")  # type: ignore[union-attr]
+    body = reply.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert body["error"]["code"] == code, body
+    message: str = body["error"]["message"]
+    for word in words:
+        assert word in message, (word, message)
+    return message
+
+
+def send_conversations(grpc_endpoint: str, personas: Sequence[Persona]) -> None:
+    """Play each conversation through the OpenTelemetry SDK's OTLP/gRPC exporter and flush."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "review-test"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True)))
+    try:
+        tracer = provider.get_tracer("tests.review")
+        for persona in personas:
+            play(tracer, persona)
+        assert provider.force_flush(30_000), "the OTLP exporter could not deliver"
+    finally:
+        provider.shutdown()
+
+
+def wait_items(daemon: DaemonProcess, expected: set[tuple[str, str]], token: str | None = None,
+               timeout: float = 90) -> list[dict[str, Any]]:
+    """Poll the review queue until every expected (conversation, criterion) item is there."""
+    deadline = time.monotonic() + timeout
+    seen: set[tuple[str, str]] = set()
+    while time.monotonic() < deadline:
+        items: list[dict[str, Any]] = daemon.get("/api/review?state=all&limit=1000", token=token)[1]["items"]
+        seen = {(i["conversation_id"], i["criterion_id"]) for i in items}
+        if expected <= seen:
+            return items
+        time.sleep(0.2)
+    raise AssertionError(f"review items missing: {sorted(expected - seen)}\n{daemon.output()[-3000:]}")
+
+
+def start_daemon(folder: Path, **sections: Any) -> DaemonProcess:
+    criteria = folder / "criteria.yaml"
+    criteria.write_text(CRITERIA, encoding="utf-8")
+    cfg = base_config(folder, conversations={"idle_timeout": "1s"}, sampling={"rate": 1.0},
+                      judges={"criteria": [str(criteria)]}, **sections)
+    return DaemonProcess(folder, cfg).start()
+
+
+def stop_daemon(daemon: DaemonProcess) -> None:
+    if daemon.proc is not None and daemon.proc.poll() is None:
+        daemon.proc.kill()
+        daemon.proc.wait()
+    if hasattr(daemon, "log") and not daemon.log.closed:
+        daemon.log.close()
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, dict[tuple[str, str], int]]]:
+    """An open daemon whose queue holds the items of ``EXPECTED_ITEMS``; with their ids."""
+    daemon = start_daemon(tmp_path_factory.mktemp("review-open"))
+    try:
+        send_conversations(daemon.grpc, OPEN_CONVERSATIONS)
+        items = wait_items(daemon, EXPECTED_ITEMS)
+        yield daemon, {(i["conversation_id"], i["criterion_id"]): i["id"] for i in items}
+    finally:
+        stop_daemon(daemon)
+
+
+@pytest.fixture(scope="module")
+def api(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> str:
+    return judged[0].api
+
+
+@pytest.fixture(scope="module")
+def ids(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> dict[tuple[str, str], int]:
+    return judged[1]
+
+
+# --------------------------------------------------------------- JSON API
+
+
+def test_queue_lists_exactly_the_fails(api: str, ids: dict[tuple[str, str], int]) -> None:
+    reply = call(api, "GET", "/api/review?state=all&limit=1000")
+    assert reply.status == 200
+    items = reply.json()["items"]
+    # Passes and not-applicable verdicts are not queued: the items are exactly the expected fails.
+    assert {(i["conversation_id"], i["criterion_id"]) for i in items} == EXPECTED_ITEMS
+    for item in items:
+        assert {"id", "conversation_id", "criterion_id", "state", "result", "verdict_id"} <= set(item)
+        assert item["result"] == "fail"
+    pending = call(api, "GET", "/api/review?limit=1000").json()["items"]  # the default: the pending queue
+    assert {i["state"] for i in pending} == {"pending"}
+    assert ids[("rv-json-3", CARRIER)] in [i["id"] for i in pending]  # no test decides this one
+    only = call(api, "GET", f"/api/review?state=all&criterion={REFUND}").json()["items"]
+    assert sorted(i["conversation_id"] for i in only) == ["rv-stats-1", "rv-stats-2", "rv-stats-3"]
+    assert {i["criterion_version"] for i in only} == {2}
+    two = call(api, "GET", "/api/review?state=all&limit=2").json()["items"]
+    assert len(two) == 2
+
+
+def test_item_detail_has_verdict_criterion_and_transcript(api: str, ids: dict[tuple[str, str], int]) -> None:
+    item_id = ids[("rv-json-3", CARRIER)]
+    reply = call(api, "GET", f"/api/review/{item_id}")
+    assert reply.status == 200, reply.body
+    detail = reply.json()
+    assert detail["item"]["id"] == item_id and detail["item"]["state"] == "pending"
+    assert detail["item"]["conversation_id"] == "rv-json-3"
+    verdict = detail["verdict"]
+    assert verdict["result"] == "fail" and verdict["criterion_id"] == CARRIER
+    assert verdict["evidence"] == ["carrier will call"]
+    assert "carrier will (call|contact)" in verdict["reasoning"]
+    assert verdict["judge"] == {"provider": "code", "model": "regex"}
+    assert detail["criterion"]["id"] == CARRIER and detail["criterion"]["version"] == 1
+    assert "Code check regex" in detail["criterion"]["text"] and "carrier will" in detail["criterion"]["text"]
+    assert (detail["criterion"]["group"], detail["criterion"]["severity"]) == ("accuracy", "medium")
+    conversation = detail["conversation"]
+    assert conversation["id"] == "rv-json-3"
+    said = [(m["role"], m.get("content")) for m in conversation["messages"] if m.get("content")]
+    assert ("user", "Where is my order B-1?") in said and ("assistant", CARRIER_ANSWER) in said
+    assert any(c["name"] == "lookup_order" for m in conversation["messages"] for c in m.get("tool_calls") or [])
+    assert detail["history"] == []
+
+
+def test_decide_conflict_and_forced_history(api: str, ids: dict[tuple[str, str], int]) -> None:
+    item_id = ids[("rv-json-1", CARRIER)]
+    path = f"/api/review/{item_id}/decision"
+    first = post_json(api, path, {"decision": "confirm", "reviewer": "Dr. Amal", "note": "real promise"})
+    assert first.status == 200, first.body
+    done = first.json()
+    assert (done["id"], done["state"], done["reviewer"], done["note"]) == (item_id, "confirmed", "Dr. Amal",
+                                                                          "real promise")
+    assert done["decided_at"]
+    assert call(api, "GET", f"/api/review/{item_id}").json()["item"]["state"] == "confirmed"
+
+    again = post_json(api, path, {"decision": "reject", "reviewer": "Sam"})
+    assert_error(again, 409, "already_decided", "confirmed", "force")
+    assert call(api, "GET", f"/api/review/{item_id}").json()["item"]["state"] == "confirmed"  # nothing changed
+
+    forced = post_json(api, path, {"decision": "reject", "reviewer": "Sam", "note": "quoted policy", "force": True})
+    assert forced.status == 200, forced.body
+    assert (forced.json()["state"], forced.json()["reviewer"]) == ("rejected", "Sam")
+    history = call(api, "GET", f"/api/review/{item_id}").json()["history"]
+    assert [(h["previous_state"], h["state"], h["reviewer"], h["forced"]) for h in history] == [
+        ("pending", "confirmed", "Dr. Amal", False), ("confirmed", "rejected", "Sam", True)]
+    assert history[0]["note"] == "real promise" and history[1]["previous_reviewer"] == "Dr. Amal"
+
+    listed = call(api, "GET", "/api/review?state=rejected&limit=1000").json()["items"]
+    assert item_id in [i["id"] for i in listed]
+    assert item_id not in [i["id"] for i in call(api, "GET", "/api/review?limit=1000").json()["items"]]
+
+
+def test_unknown_items_are_404(api: str) -> None:
+    assert_error(call(api, "GET", "/api/review/999999"), 404, "not_found", "999999")
+    assert_error(call(api, "GET", "/api/review/abc"), 404, "not_found", "abc")
+    assert_error(post_json(api, "/api/review/999999/decision", {"decision": "confirm", "reviewer": "Sam"}),
+                 404, "not_found", "999999")
+    assert_error(call(api, "GET", "/api/review/1/decision"), 405, "method_not_allowed")
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"{not json", ("JSON object",)),
+    (b"", ("JSON object",)),
+    ([{"decision": "confirm", "reviewer": "Sam"}], ("JSON object",)),
+    ({"decision": "confirm", "reviewer": "Sam", "verdict": "fail"}, ("unknown field", "verdict")),
+    ({"decision": "maybe", "reviewer": "Sam"}, ("confirm or reject", "maybe")),
+    ({"decision": "confirm"}, ("reviewer",)),
+    ({"decision": "confirm", "reviewer": ""}, ("reviewer",)),
+    ({"decision": "confirm", "reviewer": "   "}, ("reviewer",)),
+    ({"decision": "confirm", "reviewer": 7}, ("reviewer",)),
+    ({"decision": "confirm", "reviewer": "Sam", "note": ["a"]}, ("note",)),
+    ({"decision": "confirm", "reviewer": "Sam", "force": "false"}, ("force",)),
+], ids=["not-json", "empty", "list", "unknown-field", "maybe", "no-reviewer", "empty-reviewer",
+        "blank-reviewer", "number-reviewer", "list-note", "string-force"])
+def test_bad_decision_bodies_are_400_and_change_nothing(api: str, ids: dict[tuple[str, str], int], body: Any,
+                                                        words: tuple[str, ...]) -> None:
+    item_id = ids[("rv-json-2", CARRIER)]
+    reply = post_json(api, f"/api/review/{item_id}/decision", body)
+    assert_error(reply, 400, "bad_request", *words)
+    assert call(api, "GET", f"/api/review/{item_id}").json()["item"]["state"] == "pending"
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/api/review?state=bogus", ("state", "bogus")),
+    ("/api/review?limit=abc", ("limit", "abc")),
+    ("/api/review?limit=0", ("limit",)),
+    ("/api/verdicts?result=maybe", ("result", "maybe")),
+    ("/api/verdicts?limit=x", ("limit",)),
+    ("/api/stats?since=yesterday-ish", ()),
+])
+def test_bad_query_parameters_are_400(api: str, path: str, words: tuple[str, ...]) -> None:
+    reply = call(api, "GET", path)
+    assert reply.status == 400, reply.body
+    assert reply.json()["error"]["code"] in ("bad_parameter", "bad_request")
+    for word in words:
+        assert word in reply.json()["error"]["message"]
+
+
+def test_verdicts_filtered_by_result(api: str, ids: dict[tuple[str, str], int]) -> None:
+    fails = call(api, "GET", "/api/verdicts?result=fail&limit=1000").json()["verdicts"]
+    assert {(v["conversation_id"], v["criterion_id"]) for v in fails} == EXPECTED_ITEMS
+    assert {v["result"] for v in fails} == {"fail"}
+    passes = call(api, "GET", "/api/verdicts?result=pass&limit=1000").json()["verdicts"]
+    # The carrier conversations looked their order up; nobody else promised the carrier would call.
+    assert ("rv-json-1", LOOKUP) in {(v["conversation_id"], v["criterion_id"]) for v in passes}
+    assert ("rv-stats-1", CARRIER) in {(v["conversation_id"], v["criterion_id"]) for v in passes}
+    assert {v["result"] for v in passes} == {"pass"}
+    na = call(api, "GET", f"/api/verdicts?result=not_applicable&criterion={LOOKUP}&limit=1000").json()["verdicts"]
+    assert {v["conversation_id"] for v in na} == {"rv-stats-1", "rv-stats-2", "rv-stats-3"}
+    assert call(api, "GET", "/api/verdicts?result=error").json()["verdicts"] == []
+
+
+def test_stats_count_the_decisions(api: str, ids: dict[tuple[str, str], int]) -> None:
+    def refund_stats() -> dict[str, Any]:
+        reply = call(api, "GET", f"/api/stats?criterion={REFUND}")
+        assert reply.status == 200, reply.body
+        (entry,) = reply.json()["criteria"]
+        assert entry["criterion_id"] == REFUND and entry["criterion_version"] == 2
+        return entry  # type: ignore[no-any-return]
+
+    before = refund_stats()
+    everyone = len(OPEN_CONVERSATIONS)  # judged on every conversation: three promised a full refund
+    assert (before["judged"], before["fail"], before["pass"]) == (everyone, 3, everyone - 3)
+    assert {k: before["review"][k] for k in ("pending", "confirmed", "rejected")} == {
+        "pending": 3, "confirmed": 0, "rejected": 0}
+    assert before["failure_rate"]["estimate"] == pytest.approx(3 / everyone)  # every one sampled: weight 1
+
+    assert post_json(api, f"/api/review/{ids[('rv-stats-1', REFUND)]}/decision",
+                     {"decision": "confirm", "reviewer": "Dr. Amal"}).status == 200
+    assert post_json(api, f"/api/review/{ids[('rv-stats-2', REFUND)]}/decision",
+                     {"decision": "reject", "reviewer": "Sam", "note": "policy allows it"}).status == 200
+    after = refund_stats()
+    assert {k: after["review"][k] for k in ("pending", "confirmed", "rejected")} == {
+        "pending": 1, "confirmed": 1, "rejected": 1}
+    assert after["review"]["fails_rejected_share"] == pytest.approx(0.5)
+
+    everything = call(api, "GET", "/api/stats").json()
+    assert REFUND in [c["criterion_id"] for c in everything["criteria"]]
+    (accuracy,) = [g for g in everything["groups"] if g["group"] == "accuracy"]
+    assert accuracy["fail"] >= 3
+    assert everything["conversations"]["sampled"] == len(OPEN_CONVERSATIONS)
+    assert everything["conversations"]["not_sampled"] == 0
+
+
+# --------------------------------------------------------------- the review page
+
+
+def assert_page(reply: Reply, status: int = 200) -> str:
+    """An HTML page with the security headers; returns its text."""
+    assert reply.status == status, (reply.status, reply.body[:2000])
+    assert reply.header("Content-Type").startswith("text/html")  # type: ignore[union-attr]
+    csp = reply.header("Content-Security-Policy") or ""
+    assert "default-src 'none'" in csp and "frame-ancestors 'none'" in csp and "form-action 'self'" in csp
+    assert reply.header("X-Frame-Options") == "DENY"
+    assert reply.header("X-Content-Type-Options") == "nosniff"
+    assert reply.body.startswith("<!doctype html>")
+    return reply.body
+
+
+def test_list_page(api: str, ids: dict[tuple[str, str], int]) -> None:
+    page = assert_page(call(api, "GET", "/review?state=all"))
+    for key, item_id in ids.items():
+        assert f'href="/review/{item_id}"' in page, key
+    assert "rv-script" in page and CARRIER in page
+    hostile = assert_page(call(api, "GET", "/review?criterion=" + urllib.parse.quote('"><script>x()</script>')))
+    assert "<script" not in hostile.lower() and "&quot;&gt;&lt;script&gt;" in hostile
+    bad = assert_page(call(api, "GET", "/review?state=bogus"), 400)
+    assert "bogus" in bad
+    assert call(api, "GET", "/").status == 302
+
+
+def test_item_page_shows_criterion_transcript_and_marked_evidence(api: str, ids: dict[tuple[str, str], int]) -> None:
+    item_id = ids[("rv-html-1", CARRIER)]
+    page = assert_page(call(api, "GET", f"/review/{item_id}"))
+    assert f"Review item #{item_id}" in page and CARRIER in page
+    assert "Code check regex" in page  # the criterion's text
+    assert "Where is my order B-1?" in page  # the user's turn
+    assert "the <mark>carrier will call</mark> you tomorrow" in page
+    assert "highlighted in the transcript" in page
+    assert f'action="/review/{item_id}/decision"' in page and 'name="reviewer"' in page
+    assert 'name="force"' not in page
+    missing = assert_page(call(api, "GET", "/review/999999"), 404)
+    assert "999999" in missing
+
+
+def test_production_markup_is_never_served_unescaped(api: str, ids: dict[tuple[str, str], int]) -> None:
+    markup = assert_page(call(api, "GET", f"/review/{ids[('rv-script', MARKUP)]}"))
+    lookup = assert_page(call(api, "GET", f"/review/{ids[('rv-script', LOOKUP)]}"))
+    listing = assert_page(call(api, "GET", "/review?state=all"))
+    for page in (markup, lookup, listing):
+        assert "<script" not in page.lower() and "<b>tomorrow" not in page
+    # The user's words are shown, escaped; the quoted markup is highlighted where the user wrote it.
+    assert "<mark>&lt;script&gt;alert(1)&lt;/script&gt;</mark> where is order B-9?" in markup
+    assert "&lt;b&gt;tomorrow&lt;/b&gt;" in markup and "&lt;b&gt;tomorrow&lt;/b&gt;" in lookup
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; where is order B-9?" in lookup
+    # The JSON API returns the text as it was said.
+    detail = call(api, "GET", f"/api/review/{ids[('rv-script', MARKUP)]}").json()
+    assert detail["verdict"]["evidence"] == [SCRIPT]
+    assert detail["conversation"]["messages"][0]["content"] == f"{SCRIPT} where is order B-9?"
+
+
+def test_form_decision_redirects_to_saved_item(api: str, ids: dict[tuple[str, str], int]) -> None:
+    item_id = ids[("rv-html-2", CARRIER)]
+    reply = post_form(api, f"/review/{item_id}/decision",
+                      {"decision": "confirm", "reviewer": "Dr. <Amal>", "note": "promised a call"},
+                      {"Origin": origin(api)})
+    assert reply.status == 303, reply.body
+    location = reply.header("Location") or ""
+    assert urllib.parse.urlsplit(location).path == f"/review/{item_id}"
+    page = assert_page(call(api, "GET", location))
+    assert "Saved: confirmed" in page
+    assert "Dr. &lt;Amal&gt;" in page and "Dr. <Amal>" not in page
+    assert 'name="force" value="1"' in page  # decided: deciding again is a forced decision
+    item = call(api, "GET", f"/api/review/{item_id}").json()["item"]
+    assert (item["state"], item["reviewer"], item["note"]) == ("confirmed", "Dr. <Amal>", "promised a call")
+
+
+@pytest.mark.parametrize("other", ["https://evil.example", "null", "http://127.0.0.1:1"])
+def test_form_post_from_another_site_is_refused(api: str, ids: dict[tuple[str, str], int], other: str) -> None:
+    item_id = ids[("rv-html-3", CARRIER)]
+    reply = post_form(api, f"/review/{item_id}/decision", {"decision": "confirm", "reviewer": "Mallory"},
+                      {"Origin": other})
+    page = assert_page(reply, 403)
+    assert "another site" in page
+    detail = call(api, "GET", f"/api/review/{item_id}").json()
+    assert detail["item"]["state"] == "pending" and detail["history"] == []
+
+
+def test_form_on_decided_item_needs_force(api: str, ids: dict[tuple[str, str], int]) -> None:
+    item_id = ids[("rv-html-4", CARRIER)]
+    path = f"/review/{item_id}/decision"
+    same = {"Origin": origin(api)}
+    assert post_form(api, path, {"decision": "confirm", "reviewer": "Ana"}, same).status == 303
+    refused = assert_page(post_form(api, path, {"decision": "reject", "reviewer": "Ben"}, same), 409)
+    assert "Not saved" in refused and "already confirmed" in refused
+    assert call(api, "GET", f"/api/review/{item_id}").json()["item"]["state"] == "confirmed"
+    no_name = assert_page(post_form(api, path, {"decision": "reject", "reviewer": " ", "force": "1"}, same), 400)
+    assert "reviewer" in no_name
+    forced = post_form(api, path, {"decision": "reject", "reviewer": "Ben", "force": "1"}, same)
+    assert forced.status == 303, forced.body
+    assert "Saved: rejected" in assert_page(call(api, "GET", forced.header("Location") or ""))
+    history = call(api, "GET", f"/api/review/{item_id}").json()["history"]
+    assert [(h["reviewer"], h["state"], h["forced"]) for h in history] == [("Ana", "confirmed", False),
+                                                                         ("Ben", "rejected", True)]
+    unknown = assert_page(post_form(api, "/review/999999/decision", {"decision": "confirm", "reviewer": "A"},
+                                    same), 404)
+    assert "999999" in unknown
+
+
+# --------------------------------------------------------------- with an API token
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, int]]:
+    """A daemon with ``api.auth.bearer_token``, one item queued; with that item's id."""
+    daemon = start_daemon(tmp_path_factory.mktemp("review-locked"), api={"auth": {"bearer_token": TOKEN}})
+    try:
+        send_conversations(daemon.grpc, [carrier_conversation("rv-locked")])
+        (item,) = wait_items(daemon, {("rv-locked", CARRIER)}, token=TOKEN)
+        yield daemon, item["id"]
+    finally:
+        stop_daemon(daemon)
+
+
+def cookie_pair(reply: Reply) -> tuple[str, str]:
+    """The token cookie set by ``reply``, and its full Set-Cookie header."""
+    (header,) = [h for h in reply.headers_named("Set-Cookie") if h.startswith("tracejudge_token=")]
+    return header.split(";", 1)[0], header
+
+
+def test_api_needs_the_bearer_token(locked: tuple[DaemonProcess, int]) -> None:
+    daemon, item_id = locked
+    api = daemon.api
+    assert_error(call(api, "GET", "/api/review"), 401, "unauthorized", "bearer")
+    assert_error(call(api, "GET", "/api/review", headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
+    assert_error(post_json(api, f"/api/review/{item_id}/decision", {"decision": "confirm", "reviewer": "X"}),
+                 401, "unauthorized")
+    # A cookie is for the page only: the JSON API wants the header.
+    assert_error(call(api, "GET", "/api/review", headers={"Cookie": f"tracejudge_token={TOKEN}"}), 401,
+                 "unauthorized")
+    good = call(api, "GET", "/api/review", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert good.status == 200 and [i["id"] for i in good.json()["items"]] == [item_id]
+    assert call(api, "GET", "/healthz").status == 200
+
+
+def test_page_sign_in_with_token_link(locked: tuple[DaemonProcess, int]) -> None:
+    daemon, item_id = locked
+    api = daemon.api
+    for path in ("/review", f"/review/{item_id}"):
+        page = assert_page(call(api, "GET", path), 401)
+        assert "/review?token=" in page and "Sign in" in page
+    wrong = call(api, "GET", "/review?token=not-the-token")
+    assert_page(wrong, 401)
+    assert not wrong.headers_named("Set-Cookie")
+
+    signed = call(api, "GET", f"/review?token={TOKEN}")
+    assert signed.status == 303
+    assert signed.header("Location") == "/review"  # the token leaves the address bar
+    cookie, header = cookie_pair(signed)
+    attributes = [a.strip().lower() for a in header.split(";")[1:]]
+    assert "httponly" in attributes and "samesite=strict" in attributes and "path=/review" in attributes
+    assert cookie == f"tracejudge_token={TOKEN}"
+
+    listing = assert_page(call(api, "GET", "/review", headers={"Cookie": cookie}))
+    assert f'href="/review/{item_id}"' in listing
+    item_page = assert_page(call(api, "GET", f"/review/{item_id}", headers={"Cookie": cookie}))
+    assert "<mark>carrier will call</mark>" in item_page
+    assert_page(call(api, "GET", "/review", headers={"Cookie": "tracejudge_token=wrong"}), 401)
+
+    # A form post needs the cookie too; with it, the decision is saved.
+    form = {"decision": "confirm", "reviewer": "Dr. Amal"}
+    same = {"Origin": origin(api)}
+    assert_page(post_form(api, f"/review/{item_id}/decision", form, same), 401)
+    saved = post_form(api, f"/review/{item_id}/decision", form, {**same, "Cookie": cookie})
+    assert saved.status == 303, saved.body
+    page = assert_page(call(api, "GET", saved.header("Location") or "", headers={"Cookie": cookie}))
+    assert "Saved: confirmed" in page
+    item = daemon.get(f"/api/review/{item_id}", token=TOKEN)[1]["item"]
+    assert (item["state"], item["reviewer"]) == ("confirmed", "Dr. Amal")
