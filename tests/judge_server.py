@@ -1,0 +1,93 @@
+"""A loopback judge speaking the Anthropic Messages API, deciding by what the transcript says.
+
+The daemon judges conversations concurrently, in no fixed order, so a scripted
+list of replies cannot be matched to requests. This judge reads the transcript
+in each request instead: a transcript containing ``FAIL_WORD`` fails with that
+bot message quoted, ``JUNK_WORD`` gets a reply that is not JSON, anything else
+passes with the first user message quoted. ``delay`` holds every reply (to
+kill the daemon mid-judging); every request is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from typing import Any
+
+from aiohttp import web
+
+FAIL_WORD = "guaranteed-refund"
+JUNK_WORD = "gibberish-please"
+
+
+class RuleJudge:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.requests: list[dict[str, Any]] = []
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
+        self._thread.start()
+        started.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/messages", self._messages)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = self._runner.addresses[0][1]
+        started.set()
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def transcripts(self) -> list[str]:
+        return [_transcript(r) for r in self.requests]
+
+    async def _messages(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        text = _transcript(body)
+        if JUNK_WORD in text:
+            reply = "I think it is fine, mostly."
+        elif FAIL_WORD in text:
+            line = next(ln for ln in text.splitlines() if FAIL_WORD in ln)
+            reply = json.dumps({"reasoning": "The bot promised a refund it cannot promise.",
+                                "evidence": [line.split(": ", 1)[1]], "result": "fail"})
+        else:
+            first = re.search(r"^USER: (.+)$", text, re.M)
+            reply = json.dumps({"reasoning": "Nothing wrong.", "evidence": [first.group(1)] if first else [],
+                                "result": "pass" if first else "not_applicable"})
+        return web.json_response({
+            "id": "msg_rule", "type": "message", "role": "assistant", "model": body["model"],
+            "content": [{"type": "text", "text": reply}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": 100, "output_tokens": 20},
+        })
+
+
+def _transcript(body: dict[str, Any]) -> str:
+    parts = []
+    for m in body.get("messages", []):
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        else:
+            parts += [c.get("text", "") for c in content or [] if isinstance(c, dict)]
+    text = "\n".join(parts)
+    found = re.search(r"<transcript>\n?(.*?)</transcript>", text, re.S)
+    return found.group(1) if found else text
