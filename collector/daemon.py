@@ -32,7 +32,8 @@ from .config import Config
 from .conversations import Conversations
 from .queries import conversation_counts
 from .errors import UserError
-from .evaluator import Evaluator, daemon_provider, load_configured_criteria
+from .evaluator import Evaluator
+from .judge_setup import daemon_provider, load_configured_criteria
 from .metrics import Metrics
 from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
 from .runtime import RuntimeInfo, running_daemon

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -50,22 +49,18 @@ import orjson
 from judges import (
     Conversation,
     Criterion,
-    CriteriaError,
     JudgeRequest,
     JudgeRun,
     LLMCriterion,
     NotRun,
     Provider,
     ProviderReply,
-    ProviderSetupError,
     arun_judges,
-    load_criteria,
-    make_provider,
     transcript_sha256,
 )
 
 from . import evals
-from .config import Config, JudgeProvider
+from .config import Config
 from .errors import UserError
 from .metrics import Counter, Gauge, Histogram, Metrics
 from .queries import conversation_record
@@ -94,64 +89,6 @@ _UTC = dt.timezone.utc
 
 def _utc(seconds: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(seconds, _UTC)
-
-
-# --------------------------------------------------------------- setup from config
-
-
-def load_configured_criteria(cfg: Config) -> list[Criterion]:
-    """The criteria files of ``judges.criteria``; a problem in one is a ``UserError`` naming it."""
-    if not cfg.judges.criteria:
-        return []
-    try:
-        return load_criteria(cfg.judges.criteria)
-    except (CriteriaError, OSError) as exc:
-        raise UserError(f"judges.criteria: {exc}") from None
-
-
-def provider_from_config(section: JudgeProvider, *, type_: str | None = None, model: str | None = None,
-                         base_url: str | None = None,
-                         on_unused: Callable[[str], None] | None = None) -> Provider | None:
-    """The judge provider of ``judges.provider`` (flags override it); None when none is named.
-
-    Settings of the configured type do not carry over to another ``type_``: a
-    different provider does not inherit its model, URL or key.
-
-    Raises:
-        UserError: the provider cannot be built (no model, unknown type, ...).
-    """
-    chosen = type_ or section.type
-    if chosen is None:
-        return None
-    same = chosen == section.type
-    settings: dict[str, Any] = {
-        "model": model or (section.model if same else None),
-        "base_url": base_url or (section.base_url if same else None),
-        "api_key": section.api_key if same else None,
-        "max_tokens": section.max_tokens if same else None,
-        "temperature": section.temperature if same and "temperature" in section.model_fields_set else None,
-    }
-    try:
-        return make_provider(chosen, on_unused=on_unused or (lambda key: None), **settings)
-    except ProviderSetupError as exc:
-        raise UserError(f"judges.provider: {exc}") from None
-
-
-def daemon_provider(cfg: Config) -> tuple[Provider | None, str | None]:
-    """The provider the daemon judges with, and why there is none.
-
-    An Anthropic provider with no API key anywhere (config, ``$ANTHROPIC_API_KEY``)
-    and no ``base_url`` of its own is left out rather than failing every call:
-    its criteria are then reported as not run, saying which key to set.
-    """
-    section = cfg.judges.provider
-    if section.type is None:
-        return None, "no provider configured (judges.provider.type)"
-    if section.type == "anthropic" and not (section.api_key or os.environ.get("ANTHROPIC_API_KEY")
-                                            or section.base_url):
-        return None, "no API key: set ANTHROPIC_API_KEY (or judges.provider.api_key)"
-    return provider_from_config(section, on_unused=lambda key: log.warning(
-        "judges.provider.%s is not used by the %s provider", key, section.type)), None
 
 
 class _Limited:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import yaml
 
-from .conftest import DaemonProcess, run_cli
+from collector.runtime import RuntimeInfo
+
+from .conftest import REPO, DaemonProcess, clean_env, run_cli
 
 
 def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path) -> None:
@@ -65,3 +73,38 @@ def test_demo_reuses_a_running_demo_daemon(tmp_path: Path) -> None:
     finally:
         assert daemon.stop() == 0
         daemon.log.close()
+
+
+def test_demo_shows_verdicts_a_review_queue_and_stats_within_a_minute(tmp_path: Path) -> None:
+    """The first README command: no API key, so code criteria judge and LLM criteria say why they did not run."""
+    env = {k: v for k, v in clean_env().items() if not k.startswith("ANTHROPIC_")}
+    proc = subprocess.Popen([sys.executable, "-m", "collector", "demo", "--dir", str(tmp_path), "--ephemeral-ports"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 90
+        stats: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            info = RuntimeInfo.read(tmp_path / "demo.duckdb.daemon.json")
+            if info is not None:
+                try:
+                    with urllib.request.urlopen(info.api + "/api/stats", timeout=10) as resp:
+                        stats = json.loads(resp.read())
+                except OSError:
+                    pass
+                if stats.get("conversations", {}).get("judged") == 4:
+                    break
+            time.sleep(0.5)
+        assert stats["conversations"]["judged"] == 4, stats
+        by_id = {c["criterion_id"]: c for c in stats["criteria"]}
+        assert by_id["no-promises-for-the-carrier"]["fail"] == 1  # Tom was promised a call from the carrier
+        assert by_id["hands-over-when-asked"]["pass"] == 1  # Amira asked for a person and got one
+        assert by_id["refund-policy"]["not_run_reasons"] == {
+            "no API key: set ANTHROPIC_API_KEY (or judges.provider.api_key)": 4}
+        with urllib.request.urlopen(info.api + "/review", timeout=10) as resp:  # type: ignore[union-attr]
+            page = resp.read().decode()
+        assert "no-promises-for-the-carrier" in page
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "review queue" in out and "Demo daemon stopped" in out

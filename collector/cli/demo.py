@@ -168,6 +168,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     counts = APIClient(info.api, cfg.api.auth.bearer_token).get("/api/spans/count")
     api = info.api
     cfg_arg = f"--config {config_path}"
+    criteria = folder / "criteria.yaml"
     # Name the command as the user can type it: `.venv/bin/tracejudge` when the venv is not active.
     prog = "tracejudge" if shutil.which("tracejudge") else os.path.relpath(sys.argv[0])
     click.echo(f"""
@@ -177,13 +178,15 @@ Where to look:
   conversations {prog} conversations list {cfg_arg}
   a transcript  {prog} conversations show {sent['conversations'][1]['id']} {cfg_arg}
                 (they end after 10s without new data; the Arabic one at once, by its handover)
-  as JSON       curl {api}/api/conversations
+  verdicts      {prog} stats {cfg_arg}      (within a minute: each ended conversation is judged
+                on {criteria}; LLM criteria run once ANTHROPIC_API_KEY is set)
+  review queue  {api}/review   or   {prog} review list {cfg_arg}
+  as JSON       curl {api}/api/conversations   {api}/api/stats   {api}/api/review
   metrics       curl {api}/metrics
-  span count    curl {api}/api/spans/count
   one trace     curl {api}/api/traces/<trace id>
   daemon log    {folder / 'daemon.log'}
   DuckDB file   {cfg.storage.duckdb.path}   (open it with SQL once the daemon stops:
-                SELECT name, attributes->>'gen_ai.conversation.id' FROM spans LIMIT 20)
+                SELECT criterion_id, result, count(*) FROM verdicts GROUP BY ALL)
 Send your own bot's traces: OTEL_EXPORTER_OTLP_ENDPOINT=http://{info.grpc}""")
     if proc is None:
         return

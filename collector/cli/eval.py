@@ -14,15 +14,8 @@ import click
 from ..client import APIClient
 from ..config import Config
 from ..errors import UserError
-from ..evaluator import (
-    Backfill,
-    Judging,
-    backfill_jobs,
-    daemon_provider,
-    ensure_schema,
-    load_configured_criteria,
-    run_backfill,
-)
+from ..evaluator import Backfill, Judging, backfill_jobs, ensure_schema, run_backfill
+from ..judge_setup import daemon_provider, load_configured_criteria
 from ..evals import store_criteria
 from ..queries import parse_since
 from ..runtime import running_daemon

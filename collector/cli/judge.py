@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import click
 
@@ -25,12 +25,10 @@ from judges import (
     NotRun,
     Proportion,
     Provider,
-    ProviderSetupError,
     RateStats,
     Summary,
     Verdict,
     load_criteria,
-    make_provider,
     read_conversations,
     run_judges,
     summarize,
@@ -38,6 +36,7 @@ from judges import (
 
 from ..config import Config, parse_duration
 from ..errors import UserError
+from ..judge_setup import provider_from_config
 from .common import config_option, json_option, load, rate_text, table
 
 FAIL_ON = ("fail", "error", "flagged", "not_run")
@@ -45,27 +44,12 @@ FAIL_ON = ("fail", "error", "flagged", "not_run")
 
 def _provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
     """The provider from the flags, else the config; None when neither names one."""
-    section = cfg.judges.provider
-    chosen = type_ or section.type
-    if chosen is None:
-        return None
-    # Config settings belong to the configured provider type: a --provider of
-    # another type does not inherit its model, URL or key.
-    same = chosen == section.type
-    settings: dict[str, Any] = {
-        "model": model or (section.model if same else None),
-        "base_url": base_url or (section.base_url if same else None),
-        "api_key": section.api_key if same else None,
-        "max_tokens": section.max_tokens if same else None,
-        "temperature": section.temperature if same and "temperature" in section.model_fields_set else None,
-    }
+    chosen = type_ or cfg.judges.provider.type
+
     def unused(key: str) -> None:
         click.echo(f"tracejudge: warning: judges.provider.{key} is not used by the {chosen} provider", err=True)
 
-    try:
-        return make_provider(chosen, on_unused=unused, **settings)
-    except ProviderSetupError as exc:
-        raise UserError(str(exc)) from None
+    return provider_from_config(cfg.judges.provider, type_=type_, model=model, base_url=base_url, on_unused=unused)
 
 
 def _rate(p: Proportion | None) -> str:
