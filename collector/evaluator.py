@@ -345,7 +345,6 @@ class Evaluator:
         self._cur: duckdb.DuckDBPyConnection | None = None
         self._pending: OrderedDict[str, Job] = OrderedDict()
         self._attempts: dict[str, int] = {}
-        self._redo: dict[str, Job] = {}
         self._backfills: list[Backfill] = []
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._mark: tuple[dt.datetime, str] = (_utc(0), "")
@@ -467,20 +466,27 @@ class Evaluator:
         return more
 
     def _scan(self) -> bool:
+        """Decide and queue ended conversations that need it; True when a full page came back."""
         assert self._cur is not None
         cur = self._cur
         now = self.clock()
         since, after = self._mark
         cols = ("conversation_id", "updated_at", "revision", "transcript_hash", "ended_by", "service", "models",
-                "user_turns", "trace_ids", "decided", "sampled", "skipped_reason", "probability", "rule", "judged_revision")
+                "user_turns", "trace_ids", "decided", "probability", "rule")
+        # Only rows that need something: no decision yet, or sampled and not judged at this revision.
+        # Those queued or being judged are left out, so they cannot fill every page.
         rows = cur.execute(
-            "SELECT c.conversation_id, c.updated_at, c.revision, c.transcript_hash, c.ended_by, c.service, c.models, c.user_turns, "
-            "c.trace_ids, s.conversation_id IS NOT NULL, s.sampled, s.skipped_reason, s.probability, s.rule, "
-            "p.revision FROM conversations c "
+            "SELECT c.conversation_id, c.updated_at, c.revision, c.transcript_hash, c.ended_by, c.service, "
+            "c.models, c.user_turns, c.trace_ids, s.conversation_id IS NOT NULL, s.probability, s.rule "
+            "FROM conversations c "
             "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
             "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
             "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "
-            "ORDER BY c.updated_at, c.conversation_id LIMIT ?", [since, since, after, SCAN_PAGE]).fetchall()
+            "AND (s.conversation_id IS NULL OR (s.sampled AND s.skipped_reason IS NULL "
+            "AND (p.revision IS NULL OR p.revision < c.revision))) "
+            "AND NOT list_contains(?, c.conversation_id) "
+            "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
+            [since, since, after, [*self._pending, *self._in_flight], SCAN_PAGE]).fetchall()
         settled = _utc(now - self.settle)
         decisions = []
         last: tuple[dt.datetime, str] | None = None
@@ -489,26 +495,21 @@ class Evaluator:
             if row["updated_at"] > settled:
                 break  # too fresh: late rows of its last trace may still come; the next scans see it
             last = (row["updated_at"], row["conversation_id"])
-            if not row["decided"]:
-                facts = conversation_facts(cur, row, self._keys, self._status)
-                d = self.sampler.decide(facts)
-                decisions.append((row, d))
-                outcome = "sampled" if d.sampled else ("skipped_budget" if d.skipped else "not_sampled")
-                self.m.decisions.inc(outcome=outcome)
-                if d.sampled:
-                    self._queue(Job(row["conversation_id"], row["revision"], d.probability, d.rule))
-            elif row["sampled"] and row["skipped_reason"] is None and (
-                    row["judged_revision"] is None or row["judged_revision"] < row["revision"]):
+            if row["decided"]:
                 self._queue(Job(row["conversation_id"], row["revision"], row["probability"], row["rule"]))
-        if decisions:
-            evals.record_samplings(cur, [
-                evals.SamplingRecord(row["conversation_id"], d.sampled, d.probability, d.rule, row["revision"],
-                                     row["transcript_hash"], d.skipped) for row, d in decisions], now=_utc(now))
+                continue
+            d = self.sampler.decide(conversation_facts(cur, row, self._keys, self._status))
+            decisions.append(evals.SamplingRecord(row["conversation_id"], d.sampled, d.probability, d.rule,
+                                                  row["revision"], row["transcript_hash"], d.skipped))
+            self.m.decisions.inc(outcome="sampled" if d.sampled else
+                                 ("skipped_budget" if d.skipped else "not_sampled"))
+            if d.sampled:
+                self._queue(Job(row["conversation_id"], row["revision"], d.probability, d.rule))
+        evals.record_samplings(cur, decisions, now=_utc(now))
         if last is not None:
-            # Rows written within SCAN_SLACK are read again: a commit may land after this scan.
-            floor = (_utc(now - SCAN_SLACK), "")
-            self._mark = max(self._mark, min(last, floor))
-        return len(rows) == SCAN_PAGE and last is not None and last[0] < _utc(now - SCAN_SLACK)
+            # The mark trails by SCAN_SLACK: a row written just before it may commit after this scan.
+            self._mark = max(self._mark, min(last, (_utc(now - SCAN_SLACK), "")))
+        return len(rows) == SCAN_PAGE and last is not None
 
     def _retries(self) -> None:
         """Conversations whose verdicts had errors, once their retry time has come."""
@@ -516,18 +517,14 @@ class Evaluator:
         rows = self._cur.execute(
             "SELECT p.conversation_id, p.revision, p.attempts, s.probability, s.rule FROM eval_progress p "
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
-            "WHERE p.retry_at <= ? AND c.revision = p.revision LIMIT ?",
-            [_utc(self.clock()), MAX_PENDING]).fetchall()
+            "WHERE p.retry_at <= ? AND c.revision = p.revision AND NOT list_contains(?, p.conversation_id) LIMIT ?",
+            [_utc(self.clock()), [*self._pending, *self._in_flight], MAX_PENDING]).fetchall()
         for cid, revision, attempts, probability, rule in rows:
-            if cid not in self._pending and cid not in self._in_flight:
-                self._attempts[cid] = attempts + 1
-                self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
+            self._attempts[cid] = attempts + 1
+            self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
 
     def _queue(self, job: Job) -> None:
-        if job.conversation_id in self._in_flight:
-            self._redo[job.conversation_id] = job  # a newer revision waits for the one being judged
-        else:
-            self._pending[job.conversation_id] = job  # a key already there keeps its place
+        self._pending[job.conversation_id] = job  # a key already there keeps its place
 
     def _start_pending(self) -> None:
         while self._pending and len(self._in_flight) < self.max_in_flight:
@@ -551,14 +548,27 @@ class Evaluator:
             outcome = None
         finally:
             self._in_flight.pop(job.conversation_id, None)
-            redo = self._redo.pop(job.conversation_id, None)
-            if redo is not None and redo.revision > job.revision:
-                self._pending[job.conversation_id] = redo
+        self._requeue_if_changed(job)
         if outcome is not None:
             self._account(outcome)
         self.m.seconds.observe(time.monotonic() - started)
         if self._wake is not None:
             self._wake.set()  # a slot is free
+
+    def _requeue_if_changed(self, job: Job) -> None:
+        """A transcript that changed while it was judged is judged again once it has ended again.
+
+        Its row was left out of the scans while it was in flight, and the scan's
+        mark may have passed it since.
+        """
+        assert self._cur is not None
+        try:
+            row = self._cur.execute("SELECT revision FROM conversations WHERE conversation_id = ? AND "
+                                    "state = 'ended'", [job.conversation_id]).fetchone()
+        except duckdb.Error:
+            return  # the scans find it again after a restart
+        if row is not None and row[0] > job.revision:
+            self._pending[job.conversation_id] = Job(job.conversation_id, row[0], job.probability, job.rule)
 
     def _account(self, outcome: Outcome) -> None:
         run = outcome.run
