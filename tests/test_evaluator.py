@@ -1,0 +1,163 @@
+"""The evaluator stage on a real store with a clock of the test's: error retries, no-content conversations.
+
+Conversations are written as the conversations stage writes them; the judge is
+``judges.ScriptedProvider`` (a real provider answering from a script), so the
+hours between retries pass on the injected clock instead of the wall's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collector.config import Config
+from collector.conversations import SCHEMA as CONVERSATIONS_SCHEMA
+from collector.evaluator import RETRY_AFTER, Evaluator
+from collector.metrics import Metrics
+from collector.store import Store
+from judges import JudgeRequest, ScriptedProvider, load_criteria
+
+T0 = 1_800_000_000.0
+
+CRITERIA = """
+criteria:
+  - id: polite
+    version: 1
+    kind: llm
+    prompt: 'Criterion: the bot is polite. "pass", "fail" or "not_applicable".'
+  - id: short
+    version: 1
+    kind: code
+    check: max_user_turns
+    max: 3
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "t.duckdb")
+    s.open()
+    cur = s.cursor()
+    cur.execute(CONVERSATIONS_SCHEMA)
+    cur.close()
+    yield s
+    s.close()
+
+
+def add_conversation(store: Store, cid: str, content: str, *, captured: bool = True) -> None:
+    at = dt.datetime.fromtimestamp(T0, dt.timezone.utc)
+    cur = store.cursor()
+    try:
+        cur.execute("INSERT INTO conversations (conversation_id, service, state, ended_by, models, trace_ids, "
+                    "content_captured, revision, user_turns, closed_at, updated_at) VALUES "
+                    "(?, 'bot', 'ended', 'idle', '[]', '[]', ?, 1, 1, ?, ?)", [cid, captured, at, at])
+        if captured:
+            for seq, (role, text) in enumerate((("user", "hello there"), ("assistant", content))):
+                cur.execute("INSERT INTO messages (conversation_id, seq, role, content) VALUES (?, ?, ?, ?)",
+                            [cid, seq, role, text])
+    finally:
+        cur.close()
+
+
+def make_evaluator(store: Store, tmp_path: Path, clock: Clock, script: Callable[[JudgeRequest], str]
+                   ) -> tuple[Evaluator, ScriptedProvider]:
+    (tmp_path / "criteria.yaml").write_text(CRITERIA, encoding="utf-8")
+    cfg = Config.model_validate({"sampling": {"rate": 1.0}, "judges": {"concurrency": 2}})
+    provider = ScriptedProvider(script, model="scripted-judge")
+    ev = Evaluator(store, cfg, Metrics(), criteria=load_criteria(tmp_path / "criteria.yaml"), provider=provider,
+                   clock=clock, poll=0.05)
+    return ev, provider
+
+
+def query(store: Store, sql: str) -> list[tuple[Any, ...]]:
+    cur = store.cursor()
+    try:
+        return cur.execute(sql).fetchall()
+    finally:
+        cur.close()
+
+
+def until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def verdict(result: str, quote: str) -> str:
+    return json.dumps({"reasoning": "r", "evidence": [quote], "result": result})
+
+
+def test_errors_are_retried_later_on_the_criteria_that_errored(store: Store, tmp_path: Path) -> None:
+    clock = Clock()
+    clock.now = T0 + 10
+    replies = iter(["not json at all", verdict("pass", "Thank you kindly")])
+    ev, provider = make_evaluator(store, tmp_path, clock, lambda request: next(replies))
+    add_conversation(store, "c1", "Thank you kindly")
+    ev.start()
+    try:
+        until(lambda: ev.judged == 1, "the first attempt")
+        rows = query(store, "SELECT criterion_id, result, error_reason FROM verdicts ORDER BY criterion_id")
+        assert [(c, r) for c, r, _ in rows] == [("polite", "error"), ("short", "pass")]
+        assert rows[0][2].startswith("junk_reply")
+        assert query(store, "SELECT attempts, epoch(retry_at) FROM eval_progress") == [(1, T0 + 10 + RETRY_AFTER[0])]
+        assert query(store, "SELECT count(*) FROM review_items") == [(0,)]  # an error is never queued
+        time.sleep(0.3)
+        assert len(provider.requests) == 1  # not before its time
+        clock.now += RETRY_AFTER[0] + 1
+        ev.wake()
+        until(lambda: ev.judged == 2, "the retry")
+        rows = query(store, "SELECT criterion_id, result FROM verdicts ORDER BY criterion_id")
+        assert rows == [("polite", "pass"), ("short", "pass")]  # the error replaced, the code check not re-run
+        assert len(provider.requests) == 2
+        assert query(store, "SELECT attempts, retry_at FROM eval_progress") == [(2, None)]
+    finally:
+        ev.stop()
+
+
+def test_a_conversation_without_content_is_never_judged(store: Store, tmp_path: Path) -> None:
+    clock = Clock()
+    clock.now = T0 + 10
+    ev, provider = make_evaluator(store, tmp_path, clock, lambda request: verdict("pass", "x"))
+    add_conversation(store, "dark", "", captured=False)
+    ev.start()
+    try:
+        until(lambda: ev.judged == 1, "the conversation's turn")
+        assert provider.requests == [] and query(store, "SELECT count(*) FROM verdicts") == [(0,)]
+        assert sorted(query(store, "SELECT criterion_id, reason FROM not_run")) == [
+            ("polite", "no content captured"), ("short", "no content captured")]
+    finally:
+        ev.stop()
+
+
+def test_a_conversation_written_moments_ago_waits_for_late_rows(store: Store, tmp_path: Path) -> None:
+    clock = Clock()
+    clock.now = T0 + 0.5  # written half a second ago: its last trace may still be arriving
+    ev, provider = make_evaluator(store, tmp_path, clock, lambda request: verdict("pass", "fine"))
+    add_conversation(store, "fresh", "fine")
+    ev.start()
+    try:
+        time.sleep(0.3)
+        assert query(store, "SELECT count(*) FROM sampling_decisions") == [(0,)]
+        clock.now = T0 + 10
+        ev.wake()
+        until(lambda: ev.judged == 1, "judging once settled")
+        assert query(store, "SELECT sampled, probability, rule FROM sampling_decisions") == [(True, 1.0, "default")]
+    finally:
+        ev.stop()
