@@ -13,46 +13,24 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 from typing import Any
 
 from aiohttp import web
+
+from .loopback import LoopbackServer
 
 FAIL_WORD = "guaranteed-refund"
 JUNK_WORD = "gibberish-please"
 
 
-class RuleJudge:
+class RuleJudge(LoopbackServer):
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
         self.requests: list[dict[str, Any]] = []
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
-        self._thread.start()
-        started.wait(10)
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _serve(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
-        app.router.add_post("/v1/messages", self._messages)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = self._runner.addresses[0][1]
-        started.set()
-        self._loop.run_forever()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+    def routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/messages", self._messages)
 
     def transcripts(self) -> list[str]:
         return [_transcript(r) for r in self.requests]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence

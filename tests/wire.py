@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 

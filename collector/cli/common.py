@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
 from ..config import Config, load_config
+
+if TYPE_CHECKING:
+    from ..client import Client
+
+T = TypeVar("T")
 
 
 def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -47,3 +52,14 @@ def table(rows: list[list[str]]) -> str:
         cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(r) - 1)] + [r[-1]]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def ask(config_path: Path | None, fn: Callable[["Client"], T]) -> T:
+    """``fn`` on the daemon's API when one serves this config, else on the DuckDB file."""
+    from ..client import client  # not at import time: `tracejudge judge` never loads DuckDB
+
+    c = client(load(config_path))
+    try:
+        return fn(c)
+    finally:
+        c.close()

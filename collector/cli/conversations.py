@@ -8,9 +8,8 @@ from typing import Any, Callable
 
 import click
 
-from ..client import client
 from ..errors import UserError
-from .common import config_option, json_option, load
+from .common import ask, config_option, json_option
 
 
 @click.group()
@@ -28,11 +27,7 @@ def conversations() -> None:
 def list_cmd(config_path: Path | None, as_json: bool, since: str | None, state: str | None, service: str | None,
              limit: int) -> None:
     """Conversations, the most recently active first."""
-    r = client(load(config_path))
-    try:
-        rows = r.list_conversations(since=since, state=state, service=service, limit=limit)
-    finally:
-        r.close()
+    rows = ask(config_path, lambda c: c.list_conversations(since=since, state=state, service=service, limit=limit))
     if as_json:
         click.echo(json.dumps(rows, ensure_ascii=False, indent=2))
         return
@@ -61,11 +56,7 @@ def _cut(text: str, width: int) -> str:
 @json_option
 def show_cmd(conversation_id: str, config_path: Path | None, as_json: bool) -> None:
     """One conversation: a readable transcript, or its conversation/v1 record with --json."""
-    r = client(load(config_path))
-    try:
-        record = r.conversation(conversation_id)
-    finally:
-        r.close()
+    record = ask(config_path, lambda c: c.conversation(conversation_id))
     if record is None:
         raise UserError(f"no conversation {conversation_id!r} (see `tracejudge conversations list`)")
     if as_json:

@@ -9,10 +9,9 @@ from typing import Any
 
 import click
 
-from ..client import client
 from ..review import REVIEW_STATES
 from ..review_page import mark_quotes
-from .common import config_option, json_option, load
+from .common import ask, config_option, json_option
 from .conversations import render
 
 
@@ -34,11 +33,7 @@ def review() -> None:
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
 def list_cmd(config_path: Path | None, as_json: bool, state: str, criterion: str | None, limit: int) -> None:
     """Review items, the oldest first (the queue's order)."""
-    c = client(load(config_path))
-    try:
-        items = c.list_reviews(state=state, criterion=criterion, limit=limit)
-    finally:
-        c.close()
+    items = ask(config_path, lambda c: c.list_reviews(state=state, criterion=criterion, limit=limit))
     if as_json:
         click.echo(json.dumps(items, ensure_ascii=False, indent=2))
         return
@@ -101,21 +96,13 @@ def render_item(detail: dict[str, Any]) -> str:
 @json_option
 def show_cmd(item_id: str, config_path: Path | None, as_json: bool) -> None:
     """One item: the criterion text, the judge's reasoning and the transcript with the quoted evidence marked."""
-    c = client(load(config_path))
-    try:
-        detail = c.review_item(item_id)
-    finally:
-        c.close()
+    detail = ask(config_path, lambda c: c.review_item(item_id))
     click.echo(json.dumps(detail, ensure_ascii=False, indent=2) if as_json else render_item(detail))
 
 
 def _decide(decision: str, item_id: str, config_path: Path | None, reviewer: str, note: str | None, force: bool,
             as_json: bool) -> None:
-    c = client(load(config_path))
-    try:
-        item = c.decide(item_id, decision, reviewer, note, force)
-    finally:
-        c.close()
+    item = ask(config_path, lambda c: c.decide(item_id, decision, reviewer, note, force))
     if as_json:
         click.echo(json.dumps(item, ensure_ascii=False, indent=2))
     else:

@@ -8,8 +8,7 @@ from typing import Any
 
 import click
 
-from ..client import client
-from .common import config_option, json_option, load, rate_text, table
+from .common import ask, config_option, json_option, rate_text, table
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
           "review p/c/r", "failure rate, all traffic (95% CI)"]
@@ -67,9 +66,5 @@ def stats(config_path: Path | None, as_json: bool, since: str | None, criterion:
     criterion, on its newest transcript). The failure rate is among applicable
     verdicts (pass + fail), each weighted by 1 / its inclusion probability.
     """
-    c = client(load(config_path))
-    try:
-        body = c.stats(since=since, criterion=criterion)
-    finally:
-        c.close()
+    body = ask(config_path, lambda c: c.stats(since=since, criterion=criterion))
     click.echo(json.dumps(body, ensure_ascii=False, indent=2) if as_json else render(body))

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..client import client
-from .common import config_option, json_option, load
+from .common import ask, config_option, json_option
 
 
 @click.command()
@@ -22,11 +21,7 @@ def verdicts(config_path: Path | None, as_json: bool, result: str | None, criter
              since: str | None, limit: int) -> None:
     """Current verdicts, the newest first. `--result error` lists judge errors with their reasons
     (errors are never queued for review)."""
-    c = client(load(config_path))
-    try:
-        rows = c.verdicts(result=result, criterion=criterion, since=since, limit=limit)
-    finally:
-        c.close()
+    rows = ask(config_path, lambda c: c.verdicts(result=result, criterion=criterion, since=since, limit=limit))
     if as_json:
         click.echo(json.dumps(rows, ensure_ascii=False, indent=2))
         return

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,8 @@ import pytest
 from aiohttp import web
 
 from judges import Conversation, Message, ToolCall
+
+from ..loopback import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -69,50 +70,25 @@ def verdict_json(result: str, evidence: list[str] | None = None, reasoning: str 
     return json.dumps({"reasoning": reasoning, "evidence": evidence or [], "result": result})
 
 
-class FakeLLM:
+class FakeLLM(LoopbackServer):
     """A loopback server speaking the Messages API and chat completions; see the module docstring."""
 
     def __init__(self) -> None:
         self.script: list[Script] = []
         self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []
-        self._loop = asyncio.new_event_loop()
         self._release = asyncio.Event()
-        self.port = 0
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
-        self._thread.start()
-        started.wait(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        super().__init__()
 
     def reset(self, *script: Script) -> None:
         self.script = list(script)
         self.requests = []
 
-    def _serve(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
-        app.router.add_post("/v1/messages", self._messages)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = self._runner.addresses[0][1]
-        started.set()
-        self._loop.run_forever()
+    def routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/messages", self._messages)
+        router.add_post("/v1/chat/completions", self._chat)
 
-    def close(self) -> None:
-        async def stop() -> None:
-            self._release.set()
-            await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+    async def before_close(self) -> None:
+        self._release.set()
 
     async def _next(self, request: web.Request) -> tuple[Script | None, dict[str, Any]]:
         body = await request.json()
