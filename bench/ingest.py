@@ -172,7 +172,8 @@ def serve_reference(kind: str, transport: str) -> None:
 
 # ----------------------------------------------------------------- load
 
-async def _send_all(bodies: list[bytes], transport: str, target: str) -> tuple[float, list[float], int]:
+async def send_all(bodies: list[bytes], transport: str, target: str) -> tuple[float, list[float], int]:
+    """Send every body with CONCURRENCY senders, retrying refusals; (seconds, latencies, refusals)."""
     latencies: list[float] = []
     failures = 0
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -231,21 +232,33 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def start_daemon(data: Path, extra_config: str = "") -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start `tracejudge serve` on a config in ``data`` (plus ``extra_config`` YAML); its runtime info."""
+    cfg = data / "otel-config.yaml"
+    cfg.write_text(
+        "receivers: {otlp: {protocols: {grpc: {endpoint: '127.0.0.1:0'}, http: {endpoint: '127.0.0.1:0'}}}}\n"
+        f"storage: {{duckdb: {{path: '{data / 'bench.duckdb'}'}}{STORAGE_EXTRA}}}\napi: {{endpoint: '127.0.0.1:0'}}\n"
+        + extra_config)
+    proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(cfg),
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, cwd=REPO)
+    runtime = data / "bench.duckdb.daemon.json"
+    while not runtime.exists():
+        if proc.poll() is not None:
+            raise SystemExit("tracejudge did not start")
+        time.sleep(0.05)
+    return proc, json.loads(runtime.read_text())
+
+
+def latency_figures(latencies: list[float]) -> dict[str, float]:
+    """p50 and p99 request latency in ms."""
+    lat = sorted(latencies)
+    return {"p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000}
+
+
 def run_one(name: str, transport: str, bodies: list[bytes], workdir: Path) -> dict[str, Any]:
+    proc: subprocess.Popen[Any]
     if name == "tracejudge":
-        data = Path(tempfile.mkdtemp(dir=workdir))
-        cfg = data / "otel-config.yaml"
-        cfg.write_text(
-            "receivers: {otlp: {protocols: {grpc: {endpoint: '127.0.0.1:0'}, http: {endpoint: '127.0.0.1:0'}}}}\n"
-            f"storage: {{duckdb: {{path: '{data / 'bench.duckdb'}'}}{STORAGE_EXTRA}}}\napi: {{endpoint: '127.0.0.1:0'}}\n")
-        proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(cfg),
-                                 "--log-level", "warning"], stdout=subprocess.DEVNULL, cwd=REPO)
-        runtime = data / "bench.duckdb.daemon.json"
-        while not runtime.exists():
-            if proc.poll() is not None:
-                raise SystemExit("tracejudge did not start")
-            time.sleep(0.05)
-        info = json.loads(runtime.read_text())
+        proc, info = start_daemon(Path(tempfile.mkdtemp(dir=workdir)))
         target = info["grpc"] if transport == "grpc" else f"http://{info['http']}/v1/traces"
     else:
         proc = subprocess.Popen([sys.executable, __file__, "--serve-reference", name, transport],
@@ -254,7 +267,7 @@ def run_one(name: str, transport: str, bodies: list[bytes], workdir: Path) -> di
         port = int(proc.stdout.readline())
         target = f"127.0.0.1:{port}" if transport == "grpc" else f"http://127.0.0.1:{port}/v1/traces"
     try:
-        elapsed, lat, failures = asyncio.run(_send_all(bodies, transport, target))
+        elapsed, lat, failures = asyncio.run(send_all(bodies, transport, target))
         rss = peak_rss_mb(proc.pid)
         stored = None
         lag = None
@@ -276,9 +289,7 @@ def run_one(name: str, transport: str, bodies: list[bytes], workdir: Path) -> di
         proc.terminate()
         proc.wait()
     spans = len(bodies) * SPANS_PER_REQUEST
-    lat.sort()
-    return {"name": name, "transport": transport, "spans_per_s": spans / elapsed,
-            "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000,
+    return {"name": name, "transport": transport, "spans_per_s": spans / elapsed, **latency_figures(lat),
             "rss_mb": rss, "refused": failures, "stored": stored, "sent": spans, "lag_s": lag}
 
 
