@@ -484,7 +484,7 @@ class Evaluator:
             "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "
             "AND (s.conversation_id IS NULL OR (s.sampled AND s.skipped_reason IS NULL "
             "AND (p.revision IS NULL OR p.revision < c.revision))) "
-            "AND NOT list_contains(?, c.conversation_id) "
+            "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
             "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
             [since, since, after, [*self._pending, *self._in_flight], SCAN_PAGE]).fetchall()
         settled = _utc(now - self.settle)
@@ -517,7 +517,8 @@ class Evaluator:
         rows = self._cur.execute(
             "SELECT p.conversation_id, p.revision, p.attempts, s.probability, s.rule FROM eval_progress p "
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
-            "WHERE p.retry_at <= ? AND c.revision = p.revision AND NOT list_contains(?, p.conversation_id) LIMIT ?",
+            "WHERE p.retry_at <= ? AND c.revision = p.revision "
+            "AND p.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) LIMIT ?",
             [_utc(self.clock()), [*self._pending, *self._in_flight], MAX_PENDING]).fetchall()
         for cid, revision, attempts, probability, rule in rows:
             self._attempts[cid] = attempts + 1
