@@ -5,7 +5,8 @@ tables, catches up on commits it has not seen, starts its thread) ->
 ``on_commit`` (the store calls it after each commit; it only enqueues) ->
 ``stop()`` (finishes what is queued, records how far it got).
 
-Its own thread, so ingestion never waits for it: each cycle it takes the
+Its own thread, so ingestion never waits for it; while requests keep coming
+it waits for a pause in them (at most ``max_wait``). Each cycle it takes the
 commits queued since the last one, resolves every touched trace to a
 conversation (``conversations.id_attributes``, else ``trace:<trace id>``),
 rebuilds each touched conversation's transcript from all of its rows, writes
@@ -149,6 +150,11 @@ class _Light:
     received_at: float
     trace_ids: list[str]
 
+    @classmethod
+    def of(cls, committed: Committed) -> "_Light":
+        traces = set(committed.spans.columns[0]) | {t for t in committed.logs.columns[1] if t}
+        return cls(committed.batch_id, committed.received_at, sorted(traces))
+
 
 @dataclass
 class _Writes:
@@ -190,7 +196,8 @@ class Conversations:
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
-                 rebuild_interval: float = 1.0, max_queued_commits: int = 2, max_memos: int = 1000) -> None:
+                 rebuild_interval: float = 1.0, max_queued_commits: int = 2, max_memos: int = 1000,
+                 max_wait: float = 30.0, idle_gap: float = 0.1) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics or Metrics()
@@ -216,6 +223,13 @@ class Conversations:
         self.tick = min(1.0, settings.idle_timeout / 4)
         self.rebuild_interval = rebuild_interval
         self.max_queued_commits = max_queued_commits
+        # While requests keep arriving, work waits for a pause in ingestion (``idle_gap``
+        # with nothing queued), for at most ``max_wait`` seconds; then it works a quarter of the time.
+        self.max_wait = max_wait
+        self.idle_gap = idle_gap
+        self._behind_since: float | None = None  # time.monotonic() since which work has been waiting
+        self._waiting = False  # for ingestion to pause: commits are queued without their rows
+        self._hurry = False  # someone waits for this cycle (tests, shutdown): no pauses
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._writes = _Writes()
         self._idle_event = threading.Event()
@@ -266,11 +280,10 @@ class Conversations:
         While the stage is behind, only the touched trace ids are queued (it reads
         the rows back from DuckDB), so a lagging stage cannot hold every span in memory.
         """
-        if self._queue.qsize() < self.max_queued_commits:
+        if not self._waiting and self._queue.qsize() < self.max_queued_commits:
             self._queue.put(committed)
-            return
-        traces = {t for t in committed.spans.columns[0]} | {t for t in committed.logs.columns[1] if t}
-        self._queue.put(_Light(committed.batch_id, committed.received_at, sorted(traces)))
+        else:
+            self._queue.put(_Light.of(committed))
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until everything queued so far is processed (tests, reindex)."""
@@ -281,13 +294,14 @@ class Conversations:
     # ------------------------------------------------------------ the loop
 
     def _run(self) -> None:
+        items: list[Any] = []  # taken from the queue, not processed yet
         while True:
             try:
-                first = self._queue.get(timeout=self.tick)
+                first = self._queue.get(timeout=0.05 if self._waiting else self.tick)
             except queue.Empty:
                 first = None
-            items = [] if first is None else [first]
             if first is not None:
+                items.append(first)
                 time.sleep(0.05)  # let a burst of commits gather into one cycle
             while True:
                 try:
@@ -297,12 +311,26 @@ class Conversations:
             stop = any(it is _STOP for it in items)
             if stop:
                 items.append(("idle", None))  # finish every pending rebuild before stopping
+            waiters = any(isinstance(it, tuple) and it[0] == "idle" for it in items)
+            if self._behind_since is None:
+                self._behind_since = time.monotonic()
+            if not waiters and self._ingest_busy() and time.monotonic() - self._behind_since < self.max_wait:
+                # Requests first: hold only which traces the waiting commits touched.
+                self._waiting = True
+                items = [_Light.of(it) if isinstance(it, Committed) else it for it in items]
+                continue
+            self._waiting = False
             try:
                 self._cycle([it for it in items if it is not _STOP])
             except Exception:  # one bad cycle must not stop the stage
                 log.exception("conversation update failed; it will be retried on the next data or reindex")
+            items = []
+            self._behind_since = None
             if stop:
                 return
+
+    def _ingest_busy(self) -> bool:
+        return self.store.idle_seconds < self.idle_gap
 
     def _cycle(self, items: list[Any]) -> None:
         committed = [it for it in items if isinstance(it, (Committed, _Light))]
@@ -312,7 +340,8 @@ class Conversations:
         if committed:
             self._ingest(committed)
         # Waiters (tests, shutdown) want everything current: no debounce for them.
-        self._rebuild_due(force=bool(idle_waiters))
+        self._hurry = bool(idle_waiters)
+        self._rebuild_due(force=self._hurry)
         self._sweep_idle()
         self._flush()
         if idle_waiters:
@@ -498,7 +527,7 @@ class Conversations:
             chunk = traces[i:i + 500]
             rows = self._rows(chunk)
             for tid in chunk:
-                self._yield_to_ingest(False)
+                self._yield_to_ingest()
                 key = conversation_key(rows[tid].spans, self.settings.id_attributes)
                 if key is None and current.get(tid) is None and not self._is_genai(rows[tid]):
                     self._pending[tid] = touched[tid]  # nothing conversational yet
@@ -543,17 +572,22 @@ class Conversations:
             self._responses.popitem(last=False)
         return cid
 
-    def _yield_to_ingest(self, force: bool) -> None:
-        """While data streams in, work at most a quarter of the time.
+    def _yield_to_ingest(self) -> None:
+        """Every 20 ms of work, let requests go first: wait for a pause in ingestion,
+        or, once work has waited ``max_wait``, sleep three times as long as it worked.
 
-        Ingestion and this stage share one interpreter lock; the receivers come
-        first, and conversations catch up when the stream slows down.
+        Ingestion and this stage share one interpreter lock and two cores; the
+        receivers come first, and conversations catch up when the stream slows down.
         """
         worked = time.perf_counter() - self._work_started
-        if force or worked < 0.02:
+        if self._hurry or worked < 0.02:
             return
-        if self.store.queue_depth or time.monotonic() - self.store.last_commit < 0.25:
-            time.sleep(3 * worked)
+        deadline = (self._behind_since or time.monotonic()) + self.max_wait
+        while self._ingest_busy():
+            if time.monotonic() >= deadline:
+                time.sleep(3 * worked)
+                break
+            time.sleep(0.02)
         self._work_started = time.perf_counter()
 
     def _rebuild_due(self, force: bool = False) -> None:
@@ -566,7 +600,10 @@ class Conversations:
             for conv in part:
                 del self._dirty[conv.id]
                 self._rebuild(conv, rows)
-                self._yield_to_ingest(force)
+                self._yield_to_ingest()
+            del rows
+            if i + 200 < len(due):
+                self._flush()  # bounded memory: transcripts of at most 200 conversations wait to be written
         for cid in due:
             self._dirty.pop(cid, None)
 
