@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import duckdb
@@ -130,17 +130,29 @@ def _now(now: dt.datetime | None) -> dt.datetime:
 
 
 class Transaction:
-    """BEGIN ... COMMIT, or ROLLBACK when the block raises."""
+    """BEGIN ... COMMIT, or ROLLBACK when the block raises; inside another on the same cursor, part of it.
+
+    The writers of this module each run in one; a caller that stores several
+    things at once opens one around them all (one commit instead of many).
+    """
+
+    _open: set[int] = set()  # ids of cursors with a transaction open
 
     def __init__(self, cur: duckdb.DuckDBPyConnection) -> None:
         self.cur = cur
+        self.outer = False
 
     def __enter__(self) -> duckdb.DuckDBPyConnection:
-        self.cur.execute("BEGIN TRANSACTION")
+        if id(self.cur) not in Transaction._open:
+            self.cur.execute("BEGIN TRANSACTION")
+            Transaction._open.add(id(self.cur))
+            self.outer = True
         return self.cur
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        self.cur.execute("COMMIT" if kind is None else "ROLLBACK")
+        if self.outer:
+            Transaction._open.discard(id(self.cur))
+            self.cur.execute("COMMIT" if kind is None else "ROLLBACK")
 
 
 # --- sampling decisions -------------------------------------------------------------------------
@@ -248,8 +260,8 @@ def _current_sha256(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> str
 
 
 def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], *, probability: float,
-                   rule: str | None, queue_results: Sequence[str] = ("fail",),
-                   now: dt.datetime | None = None) -> list[str]:
+                   rule: str | None, queue_results: Sequence[str] = ("fail",), now: dt.datetime | None = None,
+                   current: Mapping[str, str] | None = None) -> list[str]:
     """Store verdicts, supersede older transcripts' verdicts, and queue what needs a reviewer.
 
     Idempotent per (conversation, criterion, criterion version, judge model,
@@ -270,6 +282,8 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
         queue_results: results that open a pending review item (config ``review.queue_results``);
             every flagged fail is queued too, an ``error`` never.
         now: the daemon's clock (UTC).
+        current: the current transcript hash of conversations the caller has just read
+            (saves reading them again); the others are read.
 
     Returns:
         The ids of the verdicts stored or replaced by this call (not those already there).
@@ -285,8 +299,9 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
             batch[vid] = v
     if not batch:
         return []
-    current: dict[str, str | None] = {cid: _current_sha256(cur, cid) for cid in {v.conversation_id
-                                                                                   for v in batch.values()}}
+    known = current or {}
+    hashes: dict[str, str | None] = {cid: known[cid] if cid in known else _current_sha256(cur, cid)
+                                     for cid in {v.conversation_id for v in batch.values()}}
     # Without a stored transcript, the last hash in the batch is the newest.
     latest = {(v.conversation_id, v.criterion_id): v.transcript_sha256 for v in batch.values()}
     with Transaction(cur):
@@ -299,7 +314,7 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
         replaced = [vid for vid in new if vid in existing]
         if replaced:
             cur.execute("DELETE FROM verdicts WHERE list_contains(?, id)", [replaced])
-        stale = {vid: (current[v.conversation_id] or latest[(v.conversation_id, v.criterion_id)])
+        stale = {vid: (hashes[v.conversation_id] or latest[(v.conversation_id, v.criterion_id)])
                  != v.transcript_sha256 for vid, v in new.items()}
         fresh = [v for vid, v in new.items() if not stale[vid]]
         if fresh:

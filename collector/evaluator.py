@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
@@ -84,6 +84,8 @@ RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attem
 SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may land after a scan
 SCAN_PAGE = 2000
 MAX_PENDING = 5000
+IDLE_GAP = 0.1  # ingestion counts as paused once nothing has waited to be stored for this long
+BUSY_SHARE = 8  # after max_wait, while ingestion stays busy, DuckDB work takes at most 1/8 of the time
 _UTC = dt.timezone.utc
 
 
@@ -126,14 +128,27 @@ class Job:
 
 @dataclass
 class Outcome:
-    """What judging one conversation produced and stored."""
+    """What judging one conversation produced; ``stored`` is filled in when it is stored."""
 
     job: Job
     run: JudgeRun
-    stored: list[str]
-    """Ids of verdicts newly stored (a repeat after a crash stores none)."""
+    sha256: str
+    """The transcript judged."""
     skipped: int
     """Criteria not called again: they already have a verdict on this transcript."""
+    attempts: int = 1
+    stored: list[str] = field(default_factory=list)
+    """Ids of verdicts newly stored (a repeat after a crash stores none)."""
+
+
+@dataclass
+class Prepared:
+    """A conversation read for judging, and the criteria it still needs."""
+
+    conversation: Conversation
+    todo: list[Criterion]
+    sha256: str
+    skipped: int
 
 
 class Judging:
@@ -188,11 +203,11 @@ class Judging:
             return self.provider.model if self.provider is not None else None
         return c.check
 
-    def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> tuple[Conversation | None, list[Criterion], int]:
+    def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None:
         """The conversation record, and the criteria that still need a verdict on its current transcript."""
         record = conversation_record(cur, job.conversation_id)
         if record is None:
-            return None, [], 0
+            return None
         record["sampling"] = {"probability": job.probability, "rule": job.rule}
         conversation = Conversation.model_validate(record)
         sha = transcript_sha256(conversation.messages)
@@ -207,7 +222,7 @@ class Judging:
             if key in done or (job.only_errors and key not in errored):
                 continue
             todo.append(c)
-        return conversation, todo, len(self.criteria) - len(todo)
+        return Prepared(conversation, todo, sha, len(self.criteria) - len(todo))
 
     async def judge(self, conversation: Conversation, criteria: Sequence[Criterion]) -> JudgeRun:
         """Run the criteria on one conversation; a conversation without content runs none of them."""
@@ -225,31 +240,32 @@ class Judging:
                            else n for n in run.not_run]
         return run
 
-    def store(self, cur: duckdb.DuckDBPyConnection, job: Job, run: JudgeRun, *, attempts: int = 1,
-              progress: bool = True) -> list[str]:
-        """Store verdicts and not-run records; then the progress row that says this revision is done."""
+    def store(self, cur: duckdb.DuckDBPyConnection, outcomes: Sequence[Outcome], *, progress: bool = True) -> None:
+        """Store verdicts, not-run records and progress rows of several conversations in one transaction."""
         now = _utc(self.clock())
-        stored = evals.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
-                                      queue_results=self.queue_results, now=now)
-        if run.not_run:
-            evals.store_not_run(cur, run.not_run, now=now)
-        if progress:
-            errors = sum(1 for v in run.verdicts if v.result == "error")
-            retry = (_utc(self.clock() + RETRY_AFTER[attempts - 1])
-                     if errors and attempts <= len(RETRY_AFTER) else None)
-            cur.execute("INSERT OR REPLACE INTO eval_progress VALUES (?, ?, ?, ?, ?, ?)",
-                        [job.conversation_id, job.revision, now, errors, attempts, retry])
-        return stored
+        with evals.Transaction(cur):
+            for o in outcomes:
+                job, run = o.job, o.run
+                o.stored = evals.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
+                                                queue_results=self.queue_results, now=now,
+                                                current={job.conversation_id: o.sha256})
+                if run.not_run:
+                    evals.store_not_run(cur, run.not_run, now=now)
+                if progress:
+                    errors = sum(1 for v in run.verdicts if v.result == "error")
+                    retry = (_utc(self.clock() + RETRY_AFTER[o.attempts - 1])
+                             if errors and o.attempts <= len(RETRY_AFTER) else None)
+                    cur.execute("INSERT OR REPLACE INTO eval_progress VALUES (?, ?, ?, ?, ?, ?)",
+                                [job.conversation_id, job.revision, now, errors, o.attempts, retry])
 
-    async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, attempts: int = 1,
-                      progress: bool = True) -> Outcome | None:
+    async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, progress: bool = True) -> Outcome | None:
         """Judge one conversation and store the outcome; None when the conversation is gone."""
-        conversation, todo, skipped = self.prepare(cur, job)
-        if conversation is None:
+        p = self.prepare(cur, job)
+        if p is None:
             return None
-        run = await self.judge(conversation, todo)
-        stored = self.store(cur, job, run, attempts=attempts, progress=progress)
-        return Outcome(job=job, run=run, stored=stored, skipped=skipped)
+        outcome = Outcome(job, await self.judge(p.conversation, p.todo), p.sha256, p.skipped)
+        self.store(cur, [outcome], progress=progress)
+        return outcome
 
 
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
@@ -327,9 +343,11 @@ class Evaluator:
     """The online eval stage of the daemon (see the module docstring)."""
 
     def __init__(self, store: Store, cfg: Config, metrics: Metrics, *, criteria: Sequence[Criterion],
-                 provider: Provider | None, no_provider: str | None = None, clock: Callable[[], float] = time.time, poll: float = 1.0,
-                 settle: float = 2.0) -> None:
+                 provider: Provider | None, no_provider: str | None = None, clock: Callable[[], float] = time.time,
+                 poll: float = 1.0, settle: float = 2.0, max_wait: float = 30.0) -> None:
         self.store = store
+        self.max_wait = max_wait
+        """Seconds DuckDB work waits for a pause in ingestion before it takes its 1/BUSY_SHARE anyway."""
         self.cfg = cfg
         self.clock = clock
         self.poll = poll
@@ -347,6 +365,9 @@ class Evaluator:
         self._attempts: dict[str, int] = {}
         self._backfills: list[Backfill] = []
         self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._finished: dict[str, Outcome] = {}  # judged, not stored yet
+        self._waiting_since: float | None = None
+        self._next_turn = 0.0
         self._mark: tuple[dt.datetime, str] = (_utc(0), "")
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -416,7 +437,7 @@ class Evaluator:
 
     def status(self) -> dict[str, int]:
         """For /api/status: sampled conversations waiting and being judged, and judged so far."""
-        return {"evals_pending": len(self._pending), "evals_in_flight": len(self._in_flight),
+        return {"evals_pending": len(self._pending), "evals_in_flight": len(self._in_flight) + len(self._finished),
                 "evals_judged": self.judged}
 
     # ------------------------------------------------------------ the loop
@@ -434,7 +455,7 @@ class Evaluator:
             while not self._stop.is_set():
                 more = False
                 try:
-                    more = self._cycle()
+                    more = await self._cycle()
                 except duckdb.Error:
                     self.m.failures.inc()
                     log.exception("evaluator cycle failed; it is tried again")
@@ -444,6 +465,10 @@ class Evaluator:
             for task in self._in_flight.values():
                 task.cancel()
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+            try:
+                self._store_finished()  # what was judged before the stop is kept
+            except duckdb.Error:
+                log.exception("storing the last verdicts failed; those conversations are judged again")
             await self.judging.aclose()
 
     async def _sleep(self, seconds: float) -> None:
@@ -454,12 +479,38 @@ class Evaluator:
             w.cancel()
         self._wake.clear()
 
-    def _cycle(self) -> bool:
-        """One scan and as many starts as there is room for; True when the scan has more to read now."""
+    async def _db_turn(self) -> None:
+        """Wait until DuckDB work may run: requests go first.
+
+        Ingestion and this stage share one interpreter lock and DuckDB. While
+        requests keep coming, work waits for a pause (``IDLE_GAP``); once it
+        has waited ``max_wait``, it runs at most 1/``BUSY_SHARE`` of the time.
+        Judge calls in flight are not held up: only reading and storing.
+        """
+        assert self._stop is not None
+        while self.store.idle_seconds < IDLE_GAP and not self._stop.is_set():
+            now = time.monotonic()
+            if self._waiting_since is None:
+                self._waiting_since = now
+            if now - self._waiting_since >= self.max_wait and now >= self._next_turn:
+                return
+            await asyncio.sleep(0.02)
+        self._waiting_since = None
+
+    def _worked(self, since: float) -> None:
+        """Space the next turn after ``since`` (a perf_counter) by the share DuckDB work may take."""
+        self._next_turn = time.monotonic() + (BUSY_SHARE - 1) * (time.perf_counter() - since)
+
+    async def _cycle(self) -> bool:
+        """Store what was judged, scan, start what there is room for; True when the scan has more to read now."""
+        await self._db_turn()
+        began = time.perf_counter()
+        self._store_finished()
         more = False
         if len(self._pending) < MAX_PENDING:
             more = self._scan()
             self._retries()
+        self._worked(began)
         self._start_pending()
         self.m.pending.set(len(self._pending))
         self.m.in_flight.set(len(self._in_flight))
@@ -486,7 +537,7 @@ class Evaluator:
             "AND (p.revision IS NULL OR p.revision < c.revision))) "
             "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
             "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
-            [since, since, after, [*self._pending, *self._in_flight], SCAN_PAGE]).fetchall()
+            [since, since, after, self._busy_ids(), SCAN_PAGE]).fetchall()
         settled = _utc(now - self.settle)
         decisions = []
         last: tuple[dt.datetime, str] | None = None
@@ -519,57 +570,76 @@ class Evaluator:
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
             "WHERE p.retry_at <= ? AND c.revision = p.revision "
             "AND p.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) LIMIT ?",
-            [_utc(self.clock()), [*self._pending, *self._in_flight], MAX_PENDING]).fetchall()
+            [_utc(self.clock()), self._busy_ids(), MAX_PENDING]).fetchall()
         for cid, revision, attempts, probability, rule in rows:
             self._attempts[cid] = attempts + 1
             self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
+
+    def _busy_ids(self) -> list[str]:
+        """Conversations queued, being judged or judged and not stored yet: the scans leave them out."""
+        return [*self._pending, *self._in_flight, *self._finished]
 
     def _queue(self, job: Job) -> None:
         self._pending[job.conversation_id] = job  # a key already there keeps its place
 
     def _start_pending(self) -> None:
-        while self._pending and len(self._in_flight) < self.max_in_flight:
+        while self._pending and len(self._in_flight) + len(self._finished) < self.max_in_flight:
             cid, job = self._pending.popitem(last=False)
             self._in_flight[cid] = asyncio.ensure_future(self._judge(job))
 
     async def _judge(self, job: Job) -> None:
+        """Read, judge; the outcome waits in ``_finished`` for the next cycle to store it with others."""
         assert self._cur is not None
         started = time.monotonic()
         attempts = self._attempts.pop(job.conversation_id, 1)
         try:
-            outcome = await self.judging.run_job(self._cur, job, attempts=attempts)
+            await self._db_turn()
+            began = time.perf_counter()
+            prepared = self.judging.prepare(self._cur, job)
+            self._worked(began)
+            if prepared is not None:
+                run = await self.judging.judge(prepared.conversation, prepared.todo)
+                self._finished[job.conversation_id] = Outcome(job, run, prepared.sha256, prepared.skipped, attempts)
         except duckdb.Error:
             self.m.failures.inc()
-            log.exception("storing the verdicts of %s failed; it is judged again", job.conversation_id)
-            outcome = None
+            log.exception("reading %s for its judges failed; it is judged again", job.conversation_id)
             self._pending.setdefault(job.conversation_id, job)
         except Exception:  # noqa: BLE001 - a bug in one conversation must not stop the stage
             self.m.failures.inc()
             log.exception("judging %s failed", job.conversation_id)
-            outcome = None
         finally:
             self._in_flight.pop(job.conversation_id, None)
-        self._requeue_if_changed(job)
-        if outcome is not None:
-            self._account(outcome)
         self.m.seconds.observe(time.monotonic() - started)
         if self._wake is not None:
-            self._wake.set()  # a slot is free
+            self._wake.set()  # the next cycle stores it and fills the free slot
 
-    def _requeue_if_changed(self, job: Job) -> None:
-        """A transcript that changed while it was judged is judged again once it has ended again.
-
-        Its row was left out of the scans while it was in flight, and the scan's
-        mark may have passed it since.
-        """
+    def _store_finished(self) -> None:
+        """Store every outcome waiting, in one transaction, then count it and look for changed transcripts."""
+        if not self._finished:
+            return
         assert self._cur is not None
+        outcomes = list(self._finished.values())
         try:
-            row = self._cur.execute("SELECT revision FROM conversations WHERE conversation_id = ? AND "
-                                    "state = 'ended'", [job.conversation_id]).fetchone()
+            self.judging.store(self._cur, outcomes)
         except duckdb.Error:
-            return  # the scans find it again after a restart
-        if row is not None and row[0] > job.revision:
-            self._pending[job.conversation_id] = Job(job.conversation_id, row[0], job.probability, job.rule)
+            self.m.failures.inc()
+            log.exception("storing the verdicts of %d conversations failed; they are judged again", len(outcomes))
+            for o in outcomes:
+                self._pending.setdefault(o.job.conversation_id, o.job)
+            self._finished.clear()
+            return
+        self._finished.clear()
+        for o in outcomes:
+            self._account(o)
+        # A transcript that changed while it was judged is judged again once it has ended again:
+        # its row was left out of the scans meanwhile, and the scan's mark may have passed it.
+        jobs = {o.job.conversation_id: o.job for o in outcomes}
+        for cid, revision in self._cur.execute(
+                "SELECT conversation_id, revision FROM conversations WHERE state = 'ended' AND "
+                "conversation_id IN (SELECT unnest(?::VARCHAR[]))", [list(jobs)]).fetchall():
+            job = jobs[cid]
+            if revision > job.revision:
+                self._pending[cid] = Job(cid, revision, job.probability, job.rule)
 
     def _account(self, outcome: Outcome) -> None:
         run = outcome.run
