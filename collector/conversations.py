@@ -196,7 +196,7 @@ class Conversations:
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
-                 rebuild_interval: float = 1.0, max_queued_commits: int = 2, max_memos: int = 1000,
+                 rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
                  max_wait: float = 30.0, idle_gap: float = 0.1) -> None:
         self.store = store
         self.settings = settings
@@ -214,8 +214,10 @@ class Conversations:
         self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> conversation, for chaining
         self._warned_no_content: set[str] = set()
         # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
-        self._memos: OrderedDict[str, ParseMemo] = OrderedDict()
-        self.max_memos = max_memos
+        # Bounded in rows parsed, not conversations: a long conversation's memo holds all of them.
+        self._memos: OrderedDict[str, tuple[ParseMemo, int]] = OrderedDict()  # conversation -> (memo, rows)
+        self._memo_rows = 0
+        self.memo_rows = memo_rows
         self._work_started = 0.0
         self._processed_batch = 0
         self._resume_from = 0
@@ -634,11 +636,12 @@ class Conversations:
             rows = self._rows(conv.traces)
         spans = [r for t in conv.traces for r in rows[t].spans]
         logs = [r for t in conv.traces for r in rows[t].logs]
-        memo = self._memos.pop(conv.id, None) or ParseMemo()
+        memo = self._drop_memo(conv.id) or ParseMemo()
         tr = build_transcript(spans, logs, memo)
-        self._memos[conv.id] = memo  # most recently rebuilt last
-        while len(self._memos) > self.max_memos:
-            self._memos.popitem(last=False)
+        self._memos[conv.id] = (memo, len(spans) + len(logs))  # most recently rebuilt last
+        self._memo_rows += len(spans) + len(logs)
+        while self._memo_rows > self.memo_rows and len(self._memos) > 1:  # the newest stays, however long
+            self._drop_memo(next(iter(self._memos)))
         conv.newest_trace = max(conv.traces, key=lambda t: (_trace_start(rows[t]), t))
         digest = tr.content_hash()
         if digest != conv.hash:
@@ -646,6 +649,11 @@ class Conversations:
             conv.hash = digest
         self._apply_end_rules(conv, rows)
         self._write(conv, tr)
+
+    def _drop_memo(self, cid: str) -> ParseMemo | None:
+        memo, rows = self._memos.pop(cid, (None, 0))
+        self._memo_rows -= rows
+        return memo
 
     def _apply_end_rules(self, conv: _Conv, rows: dict[str, _TraceRows]) -> None:
         if conv.state != "open" or not self.settings.end_rules or conv.newest_trace not in rows:
@@ -720,7 +728,7 @@ class Conversations:
     def _forget(self, conv: _Conv) -> None:
         """An ended conversation leaves memory; late data reads it back from DuckDB."""
         self._convs.pop(conv.id, None)
-        self._memos.pop(conv.id, None)
+        self._drop_memo(conv.id)
         for t in conv.traces:
             self._trace_map.pop(t, None)
             rows = self._cache.pop(t, None)
