@@ -34,12 +34,13 @@ times (after 1, 10 and 60 minutes) on the criteria that errored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,7 @@ RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attem
 SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may land after a scan
 SCAN_PAGE = 2000
 MAX_PENDING = 5000
-IDLE_GAP = 0.1  # ingestion counts as paused once nothing has waited to be stored for this long
+IDLE_GAP = 0.01  # ingestion counts as paused once nothing has waited to be stored for this long
 BUSY_SHARE = 8  # after max_wait, while ingestion stays busy, DuckDB work takes at most 1/8 of the time
 _UTC = dt.timezone.utc
 
@@ -368,6 +369,7 @@ class Evaluator:
         self._finished: dict[str, Outcome] = {}  # judged, not stored yet
         self._waiting_since: float | None = None
         self._next_turn = 0.0
+        self._db_lock: asyncio.Lock | None = None
         self._mark: tuple[dt.datetime, str] = (_utc(0), "")
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -449,6 +451,7 @@ class Evaluator:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
+        self._db_lock = asyncio.Lock()
         self.judging.bind()
         self._started.set()
         try:
@@ -479,38 +482,43 @@ class Evaluator:
             w.cancel()
         self._wake.clear()
 
-    async def _db_turn(self) -> None:
-        """Wait until DuckDB work may run: requests go first.
+    @contextlib.asynccontextmanager
+    async def _db_work(self) -> AsyncIterator[None]:
+        """One piece of DuckDB work, when it may run: requests go first.
 
-        Ingestion and this stage share one interpreter lock and DuckDB. While
-        requests keep coming, work waits for a pause (``IDLE_GAP``); once it
-        has waited ``max_wait``, it runs at most 1/``BUSY_SHARE`` of the time.
-        Judge calls in flight are not held up: only reading and storing.
+        Ingestion and this stage share one interpreter lock and DuckDB. Work
+        runs one piece at a time, each when no request has waited to be stored
+        for ``IDLE_GAP`` (between requests, at any load below saturation);
+        while requests queue without a pause for ``max_wait``, it runs at most
+        1/``BUSY_SHARE`` of the time. Judge calls in flight are not held up:
+        only reading, storing and scanning.
         """
-        assert self._stop is not None
-        while self.store.idle_seconds < IDLE_GAP and not self._stop.is_set():
-            now = time.monotonic()
-            if self._waiting_since is None:
-                self._waiting_since = now
-            if now - self._waiting_since >= self.max_wait and now >= self._next_turn:
-                return
-            await asyncio.sleep(0.02)
-        self._waiting_since = None
-
-    def _worked(self, since: float) -> None:
-        """Space the next turn after ``since`` (a perf_counter) by the share DuckDB work may take."""
-        self._next_turn = time.monotonic() + (BUSY_SHARE - 1) * (time.perf_counter() - since)
+        assert self._stop is not None and self._db_lock is not None
+        async with self._db_lock:
+            while self.store.idle_seconds < IDLE_GAP and not self._stop.is_set():
+                now = time.monotonic()
+                if self._waiting_since is None:
+                    self._waiting_since = now
+                if now - self._waiting_since >= self.max_wait and now >= self._next_turn:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                self._waiting_since = None
+            began = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._next_turn = time.monotonic() + (BUSY_SHARE - 1) * (time.perf_counter() - began)
 
     async def _cycle(self) -> bool:
         """Store what was judged, scan, start what there is room for; True when the scan has more to read now."""
-        await self._db_turn()
-        began = time.perf_counter()
-        self._store_finished()
+        async with self._db_work():
+            self._store_finished()
         more = False
         if len(self._pending) < MAX_PENDING:
-            more = self._scan()
-            self._retries()
-        self._worked(began)
+            async with self._db_work():
+                more = self._scan()
+                self._retries()
         self._start_pending()
         self.m.pending.set(len(self._pending))
         self.m.in_flight.set(len(self._in_flight))
@@ -593,10 +601,8 @@ class Evaluator:
         started = time.monotonic()
         attempts = self._attempts.pop(job.conversation_id, 1)
         try:
-            await self._db_turn()
-            began = time.perf_counter()
-            prepared = self.judging.prepare(self._cur, job)
-            self._worked(began)
+            async with self._db_work():
+                prepared = self.judging.prepare(self._cur, job)
             if prepared is not None:
                 run = await self.judging.judge(prepared.conversation, prepared.todo)
                 self._finished[job.conversation_id] = Outcome(job, run, prepared.sha256, prepared.skipped, attempts)
