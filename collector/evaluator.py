@@ -1,13 +1,14 @@
 """Online evals in the daemon: sample conversations as they end, judge them, store verdicts.
 
-Lifecycle: ``Evaluator(store, config, metrics)`` -> ``start()`` (loads the
-criteria and the provider, creates its tables, refills the budgets from what is
-stored, starts its thread) -> ``stop()`` (abandons calls in flight: their
-conversations are judged again at the next start).
+Lifecycle: ``Evaluator(store, config, metrics, criteria=..., provider=...)``
+-> ``start()`` (creates its tables, records the criteria texts, refills the
+budgets from what is stored, starts its thread) -> ``stop()`` (stores what was
+judged; calls in flight are abandoned and made again at the next start).
 
-It runs in a thread of its own with its own event loop, so judging never holds
-up ingestion: the receivers only share DuckDB with it. Each cycle, about once
-a second:
+It runs in a thread of its own with its own event loop. Ingestion comes first:
+each piece of DuckDB work (reading a conversation, storing, scanning) runs
+alone, between requests (``_db_work``); judge calls in flight are never held
+up. Each cycle, about once a second or as soon as a conversation is judged:
 
 1. **scan**: conversations written since the last scan (``updated_at``) that
    have ended. One with no sampling decision gets one now (``Sampler.decide``);
@@ -16,8 +17,8 @@ a second:
 2. **judge**: pending conversations start, oldest first, up to twice
    ``judges.concurrency`` at once; their judge calls share one limit of
    ``judges.concurrency``.
-3. **store**: each judged conversation's verdicts, not-run records and
-   progress row are written as soon as it finishes.
+3. **store**: the verdicts, not-run records and progress rows of every
+   conversation judged since the last cycle, in one transaction.
 
 Everything that says what is done lives in DuckDB (``sampling_decisions``,
 ``verdicts``, ``eval_progress``), so a restart neither loses nor repeats work:
