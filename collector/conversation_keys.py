@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
+import orjson
+
 from collector.normalize import read_meta
 from collector.normalize._model import Attrs, as_str
 
@@ -38,6 +40,22 @@ DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
 )
 
 
+def _inexact(value: Any) -> bool:
+    """Whether a value orjson decoded holds a float that may have been an integer past 64 bits
+    (orjson reads those as floats, json keeps them exact)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+        elif t is float and (v >= 9.2e18 or v <= -9.2e18):
+            return True
+    return False
+
+
 def load_json_column(text: Any) -> Any:
     """A JSON column as stored (text), or already decoded by the caller.
 
@@ -47,7 +65,13 @@ def load_json_column(text: Any) -> Any:
         return text
     if not isinstance(text, (str, bytes)):
         raise ValueError(f"JSON column holds a {type(text).__name__}")
-    return json.loads(text)
+    # orjson first (several times faster); json where orjson is strict (NaN, Infinity, ...: json's
+    # answer, or its error) or inexact (integers past 64 bits).
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+    return json.loads(text) if _inexact(value) else value
 
 
 def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:

@@ -149,11 +149,19 @@ class _Light:
     batch_id: int
     received_at: float
     trace_ids: list[str]
+    rows: int = 0  # spans and log records in the commit
 
     @classmethod
     def of(cls, committed: Committed) -> "_Light":
         traces = set(committed.spans.columns[0]) | {t for t in committed.logs.columns[1] if t}
-        return cls(committed.batch_id, committed.received_at, sorted(traces))
+        return cls(committed.batch_id, committed.received_at, sorted(traces),
+                   len(committed.spans) + len(committed.logs))
+
+
+# Rows of light commits read back from DuckDB at once (by batch, a range read), and
+# processed before the next: bounded memory, and their conversations' rows still cached
+# when they are rebuilt.
+LIGHT_GROUP_ROWS = 4096
 
 
 @dataclass
@@ -207,6 +215,10 @@ class Conversations:
         self._thread: threading.Thread | None = None
         self._cur: duckdb.DuckDBPyConnection | None = None
         self._cache: OrderedDict[str, _TraceRows] = OrderedDict()
+        # trace -> (first, last) batch holding its rows, for traces first seen by this stage whole
+        # (the same premise as the cache's); bounded, the oldest go first.
+        self._bounds: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.max_bounds = 200_000
         self._cached_spans = 0
         self._trace_map: dict[str, str] = {}  # trace -> conversation, for traces of loaded conversations
         self._convs: dict[str, _Conv] = {}  # open conversations, and ended ones touched recently
@@ -339,10 +351,17 @@ class Conversations:
         idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
         if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
             self._catch_up()
-        if committed:
-            self._ingest(committed)
         # Waiters (tests, shutdown) want everything current: no debounce for them.
         self._hurry = bool(idle_waiters)
+        previous: set[str] = set()
+        for group in self._groups(committed):
+            touched = self._ingest(group)
+            # A backlog: rebuild what the previous group touched and this one did not (done
+            # for now, as far as the backlog goes), while its rows are still cached.
+            if previous:
+                self._rebuild_due(only=previous - touched)
+                self._flush()  # the stored trace map is current again (an ended conversation leaves memory)
+            previous = touched
         self._rebuild_due(force=self._hurry)
         self._sweep_idle()
         self._flush()
@@ -400,34 +419,80 @@ class Conversations:
 
     # ------------------------------------------------------------ ingestion
 
-    def _ingest(self, committed: list[Committed | _Light]) -> None:
-        touched: dict[str, float] = {}
-        fresh: dict[str, _TraceRows] = {}
-        stale: set[str] = set()  # touched by a light commit: rows only in DuckDB
+    def _groups(self, committed: list[Committed | _Light]) -> list[list[Committed | _Light]]:
+        """Commits in order, cut so that each group's light commits hold at most ``LIGHT_GROUP_ROWS`` rows."""
+        groups: list[list[Committed | _Light]] = []
+        group: list[Committed | _Light] = []
+        rows = 0
         for c in committed:
             if isinstance(c, _Light):
+                if group and rows + c.rows > LIGHT_GROUP_ROWS and rows:
+                    groups.append(group)
+                    group, rows = [], 0
+                rows += c.rows
+            group.append(c)
+        if group:
+            groups.append(group)
+        return groups
+
+    def _light_rows(self, lights: list[_Light]) -> dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+        """The stored rows of these commits, by batch: one range read on ``batch_id`` per table
+        (commits are stored in batch order, so the read skips every other row group)."""
+        assert self._cur is not None
+        out: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {c.batch_id: ([], []) for c in lights}
+        lo = min(out)
+        hi = max(out)
+        for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS))):
+            n = len(columns)
+            res = self._cur.execute(f"SELECT {', '.join(columns)}, batch_id FROM {table} "
+                                    "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi])
+            while recs := res.fetchmany(1024):  # bounded memory: not every row twice at once
+                for rec in recs:
+                    got = out.get(rec[n])
+                    if got is not None:
+                        got[i].append(dict(zip(columns, rec)))
+        return out
+
+    def _ingest(self, committed: list[Committed | _Light]) -> set[str]:
+        """Take these commits in; returns the conversations they touched."""
+        touched: dict[str, float] = {}
+        fresh: dict[str, _TraceRows] = {}
+        first: dict[str, int] = {}  # trace -> the first and last of these commits with its rows
+        last: dict[str, int] = {}
+        lights = [c for c in committed if isinstance(c, _Light)]
+        # A light commit's rows are read back by batch, and taken in like a queued commit's.
+        stored = self._light_rows(lights) if lights else {}
+        for c in committed:
+            if isinstance(c, _Light):
+                span_rows, log_rows = stored[c.batch_id]
                 for tid in c.trace_ids:
                     touched[tid] = c.received_at
-                    stale.add(tid)
+                    first.setdefault(tid, c.batch_id)
+                    last[tid] = c.batch_id
+                for row in span_rows:
+                    fresh.setdefault(row["trace_id"], _TraceRows()).spans.append(row)
+                for row in log_rows:
+                    if row["trace_id"] in touched:
+                        fresh.setdefault(row["trace_id"], _TraceRows()).logs.append(row)
                 continue
             for row in c.spans.rows():
                 tid = row["trace_id"]
                 fresh.setdefault(tid, _TraceRows()).spans.append(row)
                 touched[tid] = c.received_at
+                first.setdefault(tid, c.batch_id)
+                last[tid] = c.batch_id
             for row in c.logs.rows():
                 tid = row["trace_id"]
                 if tid is None:
                     continue  # a log record with no trace belongs to no conversation
                 fresh.setdefault(tid, _TraceRows()).logs.append(row)
                 touched[tid] = c.received_at
+                first.setdefault(tid, c.batch_id)
+                last[tid] = c.batch_id
         # A trace seen for the first time has all its rows in these commits: cache
         # them, so that only traces with older rows are read back from DuckDB.
-        for tid in stale:  # the cached rows of these traces are incomplete now
-            rows = self._cache.pop(tid, None)
-            if rows is not None:
-                self._cached_spans -= len(rows.spans) + len(rows.logs)
         current = self._conversation_of(list(touched))
-        known = {t for t, cid in current.items() if cid is not None} | stale
+        known = {t for t, cid in current.items() if cid is not None}
         for tid, rows in fresh.items():
             cached = self._cache.get(tid)
             if cached is not None:
@@ -438,10 +503,19 @@ class Conversations:
                 continue  # older rows are in DuckDB: read the whole trace when needed
             else:
                 self._cache[tid] = rows
+                self._bounds[tid] = (first[tid], last[tid])
+                self._bounds.move_to_end(tid)
             self._cached_spans += len(rows.spans) + len(rows.logs)
-        self._touch(touched, current)
+        for tid, hi in last.items():  # rows that went to DuckDB only widen the trace's range
+            bounds = self._bounds.get(tid)
+            if bounds is not None and hi > bounds[1]:
+                self._bounds[tid] = (bounds[0], hi)
+        while len(self._bounds) > self.max_bounds:
+            self._bounds.popitem(last=False)
+        convs = self._touch(touched, current)
         self._evict()
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
+        return convs
 
     def _rows(self, trace_ids: Iterable[str]) -> dict[str, _TraceRows]:
         """Every stored row of these traces: the cache, else one read from DuckDB."""
@@ -457,12 +531,18 @@ class Conversations:
         if missing:
             assert self._cur is not None
             loaded = {t: _TraceRows() for t in missing}
-            res = self._cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records "
-                                    "WHERE trace_id IN (SELECT unnest(?))", [missing])
+            # Traces whose rows all lie in a known range of commits are read from that range
+            # only (rows are stored in commit order, so the read skips the other row groups).
+            where = "trace_id IN (SELECT unnest(?))"
+            params: list[Any] = [missing]
+            ranges = [self._bounds.get(t) for t in missing]
+            if all(r is not None for r in ranges):
+                where += " AND batch_id BETWEEN ? AND ?"
+                params += [min(r[0] for r in ranges if r), max(r[1] for r in ranges if r)]
+            res = self._cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records WHERE {where}", params)
             for rec in res.fetchall():
                 loaded[rec[0]].spans.append(dict(zip(SPAN_COLUMNS, rec)))
-            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log_records "
-                                    "WHERE trace_id IN (SELECT unnest(?))", [missing])
+            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log_records WHERE {where}", params)
             for rec in res.fetchall():
                 loaded[rec[1]].logs.append(dict(zip(LOG_COLUMNS, rec)))
             for t, rows in loaded.items():
@@ -513,13 +593,13 @@ class Conversations:
         for t in conv.traces:
             self._trace_map[t] = conv.id
 
-    def _touch(self, touched: dict[str, float], current: dict[str, str | None] | None = None) -> None:
+    def _touch(self, touched: dict[str, float], current: dict[str, str | None] | None = None) -> set[str]:
         """Resolve each touched trace to its conversation and mark those conversations for a rebuild.
 
         ``current`` is the trace map for these traces when the caller has read it already.
         """
         if not touched:
-            return
+            return set()
         traces = list(touched)
         if current is None:
             current = self._conversation_of(traces)
@@ -561,6 +641,7 @@ class Conversations:
             conv.last_arrival = max(conv.last_arrival, touched[tid])
             # At most one rebuild per conversation per interval while data streams in.
             self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
+        return set(keys.values())
 
     def _chained(self, tid: str, rows: _TraceRows) -> str | None:
         """A trace with no id continues the conversation whose response its call names as previous
@@ -592,9 +673,9 @@ class Conversations:
             time.sleep(0.02)
         self._work_started = time.perf_counter()
 
-    def _rebuild_due(self, force: bool = False) -> None:
+    def _rebuild_due(self, force: bool = False, only: set[str] | None = None) -> None:
         now = self.clock()
-        due = sorted(c for c, at in self._dirty.items() if force or at <= now)
+        due = sorted(c for c, at in self._dirty.items() if (force or at <= now) and (only is None or c in only))
         self._work_started = time.perf_counter()
         for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
             part = [self._convs[c] for c in due[i:i + 200] if c in self._convs]
