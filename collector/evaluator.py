@@ -166,7 +166,6 @@ class Judging:
         self.criteria = list(criteria)
         self.no_provider = no_provider
         self.concurrency = concurrency
-        self._limit: asyncio.Semaphore | None = None
         self._raw_provider = provider
         self.provider: Provider | None = None
         self.timeout = timeout
@@ -175,8 +174,8 @@ class Judging:
 
     def bind(self) -> None:
         """Create the shared call limit on the running loop (call from inside it)."""
-        self._limit = asyncio.Semaphore(self.concurrency)
-        self.provider = _Limited(self._raw_provider, self._limit) if self._raw_provider is not None else None
+        limit = asyncio.Semaphore(self.concurrency)
+        self.provider = _Limited(self._raw_provider, limit) if self._raw_provider is not None else None
 
     async def aclose(self) -> None:
         if self.provider is not None:
@@ -196,7 +195,7 @@ class Judging:
         other = Judging([c for c in self.criteria if c.id in criterion_ids], None, concurrency=self.concurrency,
                         timeout=self.timeout, queue_results=self.queue_results, no_provider=self.no_provider,
                         clock=self.clock)
-        other._raw_provider, other.provider, other._limit = self._raw_provider, self.provider, self._limit
+        other._raw_provider, other.provider = self._raw_provider, self.provider
         return other
 
     def _judge_model(self, c: Criterion) -> str | None:
@@ -350,7 +349,6 @@ class Evaluator:
         self.store = store
         self.max_wait = max_wait
         """Seconds DuckDB work waits for a pause in ingestion before it takes its 1/BUSY_SHARE anyway."""
-        self.cfg = cfg
         self.clock = clock
         self.poll = poll
         self.settle = settle
@@ -377,7 +375,6 @@ class Evaluator:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._started = threading.Event()
-        self.judged = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -404,6 +401,11 @@ class Evaluator:
         if self._cur is not None:
             self._cur.close()
             self._cur = None
+
+    @property
+    def judged(self) -> int:
+        """Conversations judged (one revision each) since the start."""
+        return int(self.m.judged.value())
 
     def wake(self) -> None:
         """Look for ended conversations now instead of at the next poll."""
@@ -650,7 +652,6 @@ class Evaluator:
 
     def _account(self, outcome: Outcome) -> None:
         run = outcome.run
-        self.judged += 1
         self.m.judged.inc()
         stored = set(outcome.stored)
         for v in run.verdicts:
