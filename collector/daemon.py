@@ -117,7 +117,7 @@ class Daemon:
         evaluator.start()
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
-        api = API(store, metrics, cfg.api.auth.bearer_token,
+        api = API(store, metrics, cfg.api,
                   status=lambda: {**convs.status(), **evaluator.status()}, evaluator=evaluator)
         runners: list[web.AppRunner] = []
         gserver: grpc.aio.Server | None = None

@@ -30,6 +30,7 @@ REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected")
 _DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected"}
 _ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state", "reviewer", "note",
                  "created_at", "decided_at")
+_ATTEMPTS = 3  # tries of one decision that meets concurrent writes to its item
 
 
 class ReviewError(UserError):
@@ -181,15 +182,26 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
     Raises:
         ReviewInputError: an unknown decision or an empty reviewer (400).
         ReviewNotFound: no item with that id (404).
-        ReviewConflict: the item was decided already and ``force`` is false (409).
+        ReviewConflict: the item was decided already and ``force`` is false, also when another
+            decision committed while this one was made (409).
     """
     if decision not in _DECIDED:
         raise ReviewInputError(f"decision must be confirm or reject, got {decision!r}")
     if not reviewer or not reviewer.strip():
         raise ReviewInputError("a reviewer is required")
-    reviewer = reviewer.strip()
-    state = _DECIDED[decision]
-    at = _now(now)
+    for _ in range(_ATTEMPTS):
+        try:
+            return _decide_once(cur, item_id, _DECIDED[decision], decision, reviewer.strip(), note, force,
+                                _now(now))
+        except duckdb.TransactionException:
+            # Another decision on the item committed first (DuckDB: "Conflict on update"); read it again,
+            # so the loser hears "already decided by ..." as if it had come second.
+            continue
+    raise ReviewConflict(f"review item {item_id} kept changing while it was being decided; try again")
+
+
+def _decide_once(cur: duckdb.DuckDBPyConnection, item_id: int | str, state: ReviewState, decision: str,
+                 reviewer: str, note: str | None, force: bool, at: dt.datetime) -> dict[str, Any]:
     with Transaction(cur):
         item = _item(cur, item_id)
         if item["state"] != "pending" and not force:
