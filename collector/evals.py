@@ -400,7 +400,7 @@ def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, cri
         limit: at most this many.
 
     Returns:
-        Verdicts in the criteria.md shape, plus ``id``, ``inclusion_probability``,
+        Verdicts in the shape of docs/criteria.md, plus ``id``, ``inclusion_probability``,
         ``sampling_rule``, ``judged_at`` and ``superseded``.
     """
     where, params = _filters(result=result, criterion=criterion, since=since)

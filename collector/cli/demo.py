@@ -47,7 +47,7 @@ review:
 """
 
 DEMO_CRITERIA = """\
-# Criteria of the demo's ShopBot (see formats/criteria.md). Code checks run with no key;
+# Criteria of the demo's ShopBot (the format: docs/criteria.md in tracejudge). Code checks run with no key;
 # the LLM criteria run when ANTHROPIC_API_KEY is set and are otherwise reported as not run.
 criteria:
   - id: looks-orders-up
