@@ -216,12 +216,13 @@ class Receivers(Section):
 
 
 class DuckDBSettings(Section):
-    path: ConfigPath = Path("tracejudge.duckdb")
-    """The database file; relative to the config file's folder."""
+    path: ConfigPath = Field(Path("tracejudge.duckdb"), validate_default=True)
+    """The database file; relative to the config file's folder (the default too)."""
 
 
 class Storage(Section):
-    duckdb: DuckDBSettings = DuckDBSettings()
+    # Built from {} rather than a ready instance, so that the default path resolves against the config's folder.
+    duckdb: DuckDBSettings = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]
     max_queue_spans: int = Field(200_000, ge=1)
     """Spans and log records waiting for the writer before receivers push back (503 / UNAVAILABLE)."""
     max_batch_spans: int = Field(8192, ge=1)
@@ -413,7 +414,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     receivers: Receivers = Receivers()
-    storage: Storage = Storage()
+    storage: Storage = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]  # see Storage
     api: API = API()
     conversations: Conversations = Conversations()
     judges: Judges = Judges()

@@ -50,6 +50,12 @@ def test_env_vars_of_settings_apply_when_the_file_leaves_the_keys_out() -> None:
     assert unset.api.auth.bearer_token is None and unset.judges.provider.model is None
 
 
+def test_the_default_database_path_is_in_the_config_files_folder() -> None:
+    cfg, _ = load_config(TESTDATA / "no_auth.yaml", environ={})
+    assert cfg.storage.duckdb.path == TESTDATA / "tracejudge.duckdb"
+    assert cfg.runtime_file == TESTDATA / "tracejudge.duckdb.daemon.json"
+
+
 def test_the_file_wins_over_the_env_var_of_a_setting() -> None:
     cfg, _ = load_config(TESTDATA / "good.yaml", environ={**ENV, "TJ_TEST_TOKEN": "from-file"})
     assert cfg.receivers.otlp.auth.bearer_token == "from-file"
