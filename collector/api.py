@@ -48,7 +48,7 @@ from . import config, evals, queries, review, review_page
 from .errors import UserError
 from .evaluator import Evaluator
 from .metrics import Metrics
-from .queries import parse_since
+from .queries import MAX_LIMIT, parse_since
 from .store import Store
 
 log = logging.getLogger("tracejudge.api")
@@ -56,8 +56,6 @@ log = logging.getLogger("tracejudge.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _HEX_TRACE = re.compile(r"^[0-9a-fA-F]{32}$")
-MAX_LIMIT = 100_000
-"""The largest ``limit`` a listing takes."""
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
@@ -313,7 +311,8 @@ class API:
     # ------------------------------------------------------------ evals and review (JSON)
 
     async def verdicts(self, request: web.Request) -> web.Response:
-        """Stored verdicts, the newest first: ``?result=error`` lists judge errors with their reasons."""
+        """Stored verdicts, the newest first: ``?result=error`` lists judge errors with their reasons,
+        ``?conversation=ID`` the verdicts on one conversation."""
         q = request.query
         result = q.get("result") or None
         if result not in (None, "pass", "fail", "not_applicable", "error"):
@@ -321,6 +320,7 @@ class API:
         since, limit = _since(q), _int(q, "limit", 100)
         rows = await self.read(lambda cur: evals.list_verdicts(
             cur, result=result, criterion=q.get("criterion") or None, since=since,
+            conversation=q.get("conversation") or None,
             include_superseded=q.get("include_superseded") in ("1", "true"), limit=limit))
         return web.json_response({"verdicts": rows}, dumps=_dumps)
 

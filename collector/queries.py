@@ -11,6 +11,9 @@ from typing import Any
 import duckdb
 import orjson
 
+MAX_LIMIT = 100_000
+"""The most rows a listing returns at once (``limit``), in the API and the CLI."""
+
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",
     "message_count", "llm_calls", "input_tokens", "output_tokens", "content_captured", "revision",

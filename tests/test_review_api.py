@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from collector.demo import Persona, ToolCall, Turn, play
 
 from .api_http import Reply, assert_error, call, origin, post_form, post_json
-from .conftest import DaemonProcess, base_config
+from .conftest import DaemonProcess, base_config, run_cli
 
 CARRIER = "no-carrier-promises"
 REFUND = "no-full-refunds"
@@ -597,3 +597,75 @@ def test_page_sign_in_with_token_link(locked: tuple[DaemonProcess, int]) -> None
     assert "Saved: confirmed" in page
     item = daemon.get(f"/api/review/{item_id}", token=TOKEN)[1]["item"]
     assert (item["state"], item["reviewer"]) == ("confirmed", "Dr. Amal")
+
+
+# --------------------------------------------------------------- the CLI on the same data
+
+
+def test_daemon_log_says_what_it_judges_in_words(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> None:
+    assert "judging 4 criteria (4 code, 0 LLM) on 100% of ended conversations" in judged[0].output()
+
+
+def _columns_line_up(text: str, header: list[str], right: tuple[str, ...] = ()) -> list[str]:
+    """The rows of a table whose header names are ``header`` (indented detail lines left out): each column
+    starts where its name starts, or for the ``right`` ones (numbers) ends where its name ends."""
+    lines = [line for line in text.rstrip("\n").splitlines() if not line.startswith("    ")]
+    for name in header[1:]:
+        start = lines[0].index(name)
+        end = start + len(name)
+        for line in lines[1:]:
+            if name in right:
+                assert line[end - 1] != " " and line[end:end + 2] == "  ", (name, lines)
+            else:
+                assert line[start - 2:start] == "  " and line[start] != " ", (name, lines)
+    return lines
+
+
+def test_cli_shows_a_conversations_verdicts_through_the_daemon_and_on_the_file(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path)
+    cfg = str(daemon.config_path)
+    try:
+        send_conversations(daemon.grpc, [carrier_conversation("cli-carrier"), refund_conversation("cli-refund")])
+        items = wait_items(daemon, {("cli-carrier", CARRIER), ("cli-refund", REFUND)})
+        deadline = time.monotonic() + 60
+        while len(daemon.get("/api/verdicts?limit=1000")[1]["verdicts"]) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)  # every criterion on both conversations
+        refund_item = next(i["id"] for i in items if i["conversation_id"] == "cli-refund")
+        assert post_json(daemon.api, f"/api/review/{refund_item}/decision",
+                         {"decision": "reject", "reviewer": "Dr. Amal Haddad-Lindqvist"}).status == 200
+
+        def read() -> dict[str, str]:
+            out = {}
+            for name, args in [("verdicts", ["verdicts", "--conversation", "cli-carrier"]),
+                               ("verdicts_json", ["verdicts", "--conversation", "cli-carrier", "--json"]),
+                               ("show", ["conversations", "show", "cli-carrier"]),
+                               ("list", ["conversations", "list"]),
+                               ("review", ["review", "list", "--state", "all"])]:
+                res = run_cli(*args, "--config", cfg)
+                assert res.returncode == 0, res.stderr
+                out[name] = res.stdout
+            return out
+
+        through_api = read()
+    finally:
+        assert daemon.stop() == 0
+        daemon.log.close()
+    on_file = read()
+    assert on_file == through_api
+
+    got = json.loads(on_file["verdicts_json"])
+    assert {v["conversation_id"] for v in got} == {"cli-carrier"}
+    assert sorted(v["criterion_id"] for v in got) == sorted([CARRIER, REFUND, MARKUP, LOOKUP])
+    lines = _columns_line_up(on_file["verdicts"], ["judged at", "result", "criterion", "conversation"])
+    assert len([line for line in lines if "cli-carrier" in line]) == 4
+
+    show = on_file["show"]
+    assert "ended by idle" in show and "USER: Where is my order B-1?" in show
+    verdict_lines = show[show.index("verdicts (4):"):].splitlines()[1:]
+    assert any(line.split()[:2] == ["fail", CARRIER] for line in verdict_lines), verdict_lines
+    assert any(line.split()[:2] == ["pass", LOOKUP] for line in verdict_lines), verdict_lines
+
+    _columns_line_up(on_file["list"], ["conversation", "state", "service", "turns", "msgs", "tokens in/out",
+                                       "last data"], right=("turns", "msgs", "tokens in/out"))
+    review = _columns_line_up(on_file["review"], ["item", "state", "judge said", "criterion", "conversation"])
+    assert any("rejected by Dr. Amal Haddad-Lindqvist" in line for line in review)
