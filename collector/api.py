@@ -16,11 +16,14 @@ Each request passes, in order:
    page nothing.
 2. The Origin check (CSRF) on requests that change state (POST and the like):
    an ``Origin`` other than this API's own (``null`` included) is refused, 403
-   ``cross_origin`` (the review page's form gets an HTML page saying so). The
-   JSON API also takes only ``Content-Type: application/json`` bodies (415
-   otherwise): a browser cannot send that to another site without a CORS
-   preflight, which this API never grants, so a request without an Origin
-   cannot come from a page elsewhere either.
+   ``cross_origin`` (the review page's form gets an HTML page saying so).
+   Browsers send an Origin with every POST; the review page is served with
+   ``Referrer-Policy: same-origin``, under which its own form posts carry its
+   real origin rather than ``null``. The JSON API also takes only
+   ``Content-Type: application/json`` bodies (415 otherwise): a browser cannot
+   send that to another site without a CORS preflight, which this API never
+   grants, so a request without an Origin cannot come from a page elsewhere
+   either.
 3. The token: with ``api.auth.bearer_token`` set, everything but /healthz and
    /readyz needs ``Authorization: Bearer <token>``; a browser opens the review
    page once as ``/review?token=<token>``, which sets an HttpOnly,
