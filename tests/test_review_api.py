@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from collector.demo import Persona, ToolCall, Turn, play
+from collector.review_page import render_item
 
 from .api_http import Reply, assert_error, call, origin, post_form, post_json
 from .conftest import DaemonProcess, base_config, run_cli
@@ -453,6 +454,14 @@ def test_item_page_shows_criterion_transcript_and_marked_evidence(api: str, ids:
     assert 'name="force"' not in page
     missing = assert_page(call(api, "GET", "/review/999999"), 404)
     assert "999999" in missing
+
+
+def test_item_page_says_a_conversation_is_still_open() -> None:
+    conversation = {"id": "c-1", "ended_by": "open", "messages": []}
+    assert "still open" in render_item({"item": {"id": 1}, "conversation": conversation})
+    assert "ended by open" not in render_item({"item": {"id": 1}, "conversation": conversation})
+    assert "ended by handover" in render_item({"item": {"id": 1}, "conversation": {**conversation,
+                                                                                     "ended_by": "handover"}})
 
 
 def test_production_markup_is_never_served_unescaped(api: str, ids: dict[tuple[str, str], int]) -> None:
