@@ -222,7 +222,7 @@ class DuckDBSettings(Section):
 
 class Storage(Section):
     # Built from {} rather than a ready instance, so that the default path resolves against the config's folder.
-    duckdb: DuckDBSettings = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]
+    duckdb: DuckDBSettings = Field(default_factory=dict, validate_default=True)
     max_queue_spans: int = Field(200_000, ge=1)
     """Spans and log records waiting for the writer before receivers push back (503 / UNAVAILABLE)."""
     max_batch_spans: int = Field(8192, ge=1)
@@ -414,7 +414,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     receivers: Receivers = Receivers()
-    storage: Storage = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]  # see Storage
+    storage: Storage = Field(default_factory=dict, validate_default=True)  # see Storage.duckdb
     api: API = API()
     conversations: Conversations = Conversations()
     judges: Judges = Judges()
