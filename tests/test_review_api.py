@@ -5,9 +5,10 @@ exporter; the daemon ends them after a short idle time, samples every one,
 judges them on code criteria (no API key needed) and queues the fails for
 review. The tests then read and decide those items over HTTP only.
 
-Two daemons per run: one open (JSON API and page), one with an API token.
-Each test decides items of conversations of its own, so the order of the
-tests does not matter.
+Two daemons per module: one open (JSON API and page), one with an API token;
+the CLI test starts one of its own, to read it through its API and then on
+its file. Each test decides items of conversations of its own, so the order
+of the tests does not matter.
 """
 
 from __future__ import annotations
