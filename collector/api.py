@@ -1,38 +1,67 @@
 """The JSON API, the review web page and health endpoints on ``api.endpoint``.
 
 Every JSON error has one shape: ``{"error": {"code": "...", "message": "..."}}``
-with the matching HTTP status. With ``api.auth.bearer_token`` set, everything
-but /healthz and /readyz needs ``Authorization: Bearer <token>``; a browser
-opens the review page once as ``/review?token=<token>``, which sets an
-HttpOnly, SameSite=Strict cookie in place of the header.
+with the matching HTTP status; an unexpected exception is logged once with its
+traceback and answered 500 ``internal_error`` in that shape.
 
-The review page decides items with plain form posts; a post whose ``Origin``
-is another site is refused (403), so a page elsewhere cannot decide items
-through a reviewer's browser. DuckDB work runs in worker threads, each on a
-cursor of its own.
+Each request passes, in order:
+
+1. The Host check (DNS rebinding): a page at ``attacker.example`` whose name
+   now resolves to this address sends ``Host: attacker.example``. Only this
+   API's own address (a loopback name or address, the endpoint's host, or the
+   address the client connected to, at the listening port) and the names of
+   ``api.allowed_hosts`` are answered; any other Host gets 421
+   ``host_not_allowed``. /healthz and /readyz answer any Host: probes name the
+   pod IP or whatever their orchestrator chose, and health tells a rebinding
+   page nothing.
+2. The Origin check (CSRF) on requests that change state (POST and the like):
+   an ``Origin`` other than this API's own (``null`` included) is refused, 403
+   ``cross_origin`` (the review page's form gets an HTML page saying so).
+   Browsers send an Origin with every POST; the review page is served with
+   ``Referrer-Policy: same-origin``, under which its own form posts carry its
+   real origin rather than ``null``. The JSON API also takes only
+   ``Content-Type: application/json`` bodies (415 otherwise): a browser cannot
+   send that to another site without a CORS preflight, which this API never
+   grants, so a request without an Origin cannot come from a page elsewhere
+   either.
+3. The token: with ``api.auth.bearer_token`` set, everything but /healthz and
+   /readyz needs ``Authorization: Bearer <token>``; a browser opens the review
+   page once as ``/review?token=<token>``, which sets an HttpOnly,
+   SameSite=Strict cookie in place of the header.
+
+DuckDB work runs in worker threads, each on a cursor of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hmac
+import ipaddress
 import json
+import logging
 import re
+from collections.abc import Sequence
 from typing import Any, Awaitable, Callable
 from urllib.parse import quote, urlencode, urlsplit
 
 from aiohttp import web
 
-from . import evals, queries, review, review_page
+from . import config, evals, queries, review, review_page
 from .errors import UserError
 from .evaluator import Evaluator
 from .metrics import Metrics
-from .queries import parse_since
+from .queries import MAX_LIMIT, parse_since
 from .store import Store
+
+log = logging.getLogger("tracejudge.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _HEX_TRACE = re.compile(r"^[0-9a-fA-F]{32}$")
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
 class APIError(Exception):
@@ -49,7 +78,8 @@ def error_response(status: int, code: str, message: str) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error in the one JSON shape; anything unexpected is a 500, logged here once with its traceback."""
     try:
         return await handler(request)
     except APIError as exc:
@@ -57,8 +87,74 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        return error_response(exc.status, code, exc.reason)
+        return error_response(exc.status, _HTTP_CODES.get(exc.status, "http_error"), exc.reason)
+    except ConnectionResetError:
+        raise  # the client left: nobody to answer
+    except Exception:
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return error_response(500, "internal_error",
+                              f"unexpected error ({request.method} {request.path}); the daemon's log has the details")
+
+
+class HostCheck:
+    """Which ``Host`` headers name this API (see the module docstring)."""
+
+    def __init__(self, endpoint: str, allowed_hosts: Sequence[str]) -> None:
+        self.bound = config.split_host(endpoint)[0]
+        self.allowed = [config.split_host(h) for h in allowed_hosts]
+
+    def allows(self, header: str | None, local: Any, secure: bool) -> bool:
+        """``header`` names this API, reached at the socket address ``local`` (None when unknown)."""
+        try:
+            host, port = config.split_host(header or "")
+        except ValueError:
+            return False
+        port = port if port is not None else (443 if secure else 80)
+        if any(host == name and allowed_port in (None, port) for name, allowed_port in self.allowed):
+            return True
+        if not isinstance(local, tuple) or len(local) < 2 or port != local[1]:
+            return False
+        return host in (self.bound, _ip_text(local[0])) or config.is_loopback(host)
+
+
+def _ip_text(address: str) -> str:
+    """A socket's IP as ``split_host`` writes it (an IPv4 client of a dual-stack socket as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    return str(ip.ipv4_mapped) if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else str(ip)
+
+
+def _host_check(hosts: HostCheck) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in _OPEN_PATHS:
+            return await handler(request)
+        local = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        header = request.headers.get("Host")
+        if not hosts.allows(header, local, request.secure):
+            raise APIError(421, "host_not_allowed",
+                           f"Host {header!r} does not name this API; to serve it under that name, add the name "
+                           "to api.allowed_hosts")
+        return await handler(request)
+
+    return check
+
+
+def _own_origin(request: web.Request) -> bool:
+    origin = urlsplit(request.headers["Origin"])
+    return origin.scheme in ("http", "https") and origin.netloc.lower() == request.headers.get("Host", "").lower()
+
+
+@web.middleware
+async def _origin_check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method in _SAFE_METHODS or "Origin" not in request.headers or _own_origin(request):
+        return await handler(request)
+    if request.path.startswith("/review/"):
+        return _html(review_page.render_message("Refused", "This decision was sent from another site."), status=403)
+    raise APIError(403, "cross_origin", f"a {request.method} from another site (Origin {request.headers['Origin']!r}) "
+                                        "is refused: only pages of this API may change its state")
 
 
 COOKIE = "tracejudge_token"
@@ -69,11 +165,9 @@ def _same(a: str, b: str) -> bool:
 
 
 def _auth(token: str | None) -> Any:
-    open_paths = {"/healthz", "/readyz"}
-
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not token or request.path in open_paths:
+        if not token or request.path in _OPEN_PATHS:
             return await handler(request)
         if _same(request.headers.get("Authorization", ""), f"Bearer {token}"):
             return await handler(request)
@@ -86,7 +180,7 @@ def _auth(token: str | None) -> Any:
                 response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/review",
                                     secure=request.secure)
                 raise response
-            # Returned, not raised: _errors turns a raised HTTPException into JSON.
+            # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
             return _html(review_page.render_message(
                 "Sign in", "This review page needs the API token: open it as /review?token=<api.auth.bearer_token>."),
                 status=401)
@@ -95,25 +189,19 @@ def _auth(token: str | None) -> Any:
     return check
 
 
-def _cross_site(request: web.Request) -> bool:
-    """A form post sent by a page of another origin (CSRF)."""
-    origin = request.headers.get("Origin")
-    if origin is None or origin == "null":
-        return origin == "null"
-    return urlsplit(origin).netloc != request.host
-
-
 class API:
     """Routes of the JSON API; ``ready`` flips once every receiver listens."""
 
-    def __init__(self, store: Store, metrics: Metrics, bearer_token: str | None,
+    def __init__(self, store: Store, metrics: Metrics, settings: config.API,
                  status: Callable[[], dict[str, Any]] | None = None, evaluator: Evaluator | None = None) -> None:
         self.store = store
         self.status_fn = status or (lambda: {})
         self.evaluator = evaluator
         self.metrics = metrics
         self.ready = False
-        self.app = web.Application(middlewares=[_errors, _auth(bearer_token or None)])
+        self.app = web.Application(middlewares=[
+            error_middleware, _host_check(HostCheck(settings.endpoint, settings.allowed_hosts)), _origin_check,
+            _auth(settings.auth.bearer_token or None)])
         r = self.app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -185,12 +273,18 @@ class API:
         trace_id = trace_id.lower()
 
         def q(cur: Any) -> dict[str, Any]:
+            # The views' timestamps stop at 2262 (TIMESTAMP_NS); OTLP times run to 2554: written from the integers.
             spans = _dicts(cur.execute(
-                "SELECT * EXCLUDE (batch_id) FROM spans WHERE trace_id = ? ORDER BY start_time_unix_nano, span_id",
-                [trace_id]))
+                "SELECT * EXCLUDE (batch_id, start_time, end_time) FROM spans WHERE trace_id = ? "
+                "ORDER BY start_time_unix_nano, span_id", [trace_id]))
+            for span in spans:
+                span["start_time"] = _nano_time(span["start_time_unix_nano"])
+                span["end_time"] = _nano_time(span["end_time_unix_nano"])
             logs = _dicts(cur.execute(
-                "SELECT * EXCLUDE (batch_id) FROM logs WHERE trace_id = ? ORDER BY coalesce(nullif(time_unix_nano, 0), observed_time_unix_nano), log_id",
-                [trace_id]))
+                "SELECT * EXCLUDE (batch_id, time) FROM logs WHERE trace_id = ? "
+                "ORDER BY coalesce(nullif(time_unix_nano, 0), observed_time_unix_nano), log_id", [trace_id]))
+            for record in logs:
+                record["time"] = _nano_time(record["time_unix_nano"])
             return {"trace_id": trace_id, "spans": spans, "logs": logs}
 
         result = await self.read(q)
@@ -220,7 +314,8 @@ class API:
     # ------------------------------------------------------------ evals and review (JSON)
 
     async def verdicts(self, request: web.Request) -> web.Response:
-        """Stored verdicts, the newest first: ``?result=error`` lists judge errors with their reasons."""
+        """Stored verdicts, the newest first: ``?result=error`` lists judge errors with their reasons,
+        ``?conversation=ID`` the verdicts on one conversation."""
         q = request.query
         result = q.get("result") or None
         if result not in (None, "pass", "fail", "not_applicable", "error"):
@@ -228,6 +323,7 @@ class API:
         since, limit = _since(q), _int(q, "limit", 100)
         rows = await self.read(lambda cur: evals.list_verdicts(
             cur, result=result, criterion=q.get("criterion") or None, since=since,
+            conversation=q.get("conversation") or None,
             include_superseded=q.get("include_superseded") in ("1", "true"), limit=limit))
         return web.json_response({"verdicts": rows}, dumps=_dumps)
 
@@ -256,8 +352,9 @@ class API:
 
     async def eval_progress(self, request: web.Request) -> web.Response:
         progress = None
-        if self.evaluator is not None and request.match_info["eval_id"].isdigit():
-            progress = self.evaluator.backfill(int(request.match_info["eval_id"]))
+        eval_id = request.match_info["eval_id"]
+        if self.evaluator is not None and eval_id.isdigit() and len(eval_id) <= 18:
+            progress = self.evaluator.backfill(int(eval_id))
         if progress is None:
             raise APIError(404, "not_found", f"no eval pass {request.match_info['eval_id']!r}")
         return web.json_response(progress.to_dict())
@@ -316,9 +413,6 @@ class API:
                                              message=f"Saved: {saved}" if saved else None))
 
     async def review_form(self, request: web.Request) -> web.Response:
-        if _cross_site(request):
-            return _html(review_page.render_message("Refused", "This decision was sent from another site."),
-                         status=403)
         form = await request.post()
         item_id = request.match_info["item_id"]
         decision, reviewer = str(form.get("decision", "")), str(form.get("reviewer", ""))
@@ -338,19 +432,24 @@ class API:
 
 
 def _html(text: str, status: int = 200) -> web.Response:
+    # Referrer-Policy same-origin, not no-referrer: under no-referrer browsers send the page's own form
+    # posts with "Origin: null", which the CSRF check must refuse; other sites still get no address.
     return web.Response(text=text, status=status, content_type="text/html", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
                                  "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
                                                             "form-action 'self'; frame-ancestors 'none'",
-                                 "Referrer-Policy": "no-referrer"})
+                                 "Referrer-Policy": "same-origin"})
 
 
 async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]:
     """The request body as a JSON object with only the ``fields`` named (400 otherwise)."""
+    if request.content_type != "application/json":
+        raise APIError(415, "unsupported_media_type", "send the body as Content-Type: application/json "
+                                                      f"(got {request.content_type})")
     expected = ", ".join(sorted(fields))
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
         raise APIError(400, "bad_request", f"the body must be a JSON object with {expected}") from None
     if not isinstance(body, dict):
         raise APIError(400, "bad_request", f"the body must be a JSON object with {expected}")
@@ -361,13 +460,10 @@ async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]
 
 
 def _int(q: Any, key: str, default: int) -> int:
-    try:
-        value = int(q.get(key, default))
-    except ValueError:
-        raise APIError(400, "bad_parameter", f"{key} must be an integer, not {q.get(key)!r}") from None
-    if value < 1:
-        raise APIError(400, "bad_parameter", f"{key} must be at least 1")
-    return value
+    text = str(q.get(key, default))
+    if not text.isdigit() or len(text) > 9 or not 1 <= int(text) <= MAX_LIMIT:
+        raise APIError(400, "bad_parameter", f"{key} must be an integer from 1 to {MAX_LIMIT}, not {text[:40]!r}")
+    return int(text)
 
 
 def _since(q: Any) -> Any:
@@ -391,6 +487,15 @@ def _dicts(result: Any) -> list[dict[str, Any]]:
             rec[name] = value
         out.append(rec)
     return out
+
+
+def _nano_time(ns: int | None) -> str | None:
+    """Nanoseconds since the Unix epoch as RFC 3339 UTC text, every digit kept (OTLP times reach 2554)."""
+    if ns is None:
+        return None
+    seconds, nanos = divmod(ns, 1_000_000_000)
+    text = dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return text + (f".{nanos:09d}".rstrip("0") if nanos else "") + "Z"
 
 
 def _dumps(obj: Any) -> str:

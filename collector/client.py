@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,6 +22,10 @@ from .config import Config
 from .errors import UserError
 from .runtime import running_daemon
 from .store import connect
+
+
+DEMO_DIR = Path("tracejudge-demo")
+"""Where ``tracejudge demo`` keeps its config and data unless told otherwise."""
 
 
 class Client(Protocol):
@@ -36,8 +41,8 @@ class Client(Protocol):
     def decide(self, item_id: str, decision: str, reviewer: str, note: str | None,
                force: bool) -> dict[str, Any]: ...
 
-    def verdicts(self, *, result: str | None, criterion: str | None, since: str | None,
-                 limit: int) -> list[dict[str, Any]]: ...
+    def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
+                 since: str | None, limit: int) -> list[dict[str, Any]]: ...
 
     def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]: ...
 
@@ -111,9 +116,10 @@ class APIClient:
             {"decision": decision, "reviewer": reviewer, "note": note, "force": force}, missing_ok=False)
         return item
 
-    def verdicts(self, *, result: str | None, criterion: str | None, since: str | None,
-                 limit: int) -> list[dict[str, Any]]:
-        body = self.get("/api/verdicts" + _query(result=result, criterion=criterion, since=since, limit=limit))
+    def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
+                 since: str | None, limit: int) -> list[dict[str, Any]]:
+        body = self.get("/api/verdicts" + _query(result=result, criterion=criterion, conversation=conversation,
+                                                 since=since, limit=limit))
         return list(body["verdicts"])
 
     def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
@@ -137,8 +143,6 @@ class FileClient:
     """Opens the DuckDB file when no daemon runs: read-only, read-write only for decisions."""
 
     def __init__(self, path: Path) -> None:
-        if not path.exists():
-            raise UserError(f"no database at {path}: start the daemon (tracejudge serve) with this config first")
         self.path = path
         self.con = connect(path, read_only=True)
         self.tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
@@ -180,11 +184,12 @@ class FileClient:
             con.close()
             self.con = connect(self.path, read_only=True)
 
-    def verdicts(self, *, result: str | None, criterion: str | None, since: str | None,
-                 limit: int) -> list[dict[str, Any]]:
+    def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
+                 since: str | None, limit: int) -> list[dict[str, Any]]:
         if not self._evals():
             return []
-        return evals.list_verdicts(self.con, result=result, criterion=criterion, since=_since(since), limit=limit)
+        return evals.list_verdicts(self.con, result=result, criterion=criterion, conversation=conversation,
+                                   since=_since(since), limit=limit)
 
     def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
         if not self._evals():
@@ -199,8 +204,26 @@ class FileClient:
 
 
 def client(cfg: Config) -> Client:
-    """The daemon's API when one serves this config's database, else the file."""
+    """The daemon's API when one serves this config's database, else the file.
+
+    Raises:
+        UserError: neither is there; the message names the file looked for and how to read another.
+    """
     info = running_daemon(cfg.runtime_file)
     if info is not None:
         return APIClient(info.api, cfg.api.auth.bearer_token)
+    if not cfg.storage.duckdb.path.exists():
+        raise UserError(_nothing_found(cfg))
     return FileClient(cfg.storage.duckdb.path)
+
+
+def _nothing_found(cfg: Config) -> str:
+    if cfg.source == "<defaults>":
+        where = "the built-in default: no --config given and no ./otel-config.yaml here"
+    else:
+        where = f"storage.duckdb.path of {cfg.source}"
+    hint = "pass --config FILE to read another config's data"
+    demo = Path(os.environ.get("TRACEJUDGE_DEMO_DIR") or DEMO_DIR) / "otel-config.yaml"
+    if demo.is_file() and (cfg.source == "<defaults>" or not demo.samefile(cfg.source)):
+        hint += f", e.g. --config {demo} for the demo's"
+    return f"no daemon is running and there is no database at {cfg.storage.duckdb.path} ({where}); {hint}"

@@ -1,9 +1,15 @@
 """otel-config.yaml: one strict pydantic model per section, defaults in code.
 
 Loading order: YAML -> ``${env:NAME}`` / ``${env:NAME:-default}`` substitution in
-every string (an empty variable counts as unset) -> validation with the config
-file's folder as the base for relative paths. Every problem is reported at once,
-each with its key path (``receivers.otlp.protocols.grpc.endpoint: ...``).
+every string (an empty variable counts as unset) -> the environment variable of
+each setting that declares one (``Env``) where the file leaves it unset ->
+validation with the config file's folder as the base for relative paths. Every
+problem is reported at once, each with its key path
+(``receivers.otlp.protocols.grpc.endpoint: ...``).
+
+Precedence of a setting that declares an environment variable: the value in the
+file, else that variable, else the default in code. The variable applies whether
+or not the file spells out the key or its section (``env_settings`` lists them).
 
 A section that no release has built yet is accepted and ignored with a warning,
 so a config written for a newer tracejudge still starts an older one.
@@ -11,11 +17,15 @@ so a config written for a newer tracejudge still starts an older one.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -38,6 +48,14 @@ SECTIONS = (
 )
 
 # --------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True)
+class Env:
+    """Field metadata: the environment variable a setting takes when the config file leaves it unset."""
+
+    name: str
+
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -66,6 +84,49 @@ def _check_endpoint(value: str) -> str:
 
 
 Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
+
+
+def split_host(text: str) -> tuple[str, int | None]:
+    """``name``, ``name:port``, ``1.2.3.4:port`` or ``[::1]:port`` -> (host, port or None).
+
+    Names are lowercased without a trailing dot and IP addresses written in their
+    short form, so that equal hosts compare equal.
+
+    Raises:
+        ValueError: not a host, or a bad port.
+    """
+    try:
+        url = urlsplit("//" + text.strip())
+        host, port = url.hostname, url.port
+    except ValueError:
+        raise ValueError(f"{text!r} is not a host name or host:port") from None
+    if not host or url.path or url.query or url.fragment or url.username is not None or text.strip().endswith(":"):
+        raise ValueError(f"{text!r} is not a host name or host:port")
+    try:
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        return host.rstrip("."), port
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); ``127.evil.example`` is a name, not one."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_allowed_host(value: str) -> str:
+    if value.strip() in ("*", ""):
+        raise ValueError("list each name the API is reached by: a wildcard would let a DNS-rebinding page in")
+    host, port = split_host(value)
+    return host if port is None else f"{host}:{port}"
+
+
+AllowedHost = Annotated[str, AfterValidator(_check_allowed_host)]
 
 
 def _resolve_path(value: Any, info: ValidationInfo) -> Path:
@@ -110,9 +171,14 @@ class TLS(Section):
         return self.cert_file is not None
 
 
-class Auth(Section):
-    bearer_token: str | None = None
-    """When set, requests must carry ``Authorization: Bearer <token>``."""
+class IngestAuth(Section):
+    bearer_token: Annotated[str | None, Env("TRACEJUDGE_INGEST_TOKEN")] = None
+    """When set, senders must carry ``Authorization: Bearer <token>`` (gRPC: ``authorization`` metadata)."""
+
+
+class APIAuth(Section):
+    bearer_token: Annotated[str | None, Env("TRACEJUDGE_API_TOKEN")] = None
+    """When set, everything but /healthz and /readyz needs ``Authorization: Bearer <token>``."""
 
 
 class Listener(Section):
@@ -142,7 +208,7 @@ class OTLPReceiver(Section):
     protocols: Protocols = Protocols()
     max_request_size_mib: float = Field(16, gt=0, le=1024)
     """Largest request accepted, counted after decompression; larger ones get 413 / RESOURCE_EXHAUSTED."""
-    auth: Auth = Auth()
+    auth: IngestAuth = IngestAuth()
 
 
 class Receivers(Section):
@@ -150,12 +216,13 @@ class Receivers(Section):
 
 
 class DuckDBSettings(Section):
-    path: ConfigPath = Path("tracejudge.duckdb")
-    """The database file; relative to the config file's folder."""
+    path: ConfigPath = Field(Path("tracejudge.duckdb"), validate_default=True)
+    """The database file; relative to the config file's folder (the default too)."""
 
 
 class Storage(Section):
-    duckdb: DuckDBSettings = DuckDBSettings()
+    # Built from {} rather than a ready instance, so that the default path resolves against the config's folder.
+    duckdb: DuckDBSettings = Field(default_factory=dict, validate_default=True)
     max_queue_spans: int = Field(200_000, ge=1)
     """Spans and log records waiting for the writer before receivers push back (503 / UNAVAILABLE)."""
     max_batch_spans: int = Field(8192, ge=1)
@@ -168,9 +235,25 @@ class Storage(Section):
 
 class API(Section):
     endpoint: Endpoint = "127.0.0.1:8318"
-    """Web page and JSON API (/healthz, /readyz, /metrics, /api/...)."""
+    """Web page and JSON API (/healthz, /readyz, /metrics, /api/...); beyond loopback it needs auth.bearer_token."""
     tls: TLS = TLS()
-    auth: Auth = Auth()
+    auth: APIAuth = APIAuth()
+    allowed_hosts: list[AllowedHost] = []
+    """Other names the API answers to in the Host header (``name`` at any port, or ``name:port``).
+
+    Always answered: loopback names and addresses, the endpoint's host and the
+    address a client connected to, at the listening port. Any other Host gets 421,
+    so a page whose name was rebound to this address (DNS rebinding) reads nothing.
+    """
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> API:
+        # Host and Origin checks guard browsers; only a token keeps out whoever else reaches the port.
+        if not is_loopback(self.endpoint.rpartition(":")[0]) and not self.auth.bearer_token:
+            raise ValueError(f"endpoint {self.endpoint} listens beyond loopback: set api.auth.bearer_token "
+                             "(or $TRACEJUDGE_API_TOKEN); without a token anyone who reaches the port reads "
+                             "production conversations")
+        return self
 
 
 class EndRule(Section):
@@ -200,9 +283,12 @@ class Conversations(Section):
 class JudgeProvider(Section):
     type: Literal["anthropic", "openai_compatible"] | None = None
     """Which provider judges ``kind: llm`` criteria; none means they are reported as not run."""
-    model: str | None = None
+    model: Annotated[str | None, Env("TRACEJUDGE_JUDGE_MODEL")] = None
+    """The judge model; else $ANTHROPIC_MODEL or $OPENAI_MODEL, by type."""
     base_url: str | None = None
+    """The provider's API root; else $ANTHROPIC_BASE_URL or $OPENAI_BASE_URL, by type."""
     api_key: str | None = None
+    """Else $ANTHROPIC_API_KEY or $OPENAI_API_KEY, by type (so one provider's key never goes to another)."""
     max_tokens: int = Field(1024, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     """openai_compatible only: the Anthropic Messages API no longer takes a temperature."""
@@ -210,7 +296,7 @@ class JudgeProvider(Section):
 
 class Judges(Section):
     criteria: list[ConfigPath] = []
-    """Criteria files (see formats/criteria.md), relative to the config file's folder."""
+    """Criteria files (see docs/criteria.md), relative to the config file's folder."""
     provider: JudgeProvider = JudgeProvider()
     concurrency: int = Field(8, ge=1, le=1024)
     timeout: Duration = 60.0
@@ -328,7 +414,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     receivers: Receivers = Receivers()
-    storage: Storage = Storage()
+    storage: Storage = Field(default_factory=dict, validate_default=True)  # see Storage.duckdb
     api: API = API()
     conversations: Conversations = Conversations()
     judges: Judges = Judges()
@@ -389,6 +475,46 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a field (``Listener | None`` included), None for values and lists."""
+    if get_origin(annotation) is list:
+        return None
+    return next((a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)),
+                None)
+
+
+def _env_var(model: type[BaseModel], name: str) -> str | None:
+    return next((m.name for m in model.model_fields[name].metadata if isinstance(m, Env)), None)
+
+
+def env_settings(model: type[BaseModel] | None = None, where: str = "") -> Iterator[tuple[str, str]]:
+    """Every setting that declares an environment variable: (key path, variable name)."""
+    for name, field in (model or Config).model_fields.items():
+        var = _env_var(model or Config, name)
+        sub = _submodel(field.annotation)
+        if var is not None:
+            yield f"{where}{name}", var
+        elif sub is not None:
+            yield from env_settings(sub, f"{where}{name}.")
+
+
+def _apply_env(model: type[BaseModel], raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``raw`` with each setting it leaves unset that declares an ``Env`` taken from ``environ`` (when non-empty)."""
+    out = dict(raw)
+    for name, field in model.model_fields.items():
+        var = _env_var(model, name)
+        sub = _submodel(field.annotation)
+        if var is not None:
+            if out.get(name) is None and environ.get(var):
+                out[name] = environ[var]
+        elif sub is not None and isinstance(out.get(name, {}), dict):
+            given = out.get(name, {})
+            filled = _apply_env(sub, given, environ)
+            if filled != given:  # a section the file leaves out stays out unless a variable fills it
+                out[name] = filled
+    return out
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -430,7 +556,7 @@ def load_config(path: Path | str | None = None, environ: dict[str, str] | None =
     if not file.exists():
         if explicit or os.environ.get("TRACEJUDGE_CONFIG"):
             raise ConfigError(str(file), ["file not found"])
-        return validate_config({}, base=Path.cwd(), source="<defaults>")
+        return validate_config({}, base=Path.cwd(), source="<defaults>", environ=env)
     try:
         raw = yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -441,11 +567,12 @@ def load_config(path: Path | str | None = None, environ: dict[str, str] | None =
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(str(file), ["the top level must be a mapping of sections"])
-    return validate_config(_substitute(raw, env), base=file.resolve().parent, source=str(file))
+    return validate_config(_substitute(raw, env), base=file.resolve().parent, source=str(file), environ=env)
 
 
-def validate_config(raw: dict[str, Any], base: Path, source: str) -> tuple[Config, list[str]]:
-    """Validate an already-substituted config mapping (see ``load_config``)."""
+def validate_config(raw: dict[str, Any], base: Path, source: str,
+                    environ: Mapping[str, str] | None = None) -> tuple[Config, list[str]]:
+    """Validate an already-substituted config mapping (see ``load_config``); ``environ`` defaults to os.environ."""
     problems: list[str] = []
     warnings: list[str] = []
     built: dict[str, Any] = {}
@@ -458,6 +585,7 @@ def validate_config(raw: dict[str, Any], base: Path, source: str) -> tuple[Confi
         else:
             unbuilt[key] = value
             warnings.append(f"{source}: section {key!r} is not used by this version of tracejudge yet; ignored")
+    built = _apply_env(Config, built, os.environ if environ is None else environ)
     try:
         cfg = Config.model_validate({**built, "source": source, "unbuilt": unbuilt}, context={"base": base})
     except ValidationError as exc:

@@ -38,6 +38,7 @@ from .metrics import Metrics
 from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
 from .runtime import RuntimeInfo, running_daemon
 from .store import Store
+from .words import percent, plural
 
 log = logging.getLogger("tracejudge.daemon")
 
@@ -117,7 +118,7 @@ class Daemon:
         evaluator.start()
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
-        api = API(store, metrics, cfg.api.auth.bearer_token,
+        api = API(store, metrics, cfg.api,
                   status=lambda: {**convs.status(), **evaluator.status()}, evaluator=evaluator)
         runners: list[web.AppRunner] = []
         gserver: grpc.aio.Server | None = None
@@ -201,8 +202,9 @@ class Daemon:
             log.info("no criteria (judges.criteria): conversations are sampled but not judged")
             return
         llm = sum(1 for c in criteria if c.kind == "llm")
-        log.info("judging %d criteria (%d code, %d llm) on a %g sample%s", len(criteria), len(criteria) - llm, llm,
-                 sampling.rate, f" and {len(sampling.rules)} rules" if sampling.rules else "")
+        rules = f"; {plural(len(sampling.rules), 'sampling rule')} may set other rates" if sampling.rules else ""
+        log.info("judging %s (%d code, %d LLM) on %s of ended conversations%s",
+                 plural(len(criteria), "criterion", "criteria"), len(criteria) - llm, llm, percent(sampling.rate), rules)
         if llm and provider is None:
             log.warning("LLM criteria are reported as not run: %s", no_provider)
         elif provider is not None:

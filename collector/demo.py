@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Tracer
 
+from .words import plural
+
 SYSTEM = ("You are ShopBot, the support assistant of a bookshop. Look orders up with lookup_order "
           "before answering about them. Hand the user over to a person when they ask for one.")
 MODEL = "gpt-4o-mini"
@@ -172,7 +174,7 @@ def send_demo_traffic(grpc_endpoint: str, progress: Callable[[str], None] = prin
         sent["spans"] += n
         sent["conversations"].append({"id": persona.conversation_id, "persona": persona.name,
                                       "turns": len(persona.turns), "spans": n})
-        progress(f"  sent {persona.name!r}: {len(persona.turns)} turns, {n} spans "
+        progress(f"  sent {persona.name!r}: {plural(len(persona.turns), 'turn')}, {plural(n, 'span')} "
                  f"(conversation {persona.conversation_id})")
     for provider in by_service.values():
         if not provider.force_flush(30_000):

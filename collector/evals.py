@@ -388,22 +388,26 @@ def _verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
 
 
 def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, criterion: str | None = None,
-                  since: dt.datetime | None = None, *, include_superseded: bool = False,
-                  limit: int | None = None) -> list[dict[str, Any]]:
+                  since: dt.datetime | None = None, *, conversation: str | None = None,
+                  include_superseded: bool = False, limit: int | None = None) -> list[dict[str, Any]]:
     """Stored verdicts, the newest first (``tracejudge verdicts --result error`` lists errors with reasons).
 
     Args:
         result: only this result (``pass``, ``fail``, ``not_applicable``, ``error``).
         criterion: only this criterion id.
         since: only verdicts judged at or after this time.
+        conversation: only verdicts on this conversation id.
         include_superseded: also verdicts of older transcripts.
         limit: at most this many.
 
     Returns:
-        Verdicts in the criteria.md shape, plus ``id``, ``inclusion_probability``,
+        Verdicts in the shape of docs/criteria.md, plus ``id``, ``inclusion_probability``,
         ``sampling_rule``, ``judged_at`` and ``superseded``.
     """
     where, params = _filters(result=result, criterion=criterion, since=since)
+    if conversation is not None:
+        where.append("conversation_id = ?")
+        params.append(conversation)
     if not include_superseded:
         where.append("NOT superseded")
     sql = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts {_where(where)} ORDER BY seq DESC"

@@ -11,6 +11,9 @@ from typing import Any
 import duckdb
 import orjson
 
+MAX_LIMIT = 100_000
+"""The most rows a listing returns at once (``limit``), in the API and the CLI."""
+
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",
     "message_count", "llm_calls", "input_tokens", "output_tokens", "content_captured", "revision",
@@ -33,14 +36,18 @@ def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
 
     now = now or dt.datetime.now(dt.timezone.utc)
     try:
-        return now - dt.timedelta(seconds=parse_duration(text))
+        seconds = parse_duration(text)
     except ValueError:
-        pass
+        seconds = None
     try:
+        if seconds is not None:
+            return now - dt.timedelta(seconds=seconds)
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        return (when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)).astimezone(dt.timezone.utc)
+    except OverflowError:
+        raise ValueError(f"since: {text!r} is before the year 1") from None
     except ValueError:
         raise ValueError(f"since: {text!r} is neither a duration (15m, 2h, 7d) nor an ISO 8601 time") from None
-    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
 
 
 def list_conversations(cur: duckdb.DuckDBPyConnection, *, since: dt.datetime | None = None,

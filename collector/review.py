@@ -17,6 +17,7 @@ give the JSON API's answer)::
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from typing import Any, Literal
 
 import duckdb
@@ -30,6 +31,7 @@ REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected")
 _DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected"}
 _ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state", "reviewer", "note",
                  "created_at", "decided_at")
+_DECIDING = threading.Lock()
 
 
 class ReviewError(UserError):
@@ -181,7 +183,8 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
     Raises:
         ReviewInputError: an unknown decision or an empty reviewer (400).
         ReviewNotFound: no item with that id (404).
-        ReviewConflict: the item was decided already and ``force`` is false (409).
+        ReviewConflict: the item was decided already and ``force`` is false (409); decisions made
+            at the same moment are taken one after the other, so all but the first get it.
     """
     if decision not in _DECIDED:
         raise ReviewInputError(f"decision must be confirm or reject, got {decision!r}")
@@ -190,14 +193,23 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
     reviewer = reviewer.strip()
     state = _DECIDED[decision]
     at = _now(now)
-    with Transaction(cur):
-        item = _item(cur, item_id)
-        if item["state"] != "pending" and not force:
-            raise ReviewConflict(f"review item {item['id']} was already {item['state']} by {item['reviewer']}; "
-                                 "decide again with force (--force; \"force\": true in the API)")
-        cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer, note,
-                     item["state"] != "pending", at])
-        cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? WHERE id = ?",
-                    [state, reviewer, note, at, item["id"]])
+    # One decision at a time in this process: two at once on one item would meet in DuckDB as a
+    # "Conflict on update" instead of the second reading the first and hearing "already decided".
+    with _DECIDING:
+        try:
+            with Transaction(cur):
+                item = _item(cur, item_id)
+                if item["state"] != "pending" and not force:
+                    raise ReviewConflict(f"review item {item['id']} was already {item['state']} by "
+                                         f"{item['reviewer']}; decide again with force (--force; \"force\": true "
+                                         "in the API)")
+                cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), "
+                            "?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer,
+                             note, item["state"] != "pending", at])
+                cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? WHERE id = ?",
+                            [state, reviewer, note, at, item["id"]])
+        except duckdb.TransactionException:  # another writer of this item, outside this process's decisions
+            raise ReviewConflict(f"review item {item_id} changed while it was being decided; "
+                                 "read it again and decide") from None
     return _items(cur, ["r.id = ?"], [item["id"]], 1)[0]

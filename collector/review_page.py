@@ -349,7 +349,8 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
         transcript_html = (
             f'<h2>Transcript</h2><p class="muted">Conversation <span dir="auto">{_e(conv.get("id"))}</span>'
             + (f' &middot; {_e(conv.get("service"))}' if conv.get("service") else "")
-            + (f' &middot; ended by {_e(conv.get("ended_by"))}' if conv.get("ended_by") else "") + "</p>"
+            + (" &middot; still open" if conv.get("ended_by") == "open" else
+               f' &middot; ended by {_e(conv.get("ended_by"))}' if conv.get("ended_by") else "") + "</p>"
             + (f'<details class="box"><summary>System instructions</summary>'
                f'<div class="text" dir="auto">{_e(system)}</div></details>' if system else "")
             + '<ol class="transcript">'

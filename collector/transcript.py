@@ -121,7 +121,7 @@ class Transcript:
     def to_conversation_v1(self, conversation_id: str, ended_by: str = "open", *,
                            sampling: Mapping[str, Any] | None = None,
                            attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The conversation/v1 record (formats/conversation-v1.md).
+        """The conversation/v1 record (docs/conversation-v1.md).
 
         Facts outside the format's table (call count, capture status, sources)
         go under ``attributes``, as the format requires.

@@ -1,4 +1,4 @@
-"""Criteria files: the team's criteria as data (see formats/criteria.md).
+"""Criteria files: the team's criteria as data (see docs/criteria.md).
 
 Every problem in a file is reported at once, each naming the file, the
 criterion id and the key, so a domain expert can fix a file in one pass.

@@ -46,7 +46,7 @@ class JudgeInfo(_Strict):
 
 
 class Verdict(_Strict):
-    """One criterion judged on one conversation (see formats/criteria.md)."""
+    """One criterion judged on one conversation (see docs/criteria.md)."""
 
     conversation_id: str
     criterion_id: str

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collector.config import Config, load_config, parse_duration
+from collector.config import Config, env_settings, load_config, parse_duration, validate_config
 from collector.errors import ConfigError
 
 from .conftest import REPO, clean_env, run_cli
@@ -36,6 +36,77 @@ def test_env_default_used_when_unset_and_value_when_set() -> None:
     assert cfg.receivers.otlp.auth.bearer_token == "t"
 
 
+ENV = {"TRACEJUDGE_API_TOKEN": "api-env", "TRACEJUDGE_INGEST_TOKEN": "ingest-env",
+       "TRACEJUDGE_JUDGE_MODEL": "judge-env"}
+
+
+def test_env_vars_of_settings_apply_when_the_file_leaves_the_keys_out() -> None:
+    cfg, _ = load_config(TESTDATA / "no_auth.yaml", environ=ENV)
+    assert cfg.api.auth.bearer_token == "api-env"
+    assert cfg.receivers.otlp.auth.bearer_token == "ingest-env"
+    assert cfg.judges.provider.model == "judge-env"
+    assert cfg.receivers.otlp.protocols.http is None  # filling a section in leaves what the file wrote alone
+    unset, _ = load_config(TESTDATA / "no_auth.yaml", environ={"TRACEJUDGE_API_TOKEN": ""})
+    assert unset.api.auth.bearer_token is None and unset.judges.provider.model is None
+
+
+def test_the_default_database_path_is_in_the_config_files_folder() -> None:
+    cfg, _ = load_config(TESTDATA / "no_auth.yaml", environ={})
+    assert cfg.storage.duckdb.path == TESTDATA / "tracejudge.duckdb"
+    assert cfg.runtime_file == TESTDATA / "tracejudge.duckdb.daemon.json"
+
+
+def test_the_file_wins_over_the_env_var_of_a_setting() -> None:
+    cfg, _ = load_config(TESTDATA / "good.yaml", environ={**ENV, "TJ_TEST_TOKEN": "from-file"})
+    assert cfg.receivers.otlp.auth.bearer_token == "from-file"
+    # An empty ${env:...} counts as unset: the setting's own variable applies.
+    cfg, _ = load_config(TESTDATA / "good.yaml", environ={**ENV, "TJ_TEST_TOKEN": ""})
+    assert cfg.receivers.otlp.auth.bearer_token == "ingest-env"
+
+
+def test_env_vars_apply_with_no_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRACEJUDGE_CONFIG", raising=False)
+    cfg, _ = load_config(None, environ=ENV)
+    assert cfg.source == "<defaults>"
+    assert (cfg.api.auth.bearer_token, cfg.receivers.otlp.auth.bearer_token) == ("api-env", "ingest-env")
+
+
+def test_every_env_var_is_documented_and_shipped() -> None:
+    """Each setting with a variable: the README row names it and otel-config.yaml writes ${env:VAR:-}."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    shipped = yaml.safe_load((REPO / "otel-config.yaml").read_text(encoding="utf-8"))
+    found = dict(env_settings())
+    assert found == {"receivers.otlp.auth.bearer_token": "TRACEJUDGE_INGEST_TOKEN",
+                     "api.auth.bearer_token": "TRACEJUDGE_API_TOKEN",
+                     "judges.provider.model": "TRACEJUDGE_JUDGE_MODEL"}
+    for key, var in found.items():
+        rows = [line for line in readme.splitlines() if line.startswith(f"| `{key}`")]
+        assert len(rows) == 1 and f"${var}" in rows[0], (key, rows)
+        value: object = shipped
+        for part in key.split("."):
+            value = value[part]  # type: ignore[index]
+        assert value == f"${{env:{var}:-}}", key
+
+
+@pytest.mark.parametrize("endpoint", ["0.0.0.0:8318", "[::]:8318", "10.0.0.5:8318", "127.evil.example:8318",
+                                      "tracejudge.internal:8318"])
+def test_an_api_beyond_loopback_needs_a_token(endpoint: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config({"api": {"endpoint": endpoint}}, Path("."), "t", environ={})
+    (problem,) = err.value.problems
+    assert "api.auth.bearer_token" in problem and "TRACEJUDGE_API_TOKEN" in problem and endpoint in problem
+    cfg, _ = validate_config({"api": {"endpoint": endpoint}}, Path("."), "t", environ={"TRACEJUDGE_API_TOKEN": "t"})
+    assert cfg.api.auth.bearer_token == "t"
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:0", "localhost:8318", "127.0.0.2:0", "[::1]:0"])
+def test_an_api_on_loopback_needs_no_token(endpoint: str) -> None:
+    cfg, _ = validate_config({"api": {"endpoint": endpoint, "allowed_hosts": ["Review.Example.:443"]}},
+                             Path("."), "t", environ={})
+    assert cfg.api.auth.bearer_token is None and cfg.api.allowed_hosts == ["review.example:443"]
+
+
 @pytest.mark.parametrize("name, problems", [
     ("typo.yaml", ["receivers.otlp.protocols.grcp: unknown key"]),
     ("bad_duration.yaml", ["storage.retry_after: '5 minutes' is not a duration",
@@ -43,6 +114,8 @@ def test_env_default_used_when_unset_and_value_when_set() -> None:
     ("unknown_key.yaml", ["storage.duckdb.mode: unknown key", "api.endpoint: 'localhost' is not host:port"]),
     ("unknown_section.yaml", ["processors: unknown section"]),
     ("not_a_mapping.yaml", ["the top level must be a mapping"]),
+    ("bad_hosts.yaml", ["api.allowed_hosts[0]: list each name", "api.allowed_hosts[1]: 'http://tracejudge.internal/' "
+                        "is not a host name", "api.allowed_hosts[2]: 'review.example:99999' is not a host name"]),
 ])
 def test_bad_configs_name_every_key(name: str, problems: list[str]) -> None:
     with pytest.raises(ConfigError) as err:

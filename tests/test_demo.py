@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,17 @@ def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path)
     out = res.stdout
     for words in ("Starting a demo daemon", "Where to look", "/metrics", "DuckDB file", "Demo daemon stopped"):
         assert words in out
+    # Your own bot: both receivers, each with the variables an OpenTelemetry SDK reads.
+    grpc = re.search(r"over gRPC +OTEL_EXPORTER_OTLP_ENDPOINT=http://127\.0\.0\.1:(\d+) OTEL_EXPORTER_OTLP_PROTOCOL=grpc",
+                     out)
+    http = re.search(r"over HTTP +OTEL_EXPORTER_OTLP_ENDPOINT=http://127\.0\.0\.1:(\d+) "
+                     r"OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf", out)
+    assert grpc and http and grpc.group(1) != http.group(1), out
+    assert "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental" in out
+    assert "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY" in out
+    # Counts read as English.
+    assert "'Sam, quick question': 1 turn, 2 spans" in out and "Stored: 26 spans in 10 traces" in out
+    assert not re.search(r"\b1 (turns|spans|traces|conversations)\b", out), out
     assert not (tmp_path / "demo.duckdb.daemon.json").exists()
 
     con = duckdb.connect(str(tmp_path / "demo.duckdb"), read_only=True)

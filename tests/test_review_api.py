@@ -5,19 +5,20 @@ exporter; the daemon ends them after a short idle time, samples every one,
 judges them on code criteria (no API key needed) and queues the fails for
 review. The tests then read and decide those items over HTTP only.
 
-Two daemons per run: one open (JSON API and page), one with an API token.
-Each test decides items of conversations of its own, so the order of the
-tests does not matter.
+Two daemons per module: one open (JSON API and page), one with an API token;
+the CLI test starts one of its own, to read it through its API and then on
+its file. Each test decides items of conversations of its own, so the order
+of the tests does not matter.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from collector.demo import Persona, ToolCall, Turn, play
+from collector.review_page import render_item
 
-from .conftest import DaemonProcess, base_config
+from .api_http import Reply, assert_error, call, origin, post_form, post_json
+from .conftest import DaemonProcess, base_config, run_cli
 
 CARRIER = "no-carrier-promises"
 REFUND = "no-full-refunds"
@@ -100,12 +103,15 @@ SCRIPT_CONVERSATION = Persona("script", "en", "review-test", [
 OPEN_CONVERSATIONS = [
     *(carrier_conversation(f"rv-json-{n}") for n in range(1, 4)),
     *(carrier_conversation(f"rv-html-{n}") for n in range(1, 5)),
+    *(carrier_conversation(f"rv-csrf-{n}") for n in range(1, 3)),
+    *(carrier_conversation(f"rv-race-{n}") for n in range(1, 5)),
     *(refund_conversation(f"rv-stats-{n}") for n in range(1, 4)),
     SCRIPT_CONVERSATION,
 ]
 # (conversation, criterion) of every review item the open daemon must queue: exactly the fails.
 EXPECTED_ITEMS = {
-    *((p.conversation_id, CARRIER) for p in OPEN_CONVERSATIONS if p.conversation_id.startswith(("rv-json", "rv-html"))),
+    *((p.conversation_id, CARRIER) for p in OPEN_CONVERSATIONS
+      if p.conversation_id.startswith(("rv-json", "rv-html", "rv-csrf", "rv-race"))),
     *((p.conversation_id, REFUND) for p in OPEN_CONVERSATIONS if p.conversation_id.startswith("rv-stats")),
     ("rv-script", MARKUP),
     ("rv-script", LOOKUP),
@@ -114,65 +120,6 @@ TOKEN = "review-token-7f3a"
 
 
 # --------------------------------------------------------------- HTTP and traffic helpers
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: list[tuple[str, str]]
-    body: str
-
-    def header(self, name: str) -> str | None:
-        values = self.headers_named(name)
-        return values[0] if values else None
-
-    def headers_named(self, name: str) -> list[str]:
-        return [v for k, v in self.headers if k.lower() == name.lower()]
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def call(base: str, method: str, path: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> Reply:
-    """One HTTP request, redirects not followed."""
-    url = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return Reply(resp.status, resp.getheaders(), resp.read().decode("utf-8"))
-    finally:
-        conn.close()
-
-
-def post_json(base: str, path: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return call(base, "POST", path, raw, {"Content-Type": "application/json", **(headers or {})})
-
-
-def post_form(base: str, path: str, fields: dict[str, str], headers: dict[str, str] | None = None) -> Reply:
-    return call(base, "POST", path, urllib.parse.urlencode(fields).encode(),
-                {"Content-Type": "application/x-www-form-urlencoded", **(headers or {})})
-
-
-def origin(base: str) -> str:
-    """The Origin header a browser sends for a page of the daemon's own API address."""
-    url = urllib.parse.urlsplit(base)
-    return f"{url.scheme}://{url.netloc}"
-
-
-def assert_error(reply: Reply, status: int, code: str, *words: str) -> str:
-    """The one JSON error shape; returns the message, which names each of ``words``."""
-    assert reply.status == status, (reply.status, reply.body)
-    assert reply.header("Content-Type").startswith("application/json")  # type: ignore[union-attr]
-    body = reply.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
-    assert body["error"]["code"] == code, body
-    message: str = body["error"]["message"]
-    for word in words:
-        assert word in message, (word, message)
-    return message
 
 
 def send_conversations(grpc_endpoint: str, personas: Sequence[Persona]) -> None:
@@ -313,6 +260,70 @@ def test_decide_conflict_and_forced_history(api: str, ids: dict[tuple[str, str],
     assert item_id not in [i["id"] for i in call(api, "GET", "/api/review?limit=1000").json()["items"]]
 
 
+@pytest.mark.parametrize("headers", [
+    {"Origin": "https://evil.example", "Content-Type": "text/plain"},
+    {"Origin": "https://evil.example", "Content-Type": "application/json"},
+    {"Origin": "null", "Content-Type": "application/json"},
+    {"Origin": "http://127.0.0.1:1", "Content-Type": "application/json"},
+], ids=["text-plain", "json", "null", "other-port"])
+def test_json_api_refuses_posts_from_other_origins(api: str, ids: dict[tuple[str, str], int],
+                                                    headers: dict[str, str]) -> None:
+    """CSRF: a page elsewhere posting through a reviewer's browser decides nothing and starts nothing."""
+    item_id = ids[("rv-csrf-1", CARRIER)]
+    body = json.dumps({"decision": "reject", "reviewer": "Mallory"}).encode()
+    assert_error(call(api, "POST", f"/api/review/{item_id}/decision", body, headers), 403, "cross_origin",
+                 "Origin")
+    assert_error(call(api, "POST", "/api/evals", b"{}", headers), 403, "cross_origin")
+    detail = call(api, "GET", f"/api/review/{item_id}").json()
+    assert detail["item"]["state"] == "pending" and detail["history"] == []
+
+
+def test_json_api_posts_without_origin_need_a_json_content_type(api: str, ids: dict[tuple[str, str], int]) -> None:
+    """A browser sends a cross-site ``text/plain`` or form body without a preflight: only JSON is taken."""
+    item_id = ids[("rv-csrf-1", CARRIER)]
+    body = json.dumps({"decision": "reject", "reviewer": "Mallory"}).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        assert_error(call(api, "POST", f"/api/review/{item_id}/decision", body, headers), 415,
+                     "unsupported_media_type", "application/json")
+        assert_error(call(api, "POST", "/api/evals", b"{}", headers), 415, "unsupported_media_type")
+    assert call(api, "GET", f"/api/review/{item_id}").json()["item"]["state"] == "pending"
+    # The API's own clients (the CLI) send JSON, with or without an Origin of the API itself.
+    other = ids[("rv-csrf-2", CARRIER)]
+    ok = post_json(api, f"/api/review/{other}/decision", {"decision": "confirm", "reviewer": "Ana"},
+                   {"Origin": origin(api)})
+    assert ok.status == 200, ok.body
+    charset = call(api, "POST", f"/api/review/{other}/decision",
+                   json.dumps({"decision": "reject", "reviewer": "Ben", "force": True}).encode(),
+                   {"Content-Type": "application/json; charset=utf-8"})
+    assert charset.status == 200, charset.body
+
+
+def test_racing_reviewers_one_wins_and_the_others_get_409(api: str, ids: dict[tuple[str, str], int]) -> None:
+    """Forty reviewers decide each of four items at the same moment: one decision per item, the rest 409."""
+    items = [ids[(f"rv-race-{n}", CARRIER)] for n in range(1, 5)]
+    per_item = 40
+    start = threading.Barrier(per_item * len(items))
+
+    def decide(item_id: int, n: int) -> Reply:
+        start.wait()
+        return post_json(api, f"/api/review/{item_id}/decision",
+                         {"decision": "confirm" if n % 2 else "reject", "reviewer": f"reviewer-{n}"})
+
+    with ThreadPoolExecutor(per_item * len(items)) as pool:
+        futures = {pool.submit(decide, item_id, n): item_id for item_id in items for n in range(per_item)}
+        replies = [(futures[f], f.result()) for f in futures]
+    for item_id in items:
+        mine = [r for i, r in replies if i == item_id]
+        assert sorted({r.status for r in mine}) == [200, 409], [(r.status, r.body) for r in mine if r.status != 409]
+        (won,) = [r for r in mine if r.status == 200]
+        for lost in (r for r in mine if r.status == 409):
+            assert_error(lost, 409, "already_decided", "already")
+        detail = call(api, "GET", f"/api/review/{item_id}").json()
+        assert [h["reviewer"] for h in detail["history"]] == [won.json()["reviewer"]]
+        assert detail["item"]["state"] == won.json()["state"]
+
+
 def test_unknown_items_are_404(api: str) -> None:
     assert_error(call(api, "GET", "/api/review/999999"), 404, "not_found", "999999")
     assert_error(call(api, "GET", "/api/review/abc"), 404, "not_found", "abc")
@@ -446,6 +457,14 @@ def test_item_page_shows_criterion_transcript_and_marked_evidence(api: str, ids:
     assert "999999" in missing
 
 
+def test_item_page_says_a_conversation_is_still_open() -> None:
+    conversation = {"id": "c-1", "ended_by": "open", "messages": []}
+    assert "still open" in render_item({"item": {"id": 1}, "conversation": conversation})
+    assert "ended by open" not in render_item({"item": {"id": 1}, "conversation": conversation})
+    assert "ended by handover" in render_item({"item": {"id": 1}, "conversation": {**conversation,
+                                                                                     "ended_by": "handover"}})
+
+
 def test_production_markup_is_never_served_unescaped(api: str, ids: dict[tuple[str, str], int]) -> None:
     markup = assert_page(call(api, "GET", f"/review/{ids[('rv-script', MARKUP)]}"))
     lookup = assert_page(call(api, "GET", f"/review/{ids[('rv-script', LOOKUP)]}"))
@@ -476,6 +495,14 @@ def test_form_decision_redirects_to_saved_item(api: str, ids: dict[tuple[str, st
     assert 'name="force" value="1"' in page  # decided: deciding again is a forced decision
     item = call(api, "GET", f"/api/review/{item_id}").json()["item"]
     assert (item["state"], item["reviewer"], item["note"]) == ("confirmed", "Dr. <Amal>", "promised a call")
+
+
+def test_pages_let_their_own_form_posts_carry_their_origin(api: str, ids: dict[tuple[str, str], int]) -> None:
+    """A browser posts a form of a page served with ``Referrer-Policy: no-referrer`` with ``Origin: null``,
+    which the CSRF check refuses; ``same-origin`` keeps the page's origin on its own posts and still gives
+    other sites no address."""
+    for path in ("/review", f"/review/{ids[('rv-html-3', CARRIER)]}", "/review/999999"):
+        assert call(api, "GET", path).header("Referrer-Policy") == "same-origin", path
 
 
 @pytest.mark.parametrize("other", ["https://evil.example", "null", "http://127.0.0.1:1"])
@@ -580,3 +607,75 @@ def test_page_sign_in_with_token_link(locked: tuple[DaemonProcess, int]) -> None
     assert "Saved: confirmed" in page
     item = daemon.get(f"/api/review/{item_id}", token=TOKEN)[1]["item"]
     assert (item["state"], item["reviewer"]) == ("confirmed", "Dr. Amal")
+
+
+# --------------------------------------------------------------- the CLI on the same data
+
+
+def test_daemon_log_says_what_it_judges_in_words(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> None:
+    assert "judging 4 criteria (4 code, 0 LLM) on 100% of ended conversations" in judged[0].output()
+
+
+def _columns_line_up(text: str, header: list[str], right: tuple[str, ...] = ()) -> list[str]:
+    """The rows of a table whose header names are ``header`` (indented detail lines left out): each column
+    starts where its name starts, or for the ``right`` ones (numbers) ends where its name ends."""
+    lines = [line for line in text.rstrip("\n").splitlines() if not line.startswith("    ")]
+    for name in header[1:]:
+        start = lines[0].index(name)
+        end = start + len(name)
+        for line in lines[1:]:
+            if name in right:
+                assert line[end - 1] != " " and line[end:end + 2] == "  ", (name, lines)
+            else:
+                assert line[start - 2:start] == "  " and line[start] != " ", (name, lines)
+    return lines
+
+
+def test_cli_shows_a_conversations_verdicts_through_the_daemon_and_on_the_file(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path)
+    cfg = str(daemon.config_path)
+    try:
+        send_conversations(daemon.grpc, [carrier_conversation("cli-carrier"), refund_conversation("cli-refund")])
+        items = wait_items(daemon, {("cli-carrier", CARRIER), ("cli-refund", REFUND)})
+        deadline = time.monotonic() + 60
+        while len(daemon.get("/api/verdicts?limit=1000")[1]["verdicts"]) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)  # every criterion on both conversations
+        refund_item = next(i["id"] for i in items if i["conversation_id"] == "cli-refund")
+        assert post_json(daemon.api, f"/api/review/{refund_item}/decision",
+                         {"decision": "reject", "reviewer": "Dr. Amal Haddad-Lindqvist"}).status == 200
+
+        def read() -> dict[str, str]:
+            out = {}
+            for name, args in [("verdicts", ["verdicts", "--conversation", "cli-carrier"]),
+                               ("verdicts_json", ["verdicts", "--conversation", "cli-carrier", "--json"]),
+                               ("show", ["conversations", "show", "cli-carrier"]),
+                               ("list", ["conversations", "list"]),
+                               ("review", ["review", "list", "--state", "all"])]:
+                res = run_cli(*args, "--config", cfg)
+                assert res.returncode == 0, res.stderr
+                out[name] = res.stdout
+            return out
+
+        through_api = read()
+    finally:
+        assert daemon.stop() == 0
+        daemon.log.close()
+    on_file = read()
+    assert on_file == through_api
+
+    got = json.loads(on_file["verdicts_json"])
+    assert {v["conversation_id"] for v in got} == {"cli-carrier"}
+    assert sorted(v["criterion_id"] for v in got) == sorted([CARRIER, REFUND, MARKUP, LOOKUP])
+    lines = _columns_line_up(on_file["verdicts"], ["judged at", "result", "criterion", "conversation"])
+    assert len([line for line in lines if "cli-carrier" in line]) == 4
+
+    show = on_file["show"]
+    assert "ended by idle" in show and "USER: Where is my order B-1?" in show
+    verdict_lines = show[show.index("verdicts (4):"):].splitlines()[1:]
+    assert any(line.split()[:2] == ["fail", CARRIER] for line in verdict_lines), verdict_lines
+    assert any(line.split()[:2] == ["pass", LOOKUP] for line in verdict_lines), verdict_lines
+
+    _columns_line_up(on_file["list"], ["conversation", "state", "service", "turns", "msgs", "tokens in/out",
+                                       "last data"], right=("turns", "msgs", "tokens in/out"))
+    review = _columns_line_up(on_file["review"], ["item", "state", "judge said", "criterion", "conversation"])
+    assert any("rejected by Dr. Amal Haddad-Lindqvist" in line for line in review)

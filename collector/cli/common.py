@@ -44,12 +44,18 @@ def rate_text(estimate: float, low: float, high: float, method: str) -> str:
     return f"{estimate:.1%} ({low:.1%} to {high:.1%})"
 
 
-def table(rows: list[list[str]]) -> str:
-    """Rows as aligned columns: the first left-aligned, the last free, numbers in between right-aligned."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+def table(rows: list[list[str]], align: str | None = None) -> str:
+    """Rows as aligned columns, the last one free.
+
+    ``align`` gives ``l`` or ``r`` per column; by default the first is
+    left-aligned and the ones in between (numbers) right-aligned.
+    """
+    n = len(rows[0])
+    align = align or "l" + "r" * (n - 2)
+    widths = [max(len(r[i]) for r in rows) for i in range(n)]
     lines = []
     for r in rows:
-        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(r) - 1)] + [r[-1]]
+        cells = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r[:-1], widths, align)] + [r[-1]]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import click
 
 from ..errors import UserError
-from .common import ask, config_option, json_option
+from ..queries import MAX_LIMIT
+from .common import ask, config_option, json_option, table
 
 
 @click.group()
@@ -23,7 +24,7 @@ def conversations() -> None:
 @click.option("--since", help="Only those active since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--state", type=click.Choice(["open", "ended"]), help="Only open or only ended conversations.")
 @click.option("--service", help="Only this service.name.")
-@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=50, show_default=True)
 def list_cmd(config_path: Path | None, as_json: bool, since: str | None, state: str | None, service: str | None,
              limit: int) -> None:
     """Conversations, the most recently active first."""
@@ -34,20 +35,15 @@ def list_cmd(config_path: Path | None, as_json: bool, since: str | None, state: 
     if not rows:
         click.echo("no conversations yet")
         return
-    header = f"{'conversation':40}  {'state':16}  {'service':18}  {'turns':>5}  {'msgs':>4}  {'tokens in/out':>13}  last data"
-    click.echo(header)
+    lines = [["conversation", "state", "service", "turns", "msgs", "tokens in/out", "last data"]]
     for c in rows:
-        state_text = c["state"] if c["state"] == "open" else f"ended:{c['ended_by']}"
+        state_text = "open" if c["state"] == "open" else f"ended ({c['ended_by'] or 'unknown'})"
         if not c["content_captured"]:
-            state_text += " (no content)"
-        tokens = f"{c['input_tokens'] or 0}/{c['output_tokens'] or 0}"
-        click.echo(f"{_cut(c['conversation_id'], 40):40}  {state_text:16}  {_cut(c['service'] or '-', 18):18}  "
-                   f"{c['user_turns'] or 0:>5}  {c['message_count'] or 0:>4}  {tokens:>13}  "
-                   f"{(c['last_arrival_at'] or '')[:19]}")
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+            state_text += ", no content"
+        lines.append([c["conversation_id"], state_text, c["service"] or "-", str(c["user_turns"] or 0),
+                      str(c["message_count"] or 0), f"{c['input_tokens'] or 0}/{c['output_tokens'] or 0}",
+                      (c["last_arrival_at"] or "")[:19]])
+    click.echo(table(lines, align="lllrrr"))
 
 
 @conversations.command("show")
@@ -55,23 +51,35 @@ def _cut(text: str, width: int) -> str:
 @config_option
 @json_option
 def show_cmd(conversation_id: str, config_path: Path | None, as_json: bool) -> None:
-    """One conversation: a readable transcript, or its conversation/v1 record with --json."""
-    record = ask(config_path, lambda c: c.conversation(conversation_id))
+    """One conversation: a readable transcript with its verdicts, or its conversation/v1 record with --json."""
+    record, verdicts = ask(config_path, lambda c: (c.conversation(conversation_id), c.verdicts(
+        result=None, criterion=None, conversation=conversation_id, since=None, limit=MAX_LIMIT)))
     if record is None:
         raise UserError(f"no conversation {conversation_id!r} (see `tracejudge conversations list`)")
     if as_json:
         click.echo(json.dumps(record, ensure_ascii=False, indent=2))
         return
-    click.echo(render(record))
+    click.echo(render(record) + "\n\n" + render_verdicts(verdicts))
+
+
+def render_verdicts(verdicts: list[dict[str, Any]]) -> str:
+    """The current verdicts on one conversation, one line each with the judge's reason."""
+    if not verdicts:
+        return "verdicts: none yet (the conversation is still open, was not sampled, or waits to be judged)"
+    rows = [[v["result"] + (" (flagged)" if v.get("flagged") else ""), f"{v['criterion_id']} v{v['criterion_version']}",
+             (v["error_reason"] if v["result"] == "error" else v.get("reasoning") or "").replace("\n", " ")]
+            for v in sorted(verdicts, key=lambda v: v["criterion_id"])]
+    return f"verdicts ({len(verdicts)}):\n" + "\n".join("  " + line for line in table(rows, align="ll").splitlines())
 
 
 def render(record: dict[str, Any], mark: Callable[[str], str] = lambda text: text) -> str:
     """A conversation/v1 record as text a person reads; ``mark`` is applied to every message's text."""
     attrs = record.get("attributes", {})
     usage = record.get("usage") or {}
+    ended = "still open" if record["ended_by"] == "open" else f"ended by {record['ended_by']}"
     lines = [
         f"conversation {record['id']}  ({record.get('service') or 'unknown service'})",
-        f"  {record.get('started_at') or '?'} .. {record.get('ended_at') or 'open'}   ended by: {record['ended_by']}",
+        f"  {record.get('started_at') or '?'} .. {record.get('ended_at') or 'now'}   {ended}",
         f"  models: {', '.join(record.get('models') or []) or '-'}   tokens: {usage.get('input_tokens', 0)} in, "
         f"{usage.get('output_tokens', 0)} out   LLM calls: {attrs.get('llm_calls', '?')}   "
         f"traces: {len(record.get('trace_ids') or [])}",

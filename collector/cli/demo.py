@@ -13,10 +13,11 @@ from types import FrameType
 
 import click
 
-from ..client import APIClient
+from ..client import DEMO_DIR, APIClient
 from ..config import load_config
 from ..errors import UserError
 from ..runtime import RuntimeInfo, running_daemon
+from ..words import plural
 
 DEMO_CONFIG = """\
 # tracejudge demo configuration (written by `tracejudge demo`; edit freely).
@@ -47,7 +48,7 @@ review:
 """
 
 DEMO_CRITERIA = """\
-# Criteria of the demo's ShopBot (see formats/criteria.md). Code checks run with no key;
+# Criteria of the demo's ShopBot (the format: docs/criteria.md in tracejudge). Code checks run with no key;
 # the LLM criteria run when ANTHROPIC_API_KEY is set and are otherwise reported as not run.
 criteria:
   - id: looks-orders-up
@@ -122,8 +123,22 @@ def _start_daemon(config_path: Path, log_path: Path, runtime_file: Path) -> tupl
     raise UserError(f"the demo daemon did not become ready within 60s; see {log_path}")
 
 
+def _your_bot(info: RuntimeInfo) -> str:
+    """How to point a bot of one's own at the demo daemon, on each receiver it listens on."""
+    lines = ["Send your own bot's traces here: set, in the bot's environment,"]
+    if info.grpc:
+        lines.append(f"  over gRPC   OTEL_EXPORTER_OTLP_ENDPOINT=http://{info.grpc} OTEL_EXPORTER_OTLP_PROTOCOL=grpc")
+    if info.http:
+        lines.append(f"  over HTTP   OTEL_EXPORTER_OTLP_ENDPOINT=http://{info.http} "
+                     "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf")
+    lines += ["  and also    OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental",
+              "              OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY  (without it there is "
+              "nothing to judge)"]
+    return "\n".join(lines)
+
+
 @click.command()
-@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=Path("tracejudge-demo"),
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=DEMO_DIR,
               show_default=True, envvar="TRACEJUDGE_DEMO_DIR", show_envvar=True,
               help="Folder for the demo's config, DuckDB file and daemon log.")
 @click.option("--ephemeral-ports", is_flag=True, help="Listen on free ports instead of 4317/4318/8318.")
@@ -160,7 +175,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     if info.grpc is None:
         raise UserError(f"{config_path}: the demo needs the OTLP/gRPC receiver")
 
-    click.echo(f"Sending {len(PERSONAS)} conversations through the OpenTelemetry SDK to {info.grpc}:")
+    click.echo(f"Sending {plural(len(PERSONAS), 'conversation')} through the OpenTelemetry SDK to {info.grpc}:")
     try:
         sent = send_demo_traffic(info.grpc, progress=click.echo)
     except RuntimeError as exc:
@@ -170,9 +185,14 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     cfg_arg = f"--config {config_path}"
     criteria = folder / "criteria.yaml"
     # Name the command as the user can type it: `.venv/bin/tracejudge` when the venv is not active.
-    prog = "tracejudge" if shutil.which("tracejudge") else os.path.relpath(sys.argv[0])
+    if shutil.which("tracejudge"):
+        prog = "tracejudge"
+    elif sys.argv[0].endswith("__main__.py"):  # python -m collector
+        prog = f"{os.path.relpath(sys.executable)} -m collector"
+    else:
+        prog = os.path.relpath(sys.argv[0])
     click.echo(f"""
-Stored: {counts['spans']} spans in {counts['traces']} traces ({sent['spans']} sent this run).
+Stored: {plural(counts['spans'], 'span')} in {plural(counts['traces'], 'trace')} ({sent['spans']} sent this run).
 
 Where to look:
   conversations {prog} conversations list {cfg_arg}
@@ -187,7 +207,7 @@ Where to look:
   daemon log    {folder / 'daemon.log'}
   DuckDB file   {cfg.storage.duckdb.path}   (open it with SQL once the daemon stops:
                 SELECT criterion_id, result, count(*) FROM verdicts GROUP BY ALL)
-Send your own bot's traces: OTEL_EXPORTER_OTLP_ENDPOINT=http://{info.grpc}""")
+{_your_bot(info)}""")
     if proc is None:
         return
     if exit_after:

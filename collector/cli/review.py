@@ -9,9 +9,10 @@ from typing import Any
 
 import click
 
+from ..queries import MAX_LIMIT
 from ..review import REVIEW_STATES
 from ..review_page import mark_quotes
-from .common import ask, config_option, json_option
+from .common import ask, config_option, json_option, table
 from .conversations import render
 
 
@@ -30,7 +31,7 @@ def review() -> None:
 @click.option("--state", type=click.Choice([*REVIEW_STATES, "all"]), default="pending", show_default=True,
               help="Which items.")
 @click.option("--criterion", help="Only this criterion id.")
-@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=100, show_default=True)
 def list_cmd(config_path: Path | None, as_json: bool, state: str, criterion: str | None, limit: int) -> None:
     """Review items, the oldest first (the queue's order)."""
     items = ask(config_path, lambda c: c.list_reviews(state=state, criterion=criterion, limit=limit))
@@ -40,11 +41,12 @@ def list_cmd(config_path: Path | None, as_json: bool, state: str, criterion: str
     if not items:
         click.echo(f"no {'' if state == 'all' else state + ' '}review items")
         return
-    click.echo(f"{'item':>6}  {'state':10}  {'judge said':16}  {'criterion':32}  conversation")
+    rows = [["item", "state", "judge said", "criterion", "conversation"]]
     for it in items:
         said = it["result"] + (" (flagged)" if it.get("flagged") else "")
         state_text = it["state"] + (f" by {it['reviewer']}" if it.get("reviewer") else "")
-        click.echo(f"{it['id']:>6}  {state_text:10}  {said:16}  {it['criterion_id']:32}  {it['conversation_id']}")
+        rows.append([str(it["id"]), state_text, said, it["criterion_id"], it["conversation_id"]])
+    click.echo(table(rows, align="rlll"))
 
 
 def _marker() -> tuple[str, str]:

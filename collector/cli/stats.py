@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..words import plural
 from .common import ask, config_option, json_option, rate_text, table
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
@@ -45,9 +46,10 @@ def render(stats: dict[str, Any]) -> str:
         for reason, n in sorted(e["not_run_reasons"].items()):
             notes.append(f"{e['criterion_id']}: {n} not run: {reason}")
         for code, n in sorted(e["errors"].items()):
-            notes.append(f"{e['criterion_id']}: {n} error: {code or 'unknown'} (tracejudge verdicts --result error)")
+            notes.append(f"{e['criterion_id']}: {plural(n, 'error')}: {code or 'unknown'} "
+                         "(tracejudge verdicts --result error)")
     for reason, n in sorted(conv["skipped"].items()):
-        notes.append(f"{n} conversations skipped: {reason} (kept out of the estimates)")
+        notes.append(f"{plural(n, 'conversation')} skipped: {reason} (kept out of the estimates)")
     tokens = stats["tokens"]
     notes.append(f"judge tokens: {tokens['input_tokens']} in, {tokens['output_tokens']} out")
     out.append("\n".join(notes))

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from .common import ask, config_option, json_option
+from ..queries import MAX_LIMIT
+from .common import ask, config_option, json_option, table
 
 
 @click.command()
@@ -15,20 +16,27 @@ from .common import ask, config_option, json_option
 @json_option
 @click.option("--result", type=click.Choice(["pass", "fail", "not_applicable", "error"]), help="Only this result.")
 @click.option("--criterion", help="Only this criterion id.")
+@click.option("--conversation", help="Only the verdicts on this conversation id.")
 @click.option("--since", help="Only verdicts judged since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
-@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=100, show_default=True)
 def verdicts(config_path: Path | None, as_json: bool, result: str | None, criterion: str | None,
-             since: str | None, limit: int) -> None:
+             conversation: str | None, since: str | None, limit: int) -> None:
     """Current verdicts, the newest first. `--result error` lists judge errors with their reasons
-    (errors are never queued for review)."""
-    rows = ask(config_path, lambda c: c.verdicts(result=result, criterion=criterion, since=since, limit=limit))
+    (errors are never queued for review); `--conversation ID` the verdicts on one conversation."""
+    rows = ask(config_path, lambda c: c.verdicts(result=result, criterion=criterion, conversation=conversation,
+                                                 since=since, limit=limit))
     if as_json:
         click.echo(json.dumps(rows, ensure_ascii=False, indent=2))
         return
     if not rows:
-        click.echo("no verdicts" + (f" with result {result}" if result else ""))
+        click.echo("no verdicts" + (f" with result {result}" if result else "")
+                   + (f" on conversation {conversation}" if conversation else ""))
         return
-    for v in rows:
+    lines = table([["judged at", "result", "criterion", "conversation"]]
+                  + [[v["judged_at"][:19], v["result"] + (" (flagged)" if v.get("flagged") else ""),
+                      f"{v['criterion_id']} v{v['criterion_version']}", v["conversation_id"]] for v in rows],
+                  align="lll").splitlines()
+    click.echo(lines[0])
+    for line, v in zip(lines[1:], rows):
         why = v["error_reason"] if v["result"] == "error" else (v["reasoning"] or "")
-        click.echo(f"{v['judged_at'][:19]}  {v['result']:14}  {v['criterion_id']} v{v['criterion_version']}  "
-                   f"{v['conversation_id']}" + (f"\n    {why}" if why else ""))
+        click.echo(line + (f"\n    {why}" if why else ""))
