@@ -18,6 +18,9 @@ trace it did not have; late rows of a trace it has update the transcript, and a
 changed transcript gets a new ``revision`` (to be judged again).
 
 Recent traces' rows are cached (bounded); anything else is read back from DuckDB.
+Log rows carry their ``arrival`` (commit, place in it: the position in the
+commit for rows handed over, the stored ``seq`` for rows read back), so records
+sharing a timestamp keep the order they were sent in.
 """
 
 from __future__ import annotations
@@ -444,13 +447,16 @@ class Conversations:
         hi = max(out)
         for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS))):
             n = len(columns)
-            res = self._cur.execute(f"SELECT {', '.join(columns)}, batch_id FROM {table} "
+            res = self._cur.execute(f"SELECT {', '.join(columns)}, batch_id{', seq' if i else ''} FROM {table} "
                                     "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi])
             while recs := res.fetchmany(1024):  # bounded memory: not every row twice at once
                 for rec in recs:
                     got = out.get(rec[n])
                     if got is not None:
-                        got[i].append(dict(zip(columns, rec)))
+                        row = dict(zip(columns, rec))
+                        if i:
+                            row["arrival"] = (rec[n], rec[n + 1] or 0)
+                        got[i].append(row)
         return out
 
     def _ingest(self, committed: list[Committed | _Light]) -> set[str]:
@@ -481,10 +487,11 @@ class Conversations:
                 touched[tid] = c.received_at
                 first.setdefault(tid, c.batch_id)
                 last[tid] = c.batch_id
-            for row in c.logs.rows():
+            for pos, row in enumerate(c.logs.rows()):
                 tid = row["trace_id"]
                 if tid is None:
                     continue  # a log record with no trace belongs to no conversation
+                row["arrival"] = (c.batch_id, pos)
                 fresh.setdefault(tid, _TraceRows()).logs.append(row)
                 touched[tid] = c.received_at
                 first.setdefault(tid, c.batch_id)
@@ -542,9 +549,13 @@ class Conversations:
             res = self._cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records WHERE {where}", params)
             for rec in res.fetchall():
                 loaded[rec[0]].spans.append(dict(zip(SPAN_COLUMNS, rec)))
-            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log_records WHERE {where}", params)
+            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)}, batch_id, seq FROM log_records "
+                                    f"WHERE {where}", params)
+            n = len(LOG_COLUMNS)
             for rec in res.fetchall():
-                loaded[rec[1]].logs.append(dict(zip(LOG_COLUMNS, rec)))
+                row = dict(zip(LOG_COLUMNS, rec))
+                row["arrival"] = (rec[n], rec[n + 1] or 0)  # NULL: stored before the place was kept
+                loaded[rec[1]].logs.append(row)
             for t, rows in loaded.items():
                 self._cache[t] = rows
                 self._cached_spans += len(rows.spans) + len(rows.logs)
@@ -759,9 +770,10 @@ class Conversations:
             self._warned_no_content.add(tr.service or "")
             log.warning("conversation %s of service %s carries no message content, so it cannot be judged: %s",
                         conv.id, tr.service or "(unknown)", tr.no_content_reason)
+        tokens = (None, None) if tr.usage is None else (tr.usage.input_tokens, tr.usage.output_tokens)
         conv.row = [
             conv.id, tr.service, tr.started_at, tr.ended_at if conv.state == "ended" else None,
-            conv.ended_by, conv.state, tr.user_turns, tr.usage.input_tokens, tr.usage.output_tokens,
+            conv.ended_by, conv.state, tr.user_turns, *tokens,
             tr.llm_calls, len(tr.messages), orjson.dumps(list(tr.models)).decode(), tr.system,
             tr.content_captured, tr.no_content_reason, conv.hash, conv.revision,
             orjson.dumps(conv.traces).decode(), conv.newest_trace, _ts(conv.first_arrival),
