@@ -254,7 +254,8 @@ def test_stop_leaves_commits_queued_behind_ingestion_to_the_next_start(tmp_path:
         stage.start()
         store.on_commit(stage.on_commit)
         for first in range(0, 300, 50):
-            turns = [plain_turn(f"c-{i}", f"question {i}", f"answer {i}", trace=i + 1) for i in range(first, first + 50)]
+            turns = [plain_turn(f"c-{i}", f"question {i}", f"answer {i}", trace=i + 1)
+                     for i in range(first, first + 50)]
             store.submit(spans=span_batch(parse_traces(turn_request(turns)))[0]).result(60)
         with caplog.at_level("INFO", logger="tracejudge.conversations"):
             stage.stop()
