@@ -9,8 +9,9 @@ commits queued or conversations not rebuilt yet, to the catch-up of the next sta
 How far it got is the batch mark (``tracejudge_state``): the last commit whose
 conversations are all rebuilt and written. It is written with them, in one
 transaction, so a crash or a stop at any point leaves it true. A conversation
-that cannot be rebuilt (a bug meeting odd data) keeps its stored version and is
-counted (``conversations_failed``); it never stops the others.
+that cannot be rebuilt (a bug meeting odd data) keeps its stored version (one
+never stored is stored without messages, with the reason) and is counted
+(``conversations_failed``); it never stops the others.
 
 Its own thread, so ingestion never waits for it; while requests keep coming
 it waits for a pause in them (at most ``max_wait``). Each cycle it takes the
