@@ -14,7 +14,7 @@ conversations"):
   tool-call ids, in order; never as a set); a shorter history (compaction) is
   not a deletion;
 - traces are ordered by start time, calls within a trace by start time and
-  parent before child.
+  parent before child, log records by time, then as received.
 
 Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
 ``build_transcript``, ``ParseMemo``, ``Transcript`` (with ``to_conversation_v1``),
@@ -34,8 +34,8 @@ from collector.conversation_keys import (
     load_json_column,
     response_links,
 )
-from collector.normalize import Content, Event, Message, Meta, combine, read_events, read_meta, read_span
-from collector.normalize._model import Attrs, as_int, as_str
+from collector.normalize import Content, Event, Message, Meta, ToolCall, combine, read_events, read_meta, read_span
+from collector.normalize._model import Attrs, as_int, as_str, repair_text, repaired
 from collector.transcript import Transcript, TranscriptMessage, Usage, from_unix_nano
 
 __all__ = [
@@ -137,10 +137,14 @@ def _log_groups(logs: list[dict[str, Any]], known_texts: dict[str, Any]
                 ) -> tuple[dict[tuple[str, str | None], _LogGroup], int, dict[str, Any]]:
     """Log rows deduplicated and grouped by (trace, span), in emission order.
 
+    Emission order is time, then observed time, then ``arrival`` (records of one
+    call often share a timestamp; they were sent in order), then the id.
+
     Also returns the parsed JSON texts, by text; ``known_texts`` are those of
     the previous build (ParseMemo), taken instead of parsing again.
     """
     seen: dict[str, dict[str, Any]] = {}
+    arrived: dict[str, tuple[int, Any]] = {}  # log id -> its first arrival; (1, ()) if not known
     for row in logs:
         lid = str(row.get("log_id") or json.dumps(
             [row.get(k) for k in ("trace_id", "span_id", "time_unix_nano", "observed_time_unix_nano",
@@ -149,8 +153,12 @@ def _log_groups(logs: list[dict[str, Any]], known_texts: dict[str, Any]
         # must not depend on arrival order.
         if lid not in seen or _log_rank(row) < _log_rank(seen[lid]):
             seen[lid] = row
-    parsed: list[tuple[tuple[int, int, str], tuple[str, str | None], Event, dict[str, Any], str | None,
-                       tuple[str, Any, Any] | None]] = []
+        arrival = row.get("arrival")
+        first = (1, ()) if arrival is None else (0, arrival)
+        if lid not in arrived or first < arrived[lid]:
+            arrived[lid] = first
+    parsed: list[tuple[tuple[int, int, tuple[int, Any], str], tuple[str, str | None], Event, dict[str, Any],
+                       str | None, tuple[str, Any, Any] | None]] = []
     bad = 0
     # Per-message events repeat the same bodies and attributes in every call of
     # a conversation: parse each distinct text once (nothing mutates the result).
@@ -179,8 +187,9 @@ def _log_groups(logs: list[dict[str, Any]], known_texts: dict[str, Any]
         t = as_int(row.get("time_unix_nano")) or 0
         obs = as_int(row.get("observed_time_unix_nano")) or 0
         # Per-message events of one call often share a zero time: observed time
-        # (set at emission) keeps their order.
-        order = (int(t or obs), int(obs), lid)
+        # (set at emission) keeps their order, and where a coarse clock gave them
+        # the same one, the order they were received in.
+        order = (int(t or obs), int(obs), arrived[lid], lid)
         span = row.get("span_id")
         raw_attrs, raw_body = row.get("attributes"), row.get("body")
         source = (str(name), raw_attrs, raw_body) if _exact(raw_attrs, raw_body) else None
@@ -425,6 +434,7 @@ class _Assembly:
         self.system: str | None = None
         self.models: list[str] = []
         self.usage_in = self.usage_out = self.n_calls = 0
+        self.usage_seen = False  # some call reported token counts
         self.genai_seen = False
         self.truncated: list[str] = []
         self.tool_names: dict[str, str] = {}
@@ -447,6 +457,7 @@ class _Assembly:
             self.n_calls += 1
             self.usage_in += call.meta.input_tokens or 0
             self.usage_out += call.meta.output_tokens or 0
+            self.usage_seen |= call.meta.input_tokens is not None or call.meta.output_tokens is not None
             model = call.meta.response_model or call.meta.request_model
             if model and model not in self.models:
                 self.models.append(model)
@@ -480,12 +491,21 @@ def _messages(entries: list[_Entry], tool_names: dict[str, str],
             out.append(prev[i])
             continue
         out.append((e, name, TranscriptMessage(
-            role=msg.role, content=msg.content, tool_calls=msg.tool_calls, tool_call_id=msg.tool_call_id,
-            name=name, at=from_unix_nano(e.at), span_id=None if e.span_id.startswith("log:") else e.span_id,
-            source=e.source, truncated=msg.truncated)))
+            role=msg.role, content=repair_text(msg.content), tool_calls=_repaired_calls(msg.tool_calls),
+            tool_call_id=_repaired(msg.tool_call_id), name=_repaired(name), at=from_unix_nano(e.at),
+            span_id=None if e.span_id.startswith("log:") else e.span_id, source=e.source,
+            truncated=msg.truncated)))
     if memo is not None:
         memo._messages = out
     return tuple(m for _, _, m in out)
+
+
+def _repaired(text: str | None) -> str | None:
+    return None if text is None else repair_text(text)
+
+
+def _repaired_calls(calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(_repaired(c.id), repair_text(c.name), repaired(c.arguments)) for c in calls)
 
 
 # ---------------------------------------------------------------- memo
@@ -552,9 +572,14 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
     """Rebuild one conversation from all its stored span and log rows.
 
     Rows may come in any order and repeat (OTLP retries): spans are
-    deduplicated by (trace_id, span_id), logs by ``log_id``. Each row's JSON
-    columns are parsed once. A row that does not parse is skipped and counted
-    in ``unparsed_spans`` / ``unparsed_logs``; it never fails the build.
+    deduplicated by (trace_id, span_id), logs by ``log_id``. A log row may
+    carry ``arrival``, any comparable value that orders rows as received (the
+    conversation stage gives (commit, place in it)): log records that share
+    their timestamps keep that order, else they are ordered by ``log_id``. Each
+    row's JSON columns are parsed once. A row that does not parse is skipped
+    and counted in ``unparsed_spans`` / ``unparsed_logs``; it never fails the
+    build. A lone UTF-16 surrogate in any text (a JSON ``\\ud800`` escape without
+    its pair) becomes U+FFFD.
 
     ``memo`` (see ``ParseMemo``) carries parsed rows from the previous call for
     the same conversation, so that a rebuild after new rows arrived parses only
@@ -653,11 +678,11 @@ def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
     captured = bool(messages)
     return Transcript(
         messages=messages,
-        system=state.system,
-        models=tuple(state.models),
-        usage=Usage(state.usage_in, state.usage_out),
+        system=_repaired(state.system),
+        models=tuple(map(repair_text, state.models)),
+        usage=Usage(state.usage_in, state.usage_out) if state.usage_seen else None,
         trace_ids=tuple(order),
-        service=state.service,
+        service=_repaired(state.service),
         started_at=from_unix_nano(min(starts)) if starts else None,
         ended_at=from_unix_nano(max(ends)) if ends else None,
         llm_calls=state.n_calls,

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import orjson
 
 from collector.normalize import read_meta
-from collector.normalize._model import Attrs, as_str
+from collector.normalize._model import Attrs, as_str, repair_text, repaired
 
 # genai-semconv.md section 3, in order. A trailing ``*`` matches any key with
 # that prefix (keys compared in sorted order, so the pick is deterministic).
@@ -60,17 +60,18 @@ def load_json_column(text: Any) -> Any:
     """A JSON column as stored (text), or already decoded by the caller.
 
     Raises ``ValueError`` for text that is not JSON and for any other type.
+    A lone surrogate escape in the text is decoded as U+FFFD.
     """
     if text is None or isinstance(text, (dict, list)):
         return text
     if not isinstance(text, (str, bytes)):
         raise ValueError(f"JSON column holds a {type(text).__name__}")
-    # orjson first (several times faster); json where orjson is strict (NaN, Infinity, ...: json's
-    # answer, or its error) or inexact (integers past 64 bits).
+    # orjson first (several times faster); json where orjson is strict (NaN, Infinity, lone
+    # surrogates, ...: json's answer, or its error) or inexact (integers past 64 bits).
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return json.loads(text)
+        return repaired(json.loads(text))
     return json.loads(text) if _inexact(value) else value
 
 
@@ -80,9 +81,10 @@ def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
         for key in sorted(k for k in attrs if k.startswith(prefix)):
             v = as_str(attrs[key])
             if v:
-                return v
+                return repair_text(v)
         return None
-    return as_str(attrs.get(name))
+    v = as_str(attrs.get(name))
+    return repair_text(v) if v else None
 
 
 def conversation_key(spans: list[dict[str, Any]],

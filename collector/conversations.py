@@ -1,9 +1,17 @@
 """Conversations kept current as data arrives: the trace map, transcripts, ends and reopenings.
 
 Lifecycle: ``Conversations(store, settings, metrics)`` -> ``start()`` (creates its
-tables, catches up on commits it has not seen, starts its thread) ->
+tables, starts its thread, which first catches up on commits it has not seen) ->
 ``on_commit`` (the store calls it after each commit; it only enqueues) ->
-``stop()`` (finishes what is queued, records how far it got).
+``stop()`` (writes what is rebuilt, records how far it got and leaves the rest,
+commits queued or conversations not rebuilt yet, to the catch-up of the next start).
+
+How far it got is the batch mark (``tracejudge_state``): the last commit whose
+conversations are all rebuilt and written. It is written with them, in one
+transaction, so a crash or a stop at any point leaves it true. A conversation
+that cannot be rebuilt (a bug meeting odd data) keeps its stored version (one
+never stored is stored without messages, with the reason) and is counted
+(``conversations_failed``); it never stops the others.
 
 Its own thread, so ingestion never waits for it; while requests keep coming
 it waits for a pause in them (at most ``max_wait``). Each cycle it takes the
@@ -18,18 +26,22 @@ trace it did not have; late rows of a trace it has update the transcript, and a
 changed transcript gets a new ``revision`` (to be judged again).
 
 Recent traces' rows are cached (bounded); anything else is read back from DuckDB.
+Log rows carry their ``arrival`` (commit, place in it: the position in the
+commit for rows handed over, the stored ``seq`` for rows read back), so records
+sharing a timestamp keep the order they were sent in.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import duckdb
 import orjson
@@ -103,6 +115,19 @@ MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "t
 
 _UTC = dt.timezone.utc
 _STOP = object()
+CATCH_UP_CHUNK = 500  # traces resolved, rebuilt and written together when catching up
+
+
+class _Stopping(Exception):
+    """Raised inside a cycle once ``stop`` is called: the rest is left to the next start."""
+
+
+def _json_text(value: Any) -> str:
+    """JSON text of a column (orjson; json where orjson refuses, e.g. integers past 64 bits)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def _ts(seconds: float | None) -> dt.datetime | None:
@@ -243,10 +268,15 @@ class Conversations:
         self.idle_gap = idle_gap
         self._behind_since: float | None = None  # time.monotonic() since which work has been waiting
         self._waiting = False  # for ingestion to pause: commits are queued without their rows
-        self._hurry = False  # someone waits for this cycle (tests, shutdown): no pauses
+        self._hurry = False  # someone waits for this cycle (tests): no pauses
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
+        self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
         self._writes = _Writes()
         self._idle_event = threading.Event()
+        self._stopping = threading.Event()
+        self._in_transaction = False  # reindex: every write goes into its one transaction
+        self._retry_delay = 0.0  # after a failed cycle, doubling up to a minute
+        self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -254,12 +284,21 @@ class Conversations:
         """Create tables and load state (no thread); ``start`` also runs the thread."""
         self._cur = self.store.cursor()
         self._cur.execute(SCHEMA)
-        row = self._cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
-        self._processed_batch = int(row[0]) if row else 0
+        self._load_state()
+
+    def _load_state(self) -> None:
+        """Where the stored conversations stand: the batch mark and the open conversations."""
+        assert self._cur is not None
+        self._processed_batch = self._stored_mark()
         self._resume_from = self._processed_batch
-        self._resume_to = self.store.batch_id  # the last commit made before this stage opened
+        self._resume_to = self.store.batch_id  # the last commit made before now
         for conv in self._read_convs("state = 'open'", []):
             self._keep(conv)
+
+    def _stored_mark(self) -> int:
+        assert self._cur is not None
+        row = self._cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
+        return int(row[0]) if row else 0
 
     def start(self) -> None:
         self.open()
@@ -269,7 +308,9 @@ class Conversations:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop soon: write what is rebuilt and the batch mark; the next start catches up on the rest."""
         if self._thread is not None:
+            self._stopping.set()
             self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
@@ -286,7 +327,8 @@ class Conversations:
         """How far the stage has got, for /api/status."""
         w = self._writes
         return {"conversations_batch": self._processed_batch,
-                "conversations_pending": len(self._dirty) + len(w.conversations) + len(w.deleted)}
+                "conversations_pending": len(self._dirty) + len(w.conversations) + len(w.deleted),
+                "conversations_failed": self.failed}
 
     def on_commit(self, committed: Committed) -> None:
         """Called by the store's writer thread after each commit: hand off, return.
@@ -300,7 +342,7 @@ class Conversations:
             self._queue.put(_Light.of(committed))
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Block until everything queued so far is processed (tests, reindex)."""
+        """Block until everything queued so far is processed (tests)."""
         self._idle_event.clear()
         self._queue.put(("idle", None))
         return self._idle_event.wait(timeout)
@@ -322,9 +364,8 @@ class Conversations:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            stop = any(it is _STOP for it in items)
-            if stop:
-                items.append(("idle", None))  # finish every pending rebuild before stopping
+            if self._stopping.is_set():
+                break
             waiters = any(isinstance(it, tuple) and it[0] == "idle" for it in items)
             if self._behind_since is None:
                 self._behind_since = time.monotonic()
@@ -335,13 +376,61 @@ class Conversations:
                 continue
             self._waiting = False
             try:
-                self._cycle([it for it in items if it is not _STOP])
+                self._cycle(items)
+                self._retry_delay = 0.0
+            except _Stopping:
+                break
             except Exception:  # one bad cycle must not stop the stage
-                log.exception("conversation update failed; it will be retried on the next data or reindex")
+                self._retry_delay = min(60.0, max(1.0, 2 * self._retry_delay))
+                log.exception("conversation update failed; retried from the stored state in %.0f s",
+                              self._retry_delay)
+                self._resync()
+                if waiters:  # they wait for the retry
+                    self._queue.put(("idle", None))
+                self._stopping.wait(self._retry_delay)  # a store that cannot write now may later
             items = []
             self._behind_since = None
-            if stop:
-                return
+        self._finish()
+
+    def _finish(self) -> None:
+        """At stop: write what is rebuilt with the batch mark, and say what the next start takes up."""
+        try:
+            self._flush()
+            mark = self._safe_batch()
+            left = len(self._traces_since(mark))
+        except Exception:
+            log.exception("writing conversations at stop failed; the next start catches up from the stored mark")
+            return
+        if left:
+            log.info("stopped before catching up: %d traces left for the next start (committed after batch %d)",
+                     left, mark)
+
+    def _check_stop(self) -> None:
+        if self._stopping.is_set():
+            raise _Stopping
+
+    def _resync(self) -> None:
+        """After a failed cycle memory may be ahead of what is stored: start again from the stored
+        state (the batch mark and the open conversations) and catch up from there."""
+        self._convs.clear()
+        self._trace_map.clear()
+        self._dirty.clear()
+        self._since.clear()
+        self._writes = _Writes()
+        self._memos.clear()
+        self._memo_rows = 0
+        try:
+            self._load_state()
+        except Exception:
+            log.exception("reading the stored conversations failed; retrying on the next data")
+        self._queue.put(("catch_up", None))
+
+    def _safe_batch(self) -> int:
+        """The batch mark to store now: every commit up to it has its conversations rebuilt
+        and written (with this write), so the next start may catch up from there."""
+        if self._since:
+            return min(self._processed_batch, min(self._since.values()) - 1)
+        return self._processed_batch
 
     def _ingest_busy(self) -> bool:
         return self.store.idle_seconds < self.idle_gap
@@ -351,10 +440,11 @@ class Conversations:
         idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
         if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
             self._catch_up()
-        # Waiters (tests, shutdown) want everything current: no debounce for them.
+        # Waiters (tests) want everything current: no debounce for them.
         self._hurry = bool(idle_waiters)
         previous: set[str] = set()
         for group in self._groups(committed):
+            self._check_stop()
             touched = self._ingest(group)
             # A backlog: rebuild what the previous group touched and this one did not (done
             # for now, as far as the backlog goes), while its rows are still cached.
@@ -369,52 +459,72 @@ class Conversations:
             self._idle_event.set()
 
     def _catch_up(self) -> None:
-        """Rebuild what commits after the last recorded batch touched (a crash came between)."""
-        touched = self._traces_since(self._resume_from)
-        if touched:
-            log.info("catching up on %d traces committed before the last stop", len(touched))
-            self._touch(touched)
+        """Rebuild what commits after the batch mark touched (a stop or a crash came between).
+
+        Traces go in order of their last commit, a chunk at a time, each chunk
+        written with the mark it reaches: every trace with a later commit is then
+        still after the mark, so a stop here loses nothing and keeps what is done.
+        """
+        traces = self._traces_since(self._resume_from)
+        if traces:
+            log.info("catching up on %d traces committed before the last stop", len(traces))
+        for i in range(0, len(traces), CATCH_UP_CHUNK):
+            part = traces[i:i + CATCH_UP_CHUNK]
+            self._touch({t: at for t, at, _ in part}, since=self._processed_batch + 1)
+            self._rebuild_due(force=True)
+            nxt = traces[i + CATCH_UP_CHUNK][2] - 1 if i + CATCH_UP_CHUNK < len(traces) else self._resume_to
+            self._processed_batch = max(self._processed_batch, nxt)
+            self._flush()
         # Every commit made before this stage opened is now taken in, traceless logs included.
         self._processed_batch = max(self._processed_batch, self._resume_to)
 
-    def _traces_since(self, batch: int) -> dict[str, float]:
-        """Traces with rows committed after ``batch``, with their last arrival."""
+    def _traces_since(self, batch: int) -> list[tuple[str, float, int]]:
+        """Traces with rows committed after ``batch``: (trace, last arrival, last commit), by last commit."""
         assert self._cur is not None
-        return dict(self._cur.execute(
-            "SELECT trace_id, epoch(max(received_at)) FROM ("
-            " SELECT trace_id, received_at FROM span_records WHERE batch_id > ? UNION ALL"
-            " SELECT trace_id, received_at FROM log_records WHERE batch_id > ? AND trace_id IS NOT NULL) "
-            "GROUP BY trace_id ORDER BY 2, 1", [batch, batch]).fetchall())
+        return [(t, at, int(b)) for t, at, b in self._cur.execute(
+            "SELECT trace_id, epoch(max(received_at)), max(batch_id) FROM ("
+            " SELECT trace_id, received_at, batch_id FROM span_records WHERE batch_id > ? UNION ALL"
+            " SELECT trace_id, received_at, batch_id FROM log_records WHERE batch_id > ? AND trace_id IS NOT NULL) "
+            "GROUP BY trace_id ORDER BY 3, 2, 1", [batch, batch]).fetchall()]
 
     def reindex(self, progress: Callable[[int, int], None] | None = None, chunk: int = 500) -> int:
         """Rebuild the trace map, conversations and messages from every stored span and log record.
 
         Runs in the caller's thread on a stage that was ``open``ed but not started.
-        Returns the number of conversations.
+        All in one transaction: the old rows go only when the new ones are
+        written, and anything that stops it half way (an error, Ctrl-C) leaves
+        the old ones whole. Returns the number of conversations.
         """
         assert self._cur is not None and self._thread is None
         cur = self._cur
         cur.execute("BEGIN")
-        for table in ("trace_conversations", "conversations", "messages"):
-            cur.execute(f"DELETE FROM {table}")
-        cur.execute("COMMIT")
-        self._convs.clear()
-        self._trace_map.clear()
-        self._pending.clear()
-        row = cur.execute("SELECT greatest((SELECT max(batch_id) FROM span_records), "
-                          "(SELECT max(batch_id) FROM log_records))").fetchone()
-        last_batch = int(row[0] or 0) if row else 0
-        touched = list(self._traces_since(0).items())
-        for i in range(0, len(touched), chunk):
-            self._touch(dict(touched[i:i + chunk]))
-            self._rebuild_due(force=True)
+        self._in_transaction = True
+        try:
+            for table in ("trace_conversations", "conversations", "messages"):
+                cur.execute(f"DELETE FROM {table}")
+            self._convs.clear()
+            self._trace_map.clear()
+            self._pending.clear()
+            row = cur.execute("SELECT greatest((SELECT max(batch_id) FROM span_records), "
+                              "(SELECT max(batch_id) FROM log_records))").fetchone()
+            last_batch = int(row[0] or 0) if row else 0
+            touched = self._traces_since(0)
+            for i in range(0, len(touched), chunk):
+                self._touch({t: at for t, at, _ in touched[i:i + chunk]})
+                self._rebuild_due(force=True)
+                self._flush()
+                if progress:
+                    progress(min(i + chunk, len(touched)), len(touched))
+            self._processed_batch = last_batch
+            self._sweep_idle()
             self._flush()
-            if progress:
-                progress(min(i + chunk, len(touched)), len(touched))
-        self._processed_batch = last_batch
-        self._sweep_idle()
-        self._flush()
-        count = cur.execute("SELECT count(*) FROM conversations").fetchone()
+            count = cur.execute("SELECT count(*) FROM conversations").fetchone()
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        finally:
+            self._in_transaction = False
         return int(count[0]) if count else 0
 
     # ------------------------------------------------------------ ingestion
@@ -444,13 +554,16 @@ class Conversations:
         hi = max(out)
         for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS))):
             n = len(columns)
-            res = self._cur.execute(f"SELECT {', '.join(columns)}, batch_id FROM {table} "
+            res = self._cur.execute(f"SELECT {', '.join(columns)}, batch_id{', seq' if i else ''} FROM {table} "
                                     "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi])
             while recs := res.fetchmany(1024):  # bounded memory: not every row twice at once
                 for rec in recs:
                     got = out.get(rec[n])
                     if got is not None:
-                        got[i].append(dict(zip(columns, rec)))
+                        row = dict(zip(columns, rec))
+                        if i:
+                            row["arrival"] = (rec[n], rec[n + 1] or 0)
+                        got[i].append(row)
         return out
 
     def _ingest(self, committed: list[Committed | _Light]) -> set[str]:
@@ -481,10 +594,11 @@ class Conversations:
                 touched[tid] = c.received_at
                 first.setdefault(tid, c.batch_id)
                 last[tid] = c.batch_id
-            for row in c.logs.rows():
+            for pos, row in enumerate(c.logs.rows()):
                 tid = row["trace_id"]
                 if tid is None:
                     continue  # a log record with no trace belongs to no conversation
+                row["arrival"] = (c.batch_id, pos)
                 fresh.setdefault(tid, _TraceRows()).logs.append(row)
                 touched[tid] = c.received_at
                 first.setdefault(tid, c.batch_id)
@@ -512,7 +626,7 @@ class Conversations:
                 self._bounds[tid] = (bounds[0], hi)
         while len(self._bounds) > self.max_bounds:
             self._bounds.popitem(last=False)
-        convs = self._touch(touched, current)
+        convs = self._touch(touched, current, since=first)
         self._evict()
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
         return convs
@@ -542,9 +656,13 @@ class Conversations:
             res = self._cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records WHERE {where}", params)
             for rec in res.fetchall():
                 loaded[rec[0]].spans.append(dict(zip(SPAN_COLUMNS, rec)))
-            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)} FROM log_records WHERE {where}", params)
+            res = self._cur.execute(f"SELECT {', '.join(LOG_COLUMNS)}, batch_id, seq FROM log_records "
+                                    f"WHERE {where}", params)
+            n = len(LOG_COLUMNS)
             for rec in res.fetchall():
-                loaded[rec[1]].logs.append(dict(zip(LOG_COLUMNS, rec)))
+                row = dict(zip(LOG_COLUMNS, rec))
+                row["arrival"] = (rec[n], rec[n + 1] or 0)  # NULL: stored before the place was kept
+                loaded[rec[1]].logs.append(row)
             for t, rows in loaded.items():
                 self._cache[t] = rows
                 self._cached_spans += len(rows.spans) + len(rows.logs)
@@ -593,10 +711,12 @@ class Conversations:
         for t in conv.traces:
             self._trace_map[t] = conv.id
 
-    def _touch(self, touched: dict[str, float], current: dict[str, str | None] | None = None) -> set[str]:
+    def _touch(self, touched: dict[str, float], current: dict[str, str | None] | None = None,
+               since: Mapping[str, int] | int = 0) -> set[str]:
         """Resolve each touched trace to its conversation and mark those conversations for a rebuild.
 
-        ``current`` is the trace map for these traces when the caller has read it already.
+        ``current`` is the trace map for these traces when the caller has read it already;
+        ``since`` the first commit with a trace's new rows (for the batch mark), per trace or for all.
         """
         if not touched:
             return set()
@@ -609,6 +729,7 @@ class Conversations:
             chunk = traces[i:i + 500]
             rows = self._rows(chunk)
             for tid in chunk:
+                self._check_stop()
                 self._yield_to_ingest()
                 key = conversation_key(rows[tid].spans, self.settings.id_attributes)
                 if key is None and current.get(tid) is None and not self._is_genai(rows[tid]):
@@ -624,14 +745,19 @@ class Conversations:
         for tid, cid in keys.items():
             conv = self._convs[cid]
             old = current.get(tid)
+            first = since if isinstance(since, int) else since[tid]
             if old != cid:
                 if old is not None:  # the span carrying the id arrived after its children
                     prev = self._convs[old]
                     if tid in prev.traces:
                         prev.traces.remove(tid)
                     self._dirty.setdefault(old, now)
+                    self._since.setdefault(old, first)
                 self._writes.moves[tid] = cid
                 self._trace_map[tid] = cid
+            # Also when the map has it already: a stop can come between writing the map and the
+            # conversation (its rebuild waits for the next interval), and the catch-up mends it.
+            if tid not in conv.traces:
                 conv.traces.append(tid)
                 if conv.state == "ended":  # a new trace reopens an ended conversation
                     conv.state, conv.ended_by, conv.closed_at = "open", None, None
@@ -641,6 +767,7 @@ class Conversations:
             conv.last_arrival = max(conv.last_arrival, touched[tid])
             # At most one rebuild per conversation per interval while data streams in.
             self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
+            self._since.setdefault(cid, first)
         return set(keys.values())
 
     def _chained(self, tid: str, rows: _TraceRows) -> str | None:
@@ -667,6 +794,7 @@ class Conversations:
             return
         deadline = (self._behind_since or time.monotonic()) + self.max_wait
         while self._ingest_busy():
+            self._check_stop()
             if time.monotonic() >= deadline:
                 time.sleep(3 * worked)
                 break
@@ -681,14 +809,37 @@ class Conversations:
             part = [self._convs[c] for c in due[i:i + 200] if c in self._convs]
             rows = self._rows({t for conv in part for t in conv.traces})
             for conv in part:
-                del self._dirty[conv.id]
-                self._rebuild(conv, rows)
+                self._check_stop()
+                self._rebuild_one(conv, rows)
                 self._yield_to_ingest()
             del rows
             if i + 200 < len(due):
                 self._flush()  # bounded memory: transcripts of at most 200 conversations wait to be written
         for cid in due:
-            self._dirty.pop(cid, None)
+            self._done(cid)
+
+    def _done(self, cid: str) -> None:
+        """The conversation's rebuild is no longer waited for (written with the next flush)."""
+        self._dirty.pop(cid, None)
+        self._since.pop(cid, None)
+
+    def _rebuild_one(self, conv: _Conv, rows: dict[str, _TraceRows] | None = None) -> None:
+        """``_rebuild``, where a failure costs this conversation its update, never the others theirs.
+
+        The conversation keeps its stored version; one never stored is stored
+        without messages, with the reason, so that it is listed and counted.
+        """
+        try:
+            self._rebuild(conv, rows)
+        except Exception as exc:  # noqa: BLE001 - odd data meeting a bug: counted, logged, the rest goes on
+            self.failed += 1
+            log.warning("conversation %s could not be rebuilt (%s: %s); %s", conv.id, type(exc).__name__, exc,
+                        "its stored version is kept" if conv.stored else "it is stored without messages",
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            if not conv.stored:
+                self._write(conv, Transcript(trace_ids=tuple(conv.traces), no_content_reason=(
+                    f"could not be rebuilt ({type(exc).__name__}: {exc}); the log has the details")))
+        self._done(conv.id)
 
     @staticmethod
     def _is_genai(rows: _TraceRows) -> bool:
@@ -740,8 +891,13 @@ class Conversations:
         if conv.state != "open" or not self.settings.end_rules or conv.newest_trace not in rows:
             return
         for span in rows[conv.newest_trace].spans:
-            attrs = load_json_column(span.get("attributes")) or {}
-            resource = load_json_column(span.get("resource")) or {}
+            try:
+                attrs = load_json_column(span.get("attributes")) or {}
+                resource = load_json_column(span.get("resource")) or {}
+            except (ValueError, RecursionError):  # a row that does not parse ends nothing
+                continue
+            if not isinstance(attrs, dict) or not isinstance(resource, dict):
+                continue
             for rule in self.settings.end_rules:
                 if _matches(rule, attrs.get(rule.attribute)) or _matches(rule, resource.get(rule.attribute)):
                     self._end(conv, rule.ended_by)
@@ -759,9 +915,10 @@ class Conversations:
             self._warned_no_content.add(tr.service or "")
             log.warning("conversation %s of service %s carries no message content, so it cannot be judged: %s",
                         conv.id, tr.service or "(unknown)", tr.no_content_reason)
+        tokens = (None, None) if tr.usage is None else (tr.usage.input_tokens, tr.usage.output_tokens)
         conv.row = [
             conv.id, tr.service, tr.started_at, tr.ended_at if conv.state == "ended" else None,
-            conv.ended_by, conv.state, tr.user_turns, tr.usage.input_tokens, tr.usage.output_tokens,
+            conv.ended_by, conv.state, tr.user_turns, *tokens,
             tr.llm_calls, len(tr.messages), orjson.dumps(list(tr.models)).decode(), tr.system,
             tr.content_captured, tr.no_content_reason, conv.hash, conv.revision,
             orjson.dumps(conv.traces).decode(), conv.newest_trace, _ts(conv.first_arrival),
@@ -769,7 +926,7 @@ class Conversations:
             orjson.dumps(list(tr.sources)).decode()]
         self._writes.conversations[conv.id] = conv.row
         self._writes.messages[conv.id] = [
-            (conv.id, i, m.role, m.content, orjson.dumps(m.to_dict()["tool_calls"]).decode() if m.tool_calls else None,
+            (conv.id, i, m.role, m.content, _json_text(m.to_dict()["tool_calls"]) if m.tool_calls else None,
              m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated)
             for i, m in enumerate(tr.messages)]
         if conv.stored:
@@ -779,11 +936,12 @@ class Conversations:
             self._forget(conv)
 
     def _flush(self) -> None:
-        """Write everything this cycle changed in one transaction, column-wise."""
+        """Write everything this cycle changed in one transaction, column-wise, with the batch mark."""
         assert self._cur is not None
         w = self._writes
         cur = self._cur
-        cur.execute("BEGIN")
+        if not self._in_transaction:
+            cur.execute("BEGIN")
         try:
             gone = sorted(w.deleted | w.replace)
             if gone:
@@ -798,10 +956,12 @@ class Conversations:
             _insert(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
                     [row for cid, row in w.conversations.items() if cid not in w.deleted])
             cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)",
-                        [str(self._processed_batch)])
-            cur.execute("COMMIT")
+                        [str(self._safe_batch())])
+            if not self._in_transaction:
+                cur.execute("COMMIT")
         except Exception:
-            cur.execute("ROLLBACK")
+            if not self._in_transaction:
+                cur.execute("ROLLBACK")
             raise
         finally:
             self._writes = _Writes()
@@ -823,10 +983,10 @@ class Conversations:
         limit = self.settings.idle_timeout
         for conv in [c for c in self._convs.values() if c.state == "open" and now - c.last_arrival >= limit]:
             self._end(conv, "idle")
-            self._dirty.pop(conv.id, None)
-            if conv.row is None:  # loaded at start: rebuild to learn the rest
-                self._rebuild(conv)
+            if conv.row is None or conv.id in self._dirty:  # loaded at start, or new rows: rebuild
+                self._rebuild_one(conv)
                 continue
+            self._done(conv.id)
             row = list(conv.row)
             row[3], row[4], row[5], row[21], row[22] = (conv.last_span_end, "idle", "ended",
                                                         _ts(conv.closed_at), _ts(now))

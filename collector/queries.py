@@ -108,7 +108,7 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
         attributes["no_content_reason"] = reason
     if unparsed_spans or unparsed_logs:
         attributes.update(unparsed_spans=unparsed_spans, unparsed_logs=unparsed_logs)
-    return {
+    record: dict[str, Any] = {
         "schema": "conversation/v1",
         "id": conversation_id,
         "source": "production",
@@ -119,10 +119,12 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
         "system": system,
         "messages": messages,
         "models": orjson.loads(models or "[]"),
-        "usage": {"input_tokens": inp or 0, "output_tokens": out or 0},
         "trace_ids": orjson.loads(trace_ids or "[]"),
         "attributes": attributes,
     }
+    if inp is not None or out is not None:  # absent when no LLM call reported token counts
+        record["usage"] = {"input_tokens": inp or 0, "output_tokens": out or 0}
+    return record
 
 
 def conversation_counts(cur: duckdb.DuckDBPyConnection) -> dict[str, int]:

@@ -84,6 +84,9 @@ CREATE TABLE IF NOT EXISTS log_records (
     received_at TIMESTAMPTZ NOT NULL,
     batch_id UBIGINT NOT NULL
 );
+-- A record's place in its commit: records of one call often share a timestamp, and
+-- INSERT OR IGNORE does not store rows in the order given. Added to older files.
+ALTER TABLE log_records ADD COLUMN IF NOT EXISTS seq UINTEGER;
 -- JSON columns are stored as VARCHAR (we write valid JSON; DuckDB's JSON type
 -- would parse every value again on insert, halving throughput) and typed JSON
 -- in the views.
@@ -364,10 +367,13 @@ class Store:
             return 0
         arrow = pa.Table.from_arrays(
             [pa.array(col, type=schema.field(i).type) for i, col in enumerate(batch.columns)], schema=schema)
+        if table == "log_records":
+            arrow = arrow.append_column("seq", pa.array(range(len(batch)), pa.uint32()))
         con.register(view, arrow)
         try:
             row = con.execute(
-                f"INSERT OR IGNORE INTO {table} SELECT *, to_timestamp(?), ? FROM {view}",
+                f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, to_timestamp(?) AS received_at, ? AS batch_id "
+                f"FROM {view}",
                 [now, self._batch_id],
             ).fetchone()
         finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
@@ -74,9 +74,10 @@ class Transcript:
 
     Attributes:
         messages: the transcript, each message once, in order.
-        system: the system instructions (first seen), if captured.
+        system: the system instructions of the first call that had any, if captured.
         models: response (else request) models of the LLM calls, first seen first.
-        usage: tokens summed over the LLM calls, each call counted once.
+        usage: tokens summed over the LLM calls, each call counted once; None
+            when no call reported any.
         trace_ids: contributing traces, oldest first.
         service: ``service.name`` of the first span that has one.
         started_at / ended_at: first span start, last span end (UTC).
@@ -93,7 +94,7 @@ class Transcript:
     messages: tuple[TranscriptMessage, ...] = ()
     system: str | None = None
     models: tuple[str, ...] = ()
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage | None = None
     trace_ids: tuple[str, ...] = ()
     service: str | None = None
     started_at: datetime | None = None
@@ -150,10 +151,11 @@ class Transcript:
             "system": self.system,
             "messages": [m.to_dict() for m in self.messages],
             "models": list(self.models),
-            "usage": {"input_tokens": self.usage.input_tokens, "output_tokens": self.usage.output_tokens},
             "trace_ids": list(self.trace_ids),
             "attributes": attrs,
         }
+        if self.usage is not None:
+            record["usage"] = {"input_tokens": self.usage.input_tokens, "output_tokens": self.usage.output_tokens}
         if sampling is not None:
             record["sampling"] = dict(sampling)
         return record

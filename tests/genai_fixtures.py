@@ -2,7 +2,8 @@
 
 Every ``NAME.expected.json`` in ``../shared/fixtures/otlp`` is a case; its
 payloads are ``NAME[.logs][.N].(pb|json)[.gz]``, decoded with
-``collector.otlp`` exactly as the receivers do.
+``collector.otlp`` exactly as the receivers do; log rows carry their
+``arrival`` (request, place in it) as the conversation stage gives it.
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ def load_case(name: str) -> Case:
     expected = json.loads((FIXTURES / f"{name}.expected.json").read_text(encoding="utf-8"))
     spans: list[dict[str, Any]] = []
     logs: list[dict[str, Any]] = []
-    for path in _payloads(name):
+    for n, path in enumerate(_payloads(name)):
         body = path.read_bytes()
         if path.name.endswith(".gz"):
             body = gzip.decompress(body)
         json_body = ".json" in path.name
         if ".logs" in path.name:
             batch, rejected, _ = otlp.log_batch(otlp.parse_logs(body, json_body))
-            logs.extend(batch.rows())
+            # (request, place in it): the order they were received in, as the daemon passes it
+            logs.extend({**row, "arrival": (n, i)} for i, row in enumerate(batch.rows()))
         else:
             sbatch, rejected, _ = otlp.span_batch(otlp.parse_traces(body, json_body))
             spans.extend(sbatch.rows())

@@ -694,3 +694,55 @@ SALVAGE_TABLE: list[tuple[str, Any]] = [
 def test_salvage(text: str, value: Any) -> None:
     from collector.normalize._salvage import salvage
     assert salvage(text) == value
+
+
+# ---------------------------------------------------------------- log records sharing a timestamp
+
+
+def test_log_records_sharing_a_timestamp_keep_request_order() -> None:
+    """Per-message events of one call on a coarse clock: request order, not their hashes, decides."""
+    turns = _turns("hi", "hello", "yes", "ok", "yes", "done")
+    w = write(turns, "legacy log events")
+    for i, row in enumerate(w.logs):
+        row["observed_time_unix_nano"] = 1_764_478_800_000_000_000  # one clock tick for every record
+        row["arrival"] = (1, i)  # (commit, place in it), as the conversation stage passes them
+    assert got(w.spans, w.logs) == expected(turns)
+    rnd = random.Random(7)
+    for _ in range(5):  # in any order, with retries
+        assert got(_shuffled_with_dupes(w.spans, rnd), _shuffled_with_dupes(w.logs, rnd)) == expected(turns)
+
+
+def test_a_retried_log_record_keeps_its_first_place() -> None:
+    turns = _turns("hi", "hello", "more", "sure")
+    w = write(turns, "legacy log events")
+    for i, row in enumerate(w.logs):
+        row["observed_time_unix_nano"] = 1_764_478_800_000_000_000
+        row["arrival"] = (1, i)
+    retried = [{**row, "arrival": (2, i)} for i, row in enumerate(reversed(w.logs))]
+    assert got(w.spans, w.logs + retried) == expected(turns)
+
+
+# ---------------------------------------------------------------- usage
+
+
+def _chat(w: Writer, usage: dict[str, Any]) -> None:
+    _llm(w, "b" * 32, None, {
+        "gen_ai.request.model": "m",
+        "gen_ai.input.messages": J([{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]),
+        "gen_ai.output.messages": J([{"role": "assistant", "parts": [{"type": "text", "content": "hello"}]}]),
+        **usage}, 10, 20)
+
+
+def test_usage_absent_when_no_call_reported_it() -> None:
+    w = Writer("x")
+    _chat(w, {})
+    t = build_transcript(w.spans, [])
+    assert t.llm_calls == 1 and t.usage is None
+    assert "usage" not in t.to_conversation_v1("c")
+
+
+def test_usage_reported_as_zero_stays_zero() -> None:
+    w = Writer("x")
+    _chat(w, {"gen_ai.usage.input_tokens": 0, "gen_ai.usage.output_tokens": 0})
+    t = build_transcript(w.spans, [])
+    assert t.to_conversation_v1("c")["usage"] == {"input_tokens": 0, "output_tokens": 0}

@@ -7,11 +7,12 @@ import urllib.parse
 from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from .conftest import run_cli, wait_conversations
 from .genai_fixtures import case_names
 from .test_normalize import comparable_message
-from .wire import FIXTURES, fixture_requests, replay
+from .wire import FIXTURES, fixture_requests, replay, wire_body
 
 HANDOVER = {"conversations": {"end_rules": [{"attribute": "app.handover", "equals": True, "ended_by": "handover"}]}}
 
@@ -26,6 +27,38 @@ def test_fixture_conversations_rebuilt_by_the_daemon(make_daemon: Any, case: str
     for req in fixture_requests(case):
         replay(req, daemon.grpc, daemon.http)
     wait_conversations(daemon)
+    _assert_rebuilt_as_expected(daemon, case)
+
+
+def one_timestamp_per_call(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests, with every log record of a call given the same time (a coarse clock)."""
+    first: dict[bytes, int] = {}
+    out = []
+    for req in requests:
+        if req["signal"] != "logs":
+            out.append(req)
+            continue
+        msg = ExportLogsServiceRequest.FromString(wire_body(req))
+        for rl in msg.resource_logs:
+            for sl in rl.scope_logs:
+                for rec in sl.log_records:
+                    t = first.setdefault(rec.span_id, rec.observed_time_unix_nano)
+                    rec.time_unix_nano = rec.observed_time_unix_nano = t
+        out.append({**req, "body": msg.SerializeToString(), "content_encoding": None})
+    return out
+
+
+def test_log_records_sharing_a_timestamp_keep_request_order(make_daemon: Any) -> None:
+    """openai-v2's per-message events of one call on a coarse clock: each message once, in order."""
+    case = "openai-v2-2.3b0-legacy-log-events-http"
+    daemon = make_daemon(**HANDOVER)
+    for req in one_timestamp_per_call(list(fixture_requests(case))):
+        replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    _assert_rebuilt_as_expected(daemon, case)
+
+
+def _assert_rebuilt_as_expected(daemon: Any, case: str) -> None:
     expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())
     listed = daemon.get("/api/conversations?limit=1000")[1]["conversations"]
     assert {c["conversation_id"] for c in listed} == {_cid(c) for c in expected["conversations"]}
@@ -177,3 +210,70 @@ def test_kill9_before_conversations_caught_up_then_restart(make_daemon: Any) -> 
         record = daemon.get("/api/conversations/" + urllib.parse.quote(_cid(conv), safe=""))[1]
         assert [comparable_message(m) for m in record["messages"]] == [comparable_message(m) for m in conv["messages"]]
         assert record["ended_by"] == ("handover" if conv["handover"] else "open")
+
+
+def _spans_request(spans: list[tuple[int, int, int | None, str, dict[str, Any]]]) -> bytes:
+    """An export request of (trace, span, parent, name, attributes) spans, one service."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = "service.name", "shopbot"
+    ss = rs.scope_spans.add()
+    for i, (trace, span, parent, name, attrs) in enumerate(spans):
+        sp = ss.spans.add()
+        sp.trace_id, sp.span_id, sp.name = trace.to_bytes(16, "big"), span.to_bytes(8, "big"), name
+        if parent is not None:
+            sp.parent_span_id = parent.to_bytes(8, "big")
+        sp.start_time_unix_nano = 1_764_478_800_000_000_000 + i * 1000
+        sp.end_time_unix_nano = sp.start_time_unix_nano + 900
+        for key, value in attrs.items():
+            a = sp.attributes.add()
+            a.key = key
+            if isinstance(value, int):
+                a.value.int_value = value
+            else:
+                a.value.string_value = value
+    return req.SerializeToString()
+
+
+def test_system_texts_attachment_markers_and_unreported_usage(make_daemon: Any) -> None:
+    """conversation-v1.md rules, over the wire: every system text once, attachments named by their
+    modality, no ``usage`` where no call reported one."""
+    from .wire import post
+
+    image = [{"type": "text", "text": "Is this the right shoe?"},
+             {"type": "image_url", "image_url": {"url": "https://example.com/shoe.jpg"}}]
+    spans = [
+        # OpenLLMetry (indexed attributes), a streamed call that reported no token counts.
+        (1, 1, None, "invoke_agent ShopBot", {"gen_ai.operation.name": "invoke_agent",
+                                              "gen_ai.conversation.id": "c-image"}),
+        (1, 2, 1, "openai.chat", {"llm.request.type": "chat", "gen_ai.request.model": "gpt-4o",
+                                  "gen_ai.prompt.0.role": "system", "gen_ai.prompt.0.content": "Be brief.",
+                                  "gen_ai.prompt.1.role": "user", "gen_ai.prompt.1.content": json.dumps(image),
+                                  "gen_ai.completion.0.role": "assistant",
+                                  "gen_ai.completion.0.content": "Yes, that is the Trail Runner X2."}),
+        # v1.37+ attributes: system instructions beside a system message of the input.
+        (2, 3, None, "invoke_agent ShopBot", {"gen_ai.operation.name": "invoke_agent",
+                                              "gen_ai.conversation.id": "c-system"}),
+        (2, 4, 3, "chat gpt-4o-mini", {
+            "gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-4o-mini",
+            "gen_ai.system_instructions": json.dumps([{"type": "text", "content": "You are ShopBot."}]),
+            "gen_ai.input.messages": json.dumps([
+                {"role": "system", "parts": [{"type": "text", "content": "The user is signed in as Ada."}]},
+                {"role": "user", "parts": [{"type": "text", "content": "Where is my order?"}]}]),
+            "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [
+                {"type": "text", "content": "It ships today, Ada."}], "finish_reason": "stop"}]),
+            "gen_ai.usage.input_tokens": 0, "gen_ai.usage.output_tokens": 7}),
+    ]
+    daemon = make_daemon()
+    assert post(daemon.http, "/v1/traces", _spans_request(spans))[0] == 200
+    wait_conversations(daemon)
+    image_rec = daemon.get("/api/conversations/c-image")[1]
+    assert [m["content"] for m in image_rec["messages"]] == ["Is this the right shoe?\n[image]",
+                                                             "Yes, that is the Trail Runner X2."]
+    assert "usage" not in image_rec and image_rec["system"] == "Be brief."
+    system_rec = daemon.get("/api/conversations/c-system")[1]
+    assert system_rec["system"] == "You are ShopBot.\n\nThe user is signed in as Ada."
+    assert system_rec["usage"] == {"input_tokens": 0, "output_tokens": 7}

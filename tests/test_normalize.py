@@ -31,7 +31,7 @@ from collector.normalize import (
     span_dialects,
 )
 from collector.normalize._model import Attrs, Truncated, _last_arrays
-from tests.genai_fixtures import by_trace, case_names, load_case
+from tests.genai_fixtures import FIXTURES, Case, by_trace, case_names, load_case
 
 CASES = case_names()
 
@@ -54,7 +54,24 @@ def comparable_message(m: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", CASES)
 def test_fixture_case(name: str) -> None:
+    _assert_rebuilt_exactly(load_case(name))
+
+
+LOG_CASES = [c for c in CASES if any(FIXTURES.glob(f"{c}.logs*"))]
+
+
+@pytest.mark.parametrize("name", LOG_CASES)
+def test_fixture_case_with_one_timestamp_per_call(name: str) -> None:
+    """A coarse clock gives every log record of a call the same time: request order still holds."""
     case = load_case(name)
+    first: dict[Any, int] = {}
+    for row in case.logs:
+        t = first.setdefault((row["trace_id"], row["span_id"]), row["observed_time_unix_nano"])
+        row["time_unix_nano"] = row["observed_time_unix_nano"] = t
+    _assert_rebuilt_exactly(case)
+
+
+def _assert_rebuilt_exactly(case: Case) -> None:
     groups = group_traces(by_trace(case.spans, case.logs))
     expected = case.expected["conversations"]
     want_ids = {c["conversation_key"] or f"trace:{c['trace_ids'][0]}" for c in expected}
@@ -457,3 +474,110 @@ def test_conversation_key_skips_unreadable_rows() -> None:
             _row("t", "c", {"session.id": "s"})]
     assert conversation_key(rows) == "s"
     assert group_traces({"t": rows}) == {"s": ["t"]}
+
+
+# ---------------------------------------------------------------- system instructions (conversation-v1.md)
+
+SI = "You are ShopBot. Be brief."
+# (case id, span attributes, expected system) in the shapes the libraries emit.
+SYSTEM_TABLE: list[tuple[str, dict[str, Any], str | None]] = [
+    ("otel-genai: system_instructions and a system message, instructions first", {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.system_instructions": J([{"type": "text", "content": SI}]),
+        "gen_ai.input.messages": J([{"role": "system", "parts": [{"type": "text", "content": "Today is Monday."}]},
+                                    {"role": "user", "parts": [{"type": "text", "content": "hi"}]}]),
+    }, f"{SI}\n\nToday is Monday."),
+    ("otel-genai: a developer message beside the instructions", {
+        "gen_ai.system_instructions": J([{"type": "text", "content": SI}, {"type": "text", "content": "No jokes."}]),
+        "gen_ai.input.messages": J([{"role": "developer", "parts": [{"type": "text", "content": "Use tools."}]},
+                                    {"role": "user", "parts": [{"type": "text", "content": "hi"}]}]),
+    }, f"{SI}\n\nNo jokes.\n\nUse tools."),
+    ("otel-genai: the same text in both is kept once", {
+        "gen_ai.system_instructions": J([{"type": "text", "content": SI}]),
+        "gen_ai.input.messages": J([{"role": "system", "parts": [{"type": "text", "content": SI}]},
+                                    {"role": "user", "parts": [{"type": "text", "content": "hi"}]}]),
+    }, SI),
+    ("vercel outer ai.prompt: system and a system message", {
+        "ai.operationId": "ai.generateText",
+        "ai.prompt": J({"system": SI, "messages": [{"role": "system", "content": "Today is Monday."},
+                                                   {"role": "user", "content": "hi"}]}),
+    }, f"{SI}\n\nToday is Monday."),
+]
+
+
+@pytest.mark.parametrize("case_id,attrs,want", SYSTEM_TABLE, ids=[row[0] for row in SYSTEM_TABLE])
+def test_system_instructions_and_system_messages_are_both_kept(case_id: str, attrs: dict[str, Any],
+                                                                want: str) -> None:
+    _, content = read_span(attrs)
+    assert content is not None
+    assert content.system == want
+    assert [m.role for m in content.input or []] == ["user"]
+
+
+def test_system_instructions_of_the_operation_details_event_beside_a_system_message() -> None:
+    content = read_events([Event("gen_ai.client.inference.operation.details", {
+        "gen_ai.system_instructions": [{"type": "text", "content": SI}],
+        "gen_ai.input.messages": [{"role": "system", "parts": [{"type": "text", "content": "Today is Monday."}]},
+                                  {"role": "user", "parts": [{"type": "text", "content": "hi"}]}]}, None)])
+    assert content is not None and content.system == f"{SI}\n\nToday is Monday."
+
+
+# ---------------------------------------------------------------- attachment markers (conversation-v1.md)
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+# (case id, span attributes, expected content of the first input message)
+MARKER_TABLE: list[tuple[str, dict[str, Any], str]] = [
+    ("openllmetry openai image_url block in indexed content", {
+        "llm.request.type": "chat",
+        "gen_ai.prompt.0.role": "user",
+        "gen_ai.prompt.0.content": J([{"type": "text", "text": "What is in this image?"},
+                                      {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}]),
+    }, "What is in this image?\n[image]"),
+    ("openai input_audio block", {
+        "gen_ai.input.messages": J([{"role": "user", "content": [
+            {"type": "text", "text": "Transcribe this."},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]),
+    }, "Transcribe this.\n[audio]"),
+    ("openai responses input_image and input_file", {
+        "gen_ai.input.messages": J([{"role": "user", "content": [
+            {"type": "input_text", "text": "Compare them."},
+            {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}"},
+            {"type": "input_file", "file_id": "file-1"}]}]),
+    }, "Compare them.\n[image]\n[file]"),
+    ("otel parts: blob, uri and file with their modality", {
+        "gen_ai.input.messages": J([{"role": "user", "parts": [
+            {"type": "text", "content": "See attached."},
+            {"type": "blob", "modality": "image", "mime_type": "image/png", "content": PNG},
+            {"type": "uri", "modality": "video", "uri": "https://example.com/a.mp4"},
+            {"type": "file", "modality": "document", "file_id": "file-2"}]}]),
+    }, "See attached.\n[image]\n[video]\n[document]"),
+    ("otel parts: a file without modality is named by its type", {
+        "gen_ai.input.messages": J([{"role": "user", "parts": [{"type": "file", "file_id": "file-3"},
+                                                                {"type": "text", "content": "Summarize."}]}]),
+    }, "Summarize.\n[file]"),
+    ("anthropic image block before the text: markers come after the text", {
+        "gen_ai.input.messages": J([{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+            {"type": "text", "text": "What is this?"}]}]),
+    }, "What is this?\n[image]"),
+    ("an image only", {
+        "gen_ai.input.messages": J([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}]}]),
+    }, "[image]"),
+]
+
+
+@pytest.mark.parametrize("case_id,attrs,want", MARKER_TABLE, ids=[row[0] for row in MARKER_TABLE])
+def test_attachment_markers_follow_the_modality(case_id: str, attrs: dict[str, Any], want: str) -> None:
+    _, content = read_span(attrs)
+    assert content is not None and content.input
+    assert content.input[0].content == want
+
+
+def test_attachment_in_a_tool_result_is_a_marker_not_its_bytes() -> None:
+    _, content = read_span({"gen_ai.input.messages": J([{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "text", "text": "Here is the chart."},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}]}]}])})
+    assert content is not None
+    assert content.input == [_m("tool", "Here is the chart.\n[image]", call_id="toolu_1")]

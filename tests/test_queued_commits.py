@@ -21,6 +21,7 @@ from collector.otlp import log_batch, parse_logs, parse_traces, span_batch
 from collector.store import Store
 
 from .conftest import FIXTURES
+from .test_conversations import one_timestamp_per_call
 from .wire import fixture_requests, wire_body
 
 CASES = sorted(p.name.removesuffix(".meta.json") for p in FIXTURES.glob("*.meta.json"))
@@ -28,14 +29,14 @@ SETTINGS = Settings.model_validate({"end_rules": [{"attribute": "app.handover", 
                                                    "ended_by": "handover"}]})
 
 
-def rebuilt(tmp: Path, case: str, queued_only: bool) -> dict[str, list[tuple[Any, ...]]]:
+def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool) -> dict[str, list[tuple[Any, ...]]]:
     store = Store(tmp / f"{queued_only}.duckdb")
     store.open()
     stage = Conversations(store, SETTINGS, max_queued_commits=0 if queued_only else 1_000_000)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
-        for req in fixture_requests(case):
+        for req in requests:
             json_body = "json" in req.get("content_type", "")
             if req["signal"] == "traces":
                 store.submit(spans=span_batch(parse_traces(wire_body(req), json_body))[0]).result(30)
@@ -61,6 +62,21 @@ def rebuilt(tmp: Path, case: str, queued_only: bool) -> dict[str, list[tuple[Any
 
 @pytest.mark.parametrize("case", CASES)
 def test_queued_commits_rebuild_the_same_conversations(tmp_path: Path, case: str) -> None:
-    whole = rebuilt(tmp_path, case, queued_only=False)
+    requests = list(fixture_requests(case))
+    whole = rebuilt(tmp_path, requests, queued_only=False)
     assert whole["conversations"]
-    assert rebuilt(tmp_path, case, queued_only=True) == whole
+    assert rebuilt(tmp_path, requests, queued_only=True) == whole
+
+
+def test_log_records_sharing_a_timestamp_read_back_in_request_order(tmp_path: Path) -> None:
+    """Rows read back from DuckDB keep the order their request gave them, as rows handed over do."""
+    case = "openai-v2-2.3b0-legacy-log-events-http"
+    requests = one_timestamp_per_call(list(fixture_requests(case)))
+    queued = rebuilt(tmp_path, requests, queued_only=True)
+    got: dict[str, list[tuple[str, str]]] = {}
+    for row in queued["messages"]:  # (conversation_id, seq, role, content, ...), in seq order
+        got.setdefault(row[0], []).append((row[2], row[3] or ""))
+    expected = json.loads((FIXTURES / f"{case}.expected.json").read_text())["conversations"]
+    assert got == {c["conversation_key"] or f"trace:{c['trace_ids'][0]}":
+                   [(m["role"], m.get("content") or "") for m in c["messages"]] for c in expected}
+    assert rebuilt(tmp_path, requests, queued_only=False) == queued

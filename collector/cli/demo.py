@@ -137,13 +137,25 @@ def _your_bot(info: RuntimeInfo) -> str:
     return "\n".join(lines)
 
 
+def _wait_for_conversations(client: APIClient, timeout: float = 60.0) -> None:
+    """Until the daemon has rebuilt the conversations of everything it stored (at most ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.get("/api/status")
+        if (status["conversations_batch"] >= status["committed_batch"] and not status["queue_depth"]
+                and not status["conversations_pending"]):
+            return
+        time.sleep(0.1)
+
+
 @click.command()
 @click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=DEMO_DIR,
               show_default=True, envvar="TRACEJUDGE_DEMO_DIR", show_envvar=True,
               help="Folder for the demo's config, DuckDB file and daemon log.")
 @click.option("--ephemeral-ports", is_flag=True, help="Listen on free ports instead of 4317/4318/8318.")
 @click.option("--exit", "exit_after", is_flag=True,
-              help="Stop the daemon this command started once the traffic is in, instead of serving until Ctrl-C.")
+              help="Stop the daemon this command started once the traffic is in and its conversations are rebuilt, "
+                   "instead of serving until Ctrl-C.")
 def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     """See tracejudge work: start a daemon on a demo config and send it chatbot traffic.
 
@@ -180,7 +192,8 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
         sent = send_demo_traffic(info.grpc, progress=click.echo)
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
-    counts = APIClient(info.api, cfg.api.auth.bearer_token).get("/api/spans/count")
+    client = APIClient(info.api, cfg.api.auth.bearer_token)
+    counts = client.get("/api/spans/count")
     api = info.api
     cfg_arg = f"--config {config_path}"
     criteria = folder / "criteria.yaml"
@@ -211,6 +224,7 @@ Where to look:
     if proc is None:
         return
     if exit_after:
+        _wait_for_conversations(client)  # a stop leaves what is not rebuilt yet to the next start
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         click.echo("Demo daemon stopped.")

@@ -19,7 +19,9 @@ def reindex(config_path: Path | None) -> None:
 
     Run it after upgrading tracejudge (a better normalizer) or changing
     conversations.id_attributes or end_rules. Spans are kept whole, so nothing
-    is lost. It needs the database to itself: stop the daemon first.
+    is lost, and the old conversations stay until the new ones are all built:
+    a reindex that fails or is interrupted changes nothing. It needs the
+    database to itself: stop the daemon first.
     """
     cfg = load(config_path)
     info = running_daemon(cfg.runtime_file)
@@ -42,7 +44,15 @@ def reindex(config_path: Path | None) -> None:
                 bar.update(done - bar.pos)
 
             count = stage.reindex(progress)
+    except Exception as exc:  # one line, exit 1: the transaction is rolled back, the old rows are whole
+        click.echo(f"tracejudge: error: reindex failed, the stored conversations are unchanged: "
+                   f"{type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
     finally:
         stage.stop()
         store.close()
     click.echo(f"reindexed: {count} conversations rebuilt in {cfg.storage.duckdb.path}")
+    if stage.failed:
+        click.echo(f"tracejudge: warning: {stage.failed} conversations could not be rebuilt: they are stored "
+                   "without messages, with the reason", err=True)
+        sys.exit(1)

@@ -36,10 +36,14 @@ SKIP_TYPES = frozenset({
 })
 TOOL_CALL_TYPES = frozenset({"tool_call", "tool_use", "tool-call", "function_call"})
 TOOL_RESULT_TYPES = frozenset({"tool_call_response", "tool_result", "tool-result", "function_call_output"})
-MEDIA_TYPES = frozenset({
-    "blob", "uri", "file", "image", "image_url", "input_image", "input_audio",
-    "input_file", "audio", "video", "document",
-})
+# Attachments: the word of their marker line when the part names no ``modality``
+# (conversation-v1.md: ``[image]``, ``[audio]``...; else the part type, ``[file]``).
+MEDIA_WORDS: dict[str, str] = {
+    "image": "image", "image_url": "image", "input_image": "image",
+    "audio": "audio", "input_audio": "audio", "video": "video", "document": "document",
+    "file": "file", "input_file": "file", "blob": "blob", "uri": "uri",
+}
+MEDIA_TYPES = frozenset(MEDIA_WORDS)
 
 # Field names, in order of preference, across the shapes above.
 # Responses API items carry both an item id (fc_...) and the call id the result
@@ -66,8 +70,15 @@ def role_of(value: Any) -> Role | None:
     return ROLES.get(value.strip().lower())
 
 
+def _marker(block: dict[str, Any], btype: str) -> str:
+    """The marker line of an attachment: its modality, else the word for its part type."""
+    modality = block.get("modality")
+    return f"[{modality if isinstance(modality, str) and modality else MEDIA_WORDS[btype]}]"
+
+
 def result_text(value: Any) -> str:
-    """A tool result as text: strings as they are, block lists joined, objects as JSON."""
+    """A tool result as text: strings as they are, block lists joined (attachments as marker
+    lines after the text), objects as JSON."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -76,12 +87,20 @@ def result_text(value: Any) -> str:
         # Vercel AI SDK: {"type": "text"|"json", "value": ...}
         if "value" in value and set(value) <= {"type", "value"}:
             return result_text(value["value"])
+        btype = value.get("type")
         text = value.get("text")
-        if value.get("type") in TEXT_TYPES and isinstance(text, str):
+        if btype in TEXT_TYPES and isinstance(text, str):
             return text
+        if btype in MEDIA_TYPES:
+            return _marker(value, btype)
         return dumps(value)
     if isinstance(value, list) and value and all(_is_block(b) for b in value):
-        return "".join(result_text(b if "type" in b else (_keyed_block(b) or b)) for b in value)
+        texts: list[str] = []
+        markers: list[str] = []
+        for b in value:
+            b = b if "type" in b else (_keyed_block(b) or b)
+            (markers if b.get("type") in MEDIA_TYPES else texts).append(result_text(b))
+        return "\n".join(t for t in ("".join(texts), *markers) if t)
     return dumps(value)
 
 
@@ -138,8 +157,12 @@ class _Acc:
 
     def __init__(self) -> None:
         self.texts: list[str] = []
+        self.markers: list[str] = []  # one line per attachment, after the text
         self.calls: list[ToolCall] = []
         self.results: list[tuple[str | None, str | None, str]] = []
+
+    def text(self) -> str:
+        return "\n".join(t for t in (*self.texts, *self.markers) if t)
 
     def block(self, block: Any) -> None:
         if isinstance(block, str):
@@ -170,8 +193,7 @@ class _Acc:
         elif btype in SKIP_TYPES:
             return
         elif btype in MEDIA_TYPES:
-            modality = block.get("modality") or btype
-            self.texts.append(f"[{modality}]")
+            self.markers.append(_marker(block, btype))
         elif isinstance(block.get("content"), str):  # generic part with text
             self.texts.append(block["content"])
 
@@ -236,7 +258,7 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
         if call is not None:
             acc.calls.append(call)
     name = obj.get("name") if isinstance(obj.get("name"), str) else None
-    text = "\n".join(t for t in acc.texts if t)
+    text = acc.text()
     if truncated and not (text or acc.calls or acc.results):
         return []  # cut before any of its content: nothing to show
     out: list[Message] = []
@@ -305,19 +327,41 @@ def read_messages(items: Any, truncated: bool = False) -> list[Message]:
     return out
 
 
-def split_system(messages: list[Message]) -> tuple[list[Message], str | None]:
-    """Move system messages out of a history: (the rest, their text joined)."""
+def join_system(*groups: list[str] | None) -> str | None:
+    """System texts from several places, in order, each text once, joined by a blank line.
+
+    conversation-v1.md: the system instructions (``gen_ai.system_instructions``,
+    a request's top-level ``system``) first, then the system and developer
+    messages of the input.
+    """
+    texts: list[str] = []
+    seen: set[str] = set()
+    for group in groups:
+        for text in group or ():
+            if text.strip() and text.strip() not in seen:
+                seen.add(text.strip())
+                texts.append(text)
+    return "\n\n".join(texts) or None
+
+
+def system_messages(messages: list[Message]) -> tuple[list[Message], list[str]]:
+    """Move system messages out of a history: (the rest, their texts)."""
     rest = [m for m in messages if m.role != "system"]
     if len(rest) == len(messages):
-        return messages, None
-    texts = [m.content for m in messages if m.role == "system" and m.content]
-    return rest, "\n\n".join(texts) or None
+        return messages, []
+    return rest, [m.content for m in messages if m.role == "system" and m.content]
 
 
-def system_text(value: Any) -> str | None:
-    """System instructions given as a string, a part list or a message list."""
+def split_system(messages: list[Message]) -> tuple[list[Message], str | None]:
+    """Move system messages out of a history: (the rest, their text joined)."""
+    rest, texts = system_messages(messages)
+    return rest, join_system(texts)
+
+
+def system_texts(value: Any) -> list[str]:
+    """System instructions given as a string, a part list or a message list, text by text."""
     if isinstance(value, str):
-        return value or None
+        return [value] if value else []
     acc = _Acc()
     for block in value if isinstance(value, list) else [value]:
         if isinstance(block, dict) and "role" in block:
@@ -329,7 +373,22 @@ def system_text(value: Any) -> str | None:
                 acc.block(b)
         else:
             acc.block(block)
-    return "\n\n".join(t for t in acc.texts if t) or None
+    return [t for t in (*acc.texts, *acc.markers) if t]
+
+
+def history_texts(items: Any) -> tuple[list[Message], list[str]]:
+    """``history``, with the system texts apart (a top-level ``system`` first)."""
+    if isinstance(items, dict) and "role" not in items:
+        msgs = items.get("messages")
+        if msgs is None:
+            msgs = items.get("contents", items.get("input"))
+        if isinstance(msgs, str):
+            msgs = [{"role": "user", "content": msgs}]
+        rest, texts = system_messages(read_messages(msgs))
+        if items.get("system") is not None:
+            texts = system_texts(items["system"]) + texts
+        return rest, texts
+    return system_messages(read_messages(items))
 
 
 def history(items: Any) -> tuple[list[Message], str | None]:
@@ -338,17 +397,8 @@ def history(items: Any) -> tuple[list[Message], str | None]:
     Accepts a message list, one message, or a request object holding
     ``messages`` (with an Anthropic-style top-level ``system``).
     """
-    if isinstance(items, dict) and "role" not in items:
-        msgs = items.get("messages")
-        if msgs is None:
-            msgs = items.get("contents", items.get("input"))
-        if isinstance(msgs, str):
-            msgs = [{"role": "user", "content": msgs}]
-        rest, system = split_system(read_messages(msgs))
-        if items.get("system") is not None:
-            system = system_text(items["system"]) or system
-        return rest, system
-    return split_system(read_messages(items))
+    rest, texts = history_texts(items)
+    return rest, join_system(texts)
 
 
 def answer(items: Any) -> list[Message]:

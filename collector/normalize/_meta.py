@@ -104,19 +104,28 @@ def _json_field(attrs: Attrs, attr: str, path: tuple[str, ...]) -> Any:
     return obj
 
 
+# A count beyond this is no count (a sum of a few would not fit the store's 64-bit columns).
+MAX_TOKENS = 2**40
+
+
+def _count(value: Any) -> int | None:
+    n = as_int(value)
+    return n if n is not None and 0 <= n <= MAX_TOKENS else None
+
+
 def _tokens(attrs: Attrs, keys: tuple[str, ...], fields: tuple[str, ...]) -> int | None:
     get = attrs.get
     for k in keys:
         v = get(k)
         if v is not None:
-            n = as_int(v)
+            n = _count(v)
             if n is not None:
                 return n
     for attr, path in USAGE_JSON:
         usage = _json_field(attrs, attr, path)
         if isinstance(usage, dict):
             for f in fields:
-                n = as_int(usage.get(f))
+                n = _count(usage.get(f))
                 if n is not None:
                     return n
     return None

@@ -9,6 +9,7 @@ answered, and the system instructions. Call facts that are not content
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -276,3 +277,28 @@ _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 def dumps(value: Any) -> str:
     """Compact JSON with non-ASCII kept, for non-string tool results."""
     return _COMPACT.encode(value)
+
+
+# A UTF-16 surrogate standing alone in a str: a JSON ``\\ud800`` escape without its
+# pair (text cut between the two halves of an emoji). UTF-8 cannot hold one, so
+# nothing could store or hash a text that keeps it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+REPLACEMENT = "\ufffd"
+
+
+def repair_text(text: str) -> str:
+    """``text`` with every lone surrogate replaced by U+FFFD (most texts are returned as they are)."""
+    if text.isascii() or not _SURROGATE.search(text):
+        return text
+    return _SURROGATE.sub(REPLACEMENT, text)
+
+
+def repaired(value: Any) -> Any:
+    """A decoded JSON value with ``repair_text`` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return repair_text(value)
+    if isinstance(value, list):
+        return [repaired(v) for v in value]
+    if isinstance(value, dict):
+        return {repaired(k): repaired(v) for k, v in value.items()}
+    return value

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import otel_events
-from ._messages import answer, history, system_text
+from ._messages import answer, history_texts, join_system, system_texts
 from ._model import Attrs, Content, Event, Message, Truncated
 
 NAME = "logfire"
@@ -39,9 +39,9 @@ def read(attrs: Attrs) -> Content | None:
     try:
         request = attrs.json("request_data")
         if isinstance(request, dict) and isinstance(request.get("messages"), list):
-            content.input, content.system = history(request["messages"])
-            if isinstance(request.get("system"), (str, list)):
-                content.system = system_text(request["system"]) or content.system
+            content.input, in_input = history_texts(request["messages"])
+            instructions = system_texts(request["system"]) if isinstance(request.get("system"), (str, list)) else []
+            content.system = join_system(instructions, in_input)
         response = attrs.json("response_data")
         if isinstance(response, dict):
             if isinstance(response.get("message"), dict):

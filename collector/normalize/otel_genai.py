@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ._messages import answer, history, system_text
+from ._messages import answer, history_texts, join_system, system_texts
 from ._model import Attrs, Content, Event, Truncated
 
 NAME = "otel-genai"
@@ -29,12 +29,17 @@ CONTENT_EVENTS = {"gen_ai.content.prompt": "gen_ai.prompt", "gen_ai.content.comp
 
 
 def read(attrs: Attrs) -> Content | None:
-    """Content from the ``gen_ai.input.messages`` family of attributes."""
+    """Content from the ``gen_ai.input.messages`` family of attributes.
+
+    ``system`` is the system instructions, then the system messages of the input.
+    """
     content = Content(NAME)
+    instructions: list[str] = []
+    in_input: list[str] = []
     for key in INPUT_KEYS:
         if key in attrs:
             try:
-                content.input, content.system = history(attrs.json(key))
+                content.input, in_input = history_texts(attrs.json(key))
             except Truncated:
                 content.truncated = True
             break
@@ -48,9 +53,10 @@ def read(attrs: Attrs) -> Content | None:
     for key in SYSTEM_KEYS:
         if key in attrs:
             try:
-                content.system = system_text(attrs.json(key)) or content.system
+                instructions += system_texts(attrs.json(key))
             except Truncated:
                 content.truncated = True
+    content.system = join_system(instructions, in_input)
     if content.input is None and content.output is None and content.system is None:
         return content if content.truncated else None
     return content

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._messages import answer, history, read_messages, system_text
+from ._messages import answer, history, history_texts, join_system, read_messages, system_texts
 from ._model import Attrs, Content, Message, Truncated
 
 ADK = "adk"
@@ -36,10 +36,10 @@ def read_adk(attrs: Attrs) -> Content | None:
     try:
         request = attrs.json("gcp.vertex.agent.llm_request")
         if isinstance(request, dict):
-            content.input, content.system = history(request.get("contents"))
+            content.input, in_input = history_texts(request.get("contents"))
             config = request.get("config")
-            if isinstance(config, dict) and config.get("system_instruction") is not None:
-                content.system = system_text(config["system_instruction"]) or content.system
+            instructions = system_texts(config.get("system_instruction")) if isinstance(config, dict) else []
+            content.system = join_system(instructions, in_input)
         response = attrs.json("gcp.vertex.agent.llm_response")
         if isinstance(response, dict) and isinstance(response.get("content"), dict):
             content.output = answer(response["content"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._messages import history
+from ._messages import history, history_texts, join_system
 from ._model import Attrs, Content, Message, ToolCall, Truncated, parse_json_or_raw
 
 NAME = "vercel-ai"
@@ -58,13 +58,14 @@ def read(attrs: Attrs) -> Content | None:
             prompt = attrs.json("ai.prompt")
             if isinstance(prompt, dict):
                 msgs: list[Message] = []
+                in_input: list[str] = []
                 if isinstance(prompt.get("messages"), list):
-                    msgs, content.system = history(prompt["messages"])
+                    msgs, in_input = history_texts(prompt["messages"])
                 elif isinstance(prompt.get("prompt"), str):
                     msgs = [Message("user", prompt["prompt"])]
                 content.input = msgs
-                if isinstance(prompt.get("system"), str):
-                    content.system = prompt["system"]
+                system = prompt.get("system")
+                content.system = join_system([system] if isinstance(system, str) else [], in_input)
         content.output = _output(attrs)
     except Truncated:
         content.truncated = True
