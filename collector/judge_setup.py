@@ -16,6 +16,9 @@ from .errors import UserError
 
 log = logging.getLogger("tracejudge.judging")
 
+NO_PROVIDER = ("no provider configured", "no API key")
+"""How the not-run reasons of a missing provider (``daemon_provider``, ``judges``) begin: a provider fixes them."""
+
 
 def load_configured_criteria(cfg: Config) -> list[Criterion]:
     """The criteria files of ``judges.criteria``; a problem in one is a ``UserError`` naming it."""

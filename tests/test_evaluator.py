@@ -118,7 +118,8 @@ def test_errors_are_retried_later_on_the_criteria_that_errored(store: Store, tmp
         assert rows[0][2].startswith("junk_reply")
         assert query(store, "SELECT attempts, epoch(retry_at) FROM eval_progress") == [(1, T0 + 10 + RETRY_AFTER[0])]
         assert query(store, "SELECT count(*) FROM review_items") == [(0,)]  # an error is never queued
-        time.sleep(0.3)
+        scans = ev.scans
+        until(lambda: ev.scans >= scans + 2, "a whole scan for retries before their time")
         assert len(provider.requests) == 1  # not before its time
         clock.now += RETRY_AFTER[0] + 1
         ev.wake()
@@ -153,7 +154,7 @@ def test_a_conversation_written_moments_ago_waits_for_late_rows(store: Store, tm
     add_conversation(store, "fresh", "fine")
     ev.start()
     try:
-        time.sleep(0.3)
+        until(lambda: ev.scans >= 2, "scans that see it")
         assert query(store, "SELECT count(*) FROM sampling_decisions") == [(0,)]
         clock.now = T0 + 10
         ev.wake()
