@@ -9,8 +9,8 @@ therefore runs in a worker process, and one that runs past its criterion's
 
 Lifecycle: ``pool()`` is shared by every run and event loop of the process.
 A worker is started (``python -c``, with the caller's ``sys.path``) when a
-check finds none idle, at most ``size`` at once; it answers pickled requests
-over a pipe and is kept for the next check. It is killed when its check runs
+check finds none idle, at most one per thread of the pool; it answers pickled
+requests over a pipe and is kept for the next check. It is killed when its check runs
 out of time or its caller is cancelled, and it exits by itself when its pipe
 closes (the caller exited, even by ``kill -9``) or, as a last resort, when a
 check outlives its limit by ``GRACE`` seconds. Workers left at exit are killed.
@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -64,36 +65,39 @@ def decide(check: CodeCheck, criterion: CodeCriterion, conversation: Conversatio
     return out if isinstance(out, CheckResult) else CheckResult.model_validate(out)
 
 
+def _answer(message: bytes) -> tuple[str, Any]:
+    try:
+        check, criterion, conversation = pickle.loads(message)
+    except Exception as exc:  # noqa: BLE001 - e.g. a module the worker cannot import
+        return ("failed", f"cannot load the check in its worker process: {type(exc).__name__}: {exc}")
+    # SIGALRM's default action ends the process whatever the check holds: the last resort
+    # when the caller is gone and cannot kill this worker.
+    signal.setitimer(signal.ITIMER_REAL, criterion.timeout + GRACE)
+    try:
+        return ("done", decide(check, criterion, conversation))
+    except BaseException as exc:  # noqa: BLE001 - a check that raises (even SystemExit) records error
+        return ("raised", f"{type(exc).__name__}: {exc}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def serve(read_fd: int, write_fd: int) -> None:
     """The worker's loop: one request in, one reply out, until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the caller stops its workers
+    # Signals for a whole process group or cgroup (Ctrl-C, a service manager's stop) are the caller's:
+    # it stops its workers itself, and a check cut short here would record a spurious error.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     requests, replies = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     replies.send(_READY)
     while True:
         try:
-            message = requests.recv_bytes()
-        except EOFError:
-            return
-        try:
-            check, criterion, conversation = pickle.loads(message)
-        except Exception as exc:  # noqa: BLE001 - e.g. a module the worker cannot import
-            replies.send(("failed", f"cannot load the check in its worker process: {type(exc).__name__}: {exc}"))
-            continue
-        # SIGALRM's default action ends the process whatever the check holds: the last resort
-        # when the caller is gone and cannot kill this worker.
-        signal.setitimer(signal.ITIMER_REAL, criterion.timeout + GRACE)
-        try:
-            reply: tuple[str, Any] = ("done", decide(check, criterion, conversation))
-        except BaseException as exc:  # noqa: BLE001 - a check that raises (even SystemExit) records error
-            reply = ("raised", f"{type(exc).__name__}: {exc}")
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        try:
-            replies.send(reply)
-        except OSError:
+            reply = _answer(requests.recv_bytes())
+            try:
+                replies.send(reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a result that does not pickle
+                replies.send(("raised", f"{type(exc).__name__}: {exc}"))
+        except (EOFError, OSError):
             return  # the caller is gone
-        except Exception as exc:  # noqa: BLE001 - a result that does not pickle
-            replies.send(("raised", f"{type(exc).__name__}: {exc}"))
 
 
 # --------------------------------------------------------------- the caller's side
@@ -118,8 +122,10 @@ class _Worker:
         self.requests = Connection(req_w, readable=False)
         self.replies = Connection(rep_r, writable=False)
         if not self.replies.poll(START_TIMEOUT) or self._recv() != _READY:
+            code = self.proc.poll()
             self.close()
-            raise CheckFailed(f"check_failed: its worker process did not start (exit code {self.proc.returncode})")
+            why = f"within {START_TIMEOUT:g}s" if code is None else f"(exit code {code})"
+            raise CheckFailed(f"check_failed: its worker process did not start {why}")
 
     def _recv(self) -> Any:
         try:
@@ -167,7 +173,7 @@ class _Worker:
 
 
 class _Call:
-    """One check on its way: lets the event loop's side cancel what a thread waits for."""
+    """One check on its way: lets the event loop's side stop the worker a thread waits for."""
 
     def __init__(self) -> None:
         self.cancelled = False
@@ -175,70 +181,53 @@ class _Call:
 
 
 class WorkerPool:
-    """At most ``size`` workers, idle ones kept for the next check (see the module docstring)."""
+    """``size`` threads, each waiting for one worker at a time; idle workers kept for the next check.
+
+    The threads are the pool's own, so checks queued behind slow ones never
+    hold up the event loop's default executor (DNS lookups of judge calls).
+    """
 
     def __init__(self, size: int) -> None:
-        self.size = size
         self.pid = os.getpid()
-        self._cond = threading.Condition()
+        self.threads = ThreadPoolExecutor(max_workers=size, thread_name_prefix="judges-check")
+        self._lock = threading.Lock()
         self._idle: list[_Worker] = []
-        self._out = 0  # workers handed to a call, or being started for one
 
-    def _take(self, call: _Call) -> _Worker | None:
-        with self._cond:
-            while not call.cancelled and not self._idle and self._out >= self.size:
-                self._cond.wait()
-            if call.cancelled:
-                return None
-            self._out += 1
+    def run(self, message: bytes, limit: float, call: _Call) -> tuple[str, Any]:
+        """Run one pickled request on a worker (blocking: on one of ``threads``); see ``_Worker.call``."""
+        with self._lock:
             worker = self._idle.pop() if self._idle else None
         if worker is not None and not worker.alive:  # ended while idle (killed from outside)
             worker.close()
             worker = None
-        if worker is None:
-            try:
-                worker = _Worker()
-            except BaseException:
-                self._give_back(call, None)
-                raise
-        with self._cond:
+        worker = worker or _Worker()
+        with self._lock:
             call.worker = worker
-            if call.cancelled:
-                worker.kill()
-        return worker
-
-    def _give_back(self, call: _Call, worker: _Worker | None) -> None:
-        with self._cond:
-            self._out -= 1
-            call.worker = None
-            if worker is not None and worker.alive and not call.cancelled:
-                self._idle.append(worker)
-            self._cond.notify()
-        if worker is not None and not (worker.alive and not call.cancelled):
-            worker.close()
-
-    def run(self, message: bytes, limit: float, call: _Call) -> tuple[str, Any]:
-        """Run one pickled request on a worker (blocking: from a thread); see ``_Worker.call``."""
-        worker = self._take(call)
-        if worker is None:
-            raise CheckFailed("check_failed: cancelled")
+            cancelled = call.cancelled
         try:
+            if cancelled:
+                raise CheckFailed("check_failed: cancelled")
             return worker.call(message, limit)
         finally:
-            self._give_back(call, worker)
+            with self._lock:
+                call.worker = None
+                keep = worker.alive and not call.cancelled
+                if keep:
+                    self._idle.append(worker)
+            if not keep:
+                worker.close()
 
     def cancel(self, call: _Call) -> None:
-        """Stop waiting for ``call``: its worker is killed (from the event loop's thread)."""
-        with self._cond:
+        """Stop ``call``: its worker, if it has one yet, is killed (from the event loop's thread)."""
+        with self._lock:
             call.cancelled = True
             worker = call.worker
-            self._cond.notify_all()
         if worker is not None:
             worker.kill()
 
     def close(self) -> None:
         """Stop the idle workers (those in use are stopped by their calls)."""
-        with self._cond:
+        with self._lock:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.close()
@@ -277,9 +266,9 @@ async def run_check(check: CodeCheck, criterion: CodeCriterion, conversation: Co
     workers, call = pool(), _Call()
     try:
         kind, value = await asyncio.get_running_loop().run_in_executor(
-            None, workers.run, message, criterion.timeout, call)
+            workers.threads, workers.run, message, criterion.timeout, call)
     except asyncio.CancelledError:
-        workers.cancel(call)  # the thread returns at once: its worker is gone
+        workers.cancel(call)  # a queued call never starts; a running one returns at once: its worker is gone
         raise
     if kind == "done":
         return value  # type: ignore[no-any-return]
