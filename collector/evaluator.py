@@ -617,12 +617,13 @@ class Evaluator:
             "AND NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
             "AND v.criterion_id = n.criterion_id AND NOT v.superseded) "
             "AND n.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY n.conversation_id LIMIT ?",
-            [self._not_run_mark, llm, *NO_PROVIDER, self._busy_ids(), room]).fetchall()
+            [self._not_run_mark, llm, *NO_PROVIDER, [*self._in_flight, *self._finished], room]).fetchall()
         if not rows:
             return None
         log.info("judging %d conversations whose LLM criteria were not run for want of a provider", len(rows))
         for cid, revision, probability, rule in rows:
-            self._queue(Job(cid, revision, probability, rule))
+            # In its place if queued already: a retry of errors alone would leave the LLM criteria out.
+            self._pending[cid] = Job(cid, revision, probability, rule)
         return str(rows[-1][0])
 
     def _busy_ids(self) -> list[str]:
