@@ -51,7 +51,12 @@ _BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[3]); "
 
 
 class CheckFailed(Exception):
-    """A check gave no result; the message is the reason recorded (``timeout: ...``, ``check_failed: ...``)."""
+    """A check gave no result: ``code`` (``timeout``, ``check_failed``) and ``detail`` make the error's reason."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{code}: {detail}")
 
 
 # --------------------------------------------------------------- the worker's side
@@ -125,7 +130,7 @@ class _Worker:
             code = self.proc.poll()
             self.close()
             why = f"within {START_TIMEOUT:g}s" if code is None else f"(exit code {code})"
-            raise CheckFailed(f"check_failed: its worker process did not start {why}")
+            raise CheckFailed("check_failed", f"its worker process did not start {why}")
 
     def _recv(self) -> Any:
         try:
@@ -143,14 +148,14 @@ class _Worker:
             self.requests.send_bytes(message)
         except OSError:
             self.close()
-            raise CheckFailed(f"check_failed: its worker process ended (exit code {self.proc.returncode})") from None
+            raise CheckFailed("check_failed", f"its worker process ended (exit code {self.proc.returncode})") from None
         if not self.replies.poll(limit):
             self.close()
-            raise CheckFailed(f"timeout: check ran longer than {limit:g}s")
+            raise CheckFailed("timeout", f"check ran longer than {limit:g}s")
         reply = self._recv()
         if reply is None:
             self.close()
-            raise CheckFailed(f"check_failed: its worker process ended (exit code {self.proc.returncode})")
+            raise CheckFailed("check_failed", f"its worker process ended (exit code {self.proc.returncode})")
         return reply  # type: ignore[no-any-return]
 
     def kill(self) -> None:
@@ -206,7 +211,7 @@ class WorkerPool:
             cancelled = call.cancelled
         try:
             if cancelled:
-                raise CheckFailed("check_failed: cancelled")
+                raise CheckFailed("check_failed", "cancelled")
             return worker.call(message, limit)
         finally:
             with self._lock:
@@ -261,7 +266,7 @@ async def run_check(check: CodeCheck, criterion: CodeCriterion, conversation: Co
     try:
         message = pickle.dumps((check, criterion, conversation), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
-        raise CheckFailed(f"check_failed: cannot send the check to its worker process ({type(exc).__name__}: "
+        raise CheckFailed("check_failed", f"cannot send the check to its worker process ({type(exc).__name__}: "
                           f"{exc}): define it at the top level of an importable module") from None
     workers, call = pool(), _Call()
     try:
@@ -272,4 +277,4 @@ async def run_check(check: CodeCheck, criterion: CodeCriterion, conversation: Co
         raise
     if kind == "done":
         return value  # type: ignore[no-any-return]
-    raise CheckFailed(f"check_failed: {value}")
+    raise CheckFailed("check_failed", str(value))

@@ -89,7 +89,7 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
 
 
 def _connection_detail(exc: BaseException) -> str:
-    """Where a call could not connect to, and why, from the innermost cause (the client only says "Connection error.")."""
+    """Where a call could not connect to, and why: the innermost cause (the client says "Connection error.")."""
     url = getattr(getattr(exc, "request", None), "url", None)
     cause, seen = exc, {id(exc)}
     while (inner := cause.__cause__ or cause.__context__) is not None and id(inner) not in seen:

@@ -195,8 +195,7 @@ async def _run_code(p: _Prepared, c: CodeCriterion) -> Verdict:
     try:
         out = await run_check(CHECKS[c.check], c, p.conversation)
     except CheckFailed as exc:  # out of time, raised, or could not run: error, never a verdict
-        code, _, detail = str(exc).partition(": ")
-        return _error(p, c, judge, code, detail)
+        return _error(p, c, judge, exc.code, exc.detail)
     except Exception as exc:  # e.g. no worker process could be started
         return _error(p, c, judge, "check_failed", f"{type(exc).__name__}: {exc}")
     if out is None:

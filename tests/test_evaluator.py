@@ -185,5 +185,6 @@ def test_criteria_not_run_for_want_of_a_provider_are_judged_when_one_comes(store
     finally:
         ev.stop()
     assert len(provider.requests) == 1
-    assert query(store, "SELECT criterion_id, result FROM verdicts ORDER BY 1") == [("polite", "pass"), ("short", "pass")]
+    assert query(store, "SELECT criterion_id, result FROM verdicts ORDER BY 1") == [
+        ("polite", "pass"), ("short", "pass")]
     assert query(store, "SELECT count(*) FROM not_run") == [(0,)]
