@@ -121,7 +121,7 @@ def test_while_a_check_runs_on_the_daemon_answers_and_stops_on_sigterm(make_daem
     grpc_export(daemon.grpc, "traces", span_request_bytes(4, trace_seed=72)[0])
     # All along the check was running (its limit is an hour away).
     assert worker in check_workers(daemon.proc.pid)
-    assert daemon.get("/api/status")[1]["evals_in_flight"] == 1
+    assert daemon.get("/api/status")[1]["evals_in_flight"] >= 1
 
     assert daemon.stop() == 0
     assert not alive(worker)
