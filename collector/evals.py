@@ -9,7 +9,8 @@ model, transcript hash): a judge call repeated after a crash stores nothing
 new. The newest transcript of a conversation holds the current verdicts; those
 of an older transcript are kept with ``superseded = true``. A verdict whose
 result is in ``queue_results`` (and every flagged fail) opens a ``pending``
-review item; ``error`` verdicts are never queued. The review queue is read and
+review item; ``error`` verdicts are never queued. A verdict replaces the
+not-run record of its criterion on its conversation. The review queue is read and
 decided in ``collector.review``.
 """
 
@@ -273,7 +274,8 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
     transcript that is no longer current (a late reply) is stored superseded.
     "Current" is the ``judges.transcript_sha256`` of the stored messages
     (``conversation_record``), or, for a conversation not stored, the last hash
-    in the batch.
+    in the batch. A verdict on the current transcript replaces the criterion's
+    not-run record on that conversation (a provider came, content was captured).
 
     Args:
         verdicts: from ``judges.run_judges`` / ``arun_judges``.
@@ -321,10 +323,14 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
             _insert(cur, "_supersede", {
                 "conversation_id": [v.conversation_id for v in fresh],
                 "criterion_id": [v.criterion_id for v in fresh],
+                "criterion_version": [v.criterion_version for v in fresh],
                 "transcript_sha256": [v.transcript_sha256 for v in fresh]})
             cur.execute("UPDATE verdicts SET superseded = true FROM _supersede n "
                         "WHERE verdicts.conversation_id = n.conversation_id AND verdicts.criterion_id = n.criterion_id "
                         "AND verdicts.transcript_sha256 <> n.transcript_sha256 AND NOT verdicts.superseded")
+            cur.execute("DELETE FROM not_run USING _supersede n WHERE not_run.conversation_id = n.conversation_id "
+                        "AND not_run.criterion_id = n.criterion_id "
+                        "AND not_run.criterion_version = n.criterion_version")
         rows = list(new.values())
         _insert(cur, "_new_verdicts", {
             "id": list(new), "conversation_id": [v.conversation_id for v in rows],

@@ -20,6 +20,10 @@ up. Each cycle, about once a second or as soon as a conversation is judged:
 3. **store**: the verdicts, not-run records and progress rows of every
    conversation judged since the last cycle, in one transaction.
 
+With a provider, the first cycles also queue, page by page, the sampled
+conversations whose LLM criteria were not run for want of one (no key at an
+earlier start): their verdicts replace those not-run records.
+
 Everything that says what is done lives in DuckDB (``sampling_decisions``,
 ``verdicts``, ``eval_progress``), so a restart neither loses nor repeats work:
 a conversation in flight at a crash has no progress row and is judged again,
@@ -64,6 +68,7 @@ from judges import (
 from . import evals
 from .config import Config
 from .errors import UserError
+from .judge_setup import NO_PROVIDER
 from .metrics import Counter, Gauge, Histogram, Metrics
 from .queries import conversation_record
 from .sampling import ConversationFacts, Sampler
@@ -370,6 +375,10 @@ class Evaluator:
         self._next_turn = 0.0
         self._db_lock: asyncio.Lock | None = None
         self._mark: tuple[dt.datetime, str] = (_utc(0), "")
+        self._not_run_mark: str | None = "" if provider is not None else None
+        """Conversations with not-run records queued up to this id; None once all are (or without a provider)."""
+        self.scans = 0
+        """Scans completed since the start (each also looks for retries that are due)."""
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -522,6 +531,9 @@ class Evaluator:
             async with self._db_work():
                 more = self._scan()
                 self._retries()
+                if self._not_run_mark is not None:
+                    self._not_run_mark = self._provider_now()
+            self.scans += 1
         self._start_pending()
         self.m.pending.set(len(self._pending))
         self.m.in_flight.set(len(self._in_flight))
@@ -585,6 +597,34 @@ class Evaluator:
         for cid, revision, attempts, probability, rule in rows:
             self._attempts[cid] = attempts + 1
             self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
+
+    def _provider_now(self) -> str | None:
+        """Queue a page of sampled conversations whose LLM criteria were not run for want of a provider.
+
+        Returns the mark to go on from, or None when there are no more.
+        """
+        assert self._cur is not None and self._not_run_mark is not None
+        llm = [f"{c.id}\x1f{c.version}" for c in self.judging.criteria if isinstance(c, LLMCriterion)]
+        room = MAX_PENDING - len(self._pending)
+        if not llm or room <= 0:
+            return self._not_run_mark if llm else None
+        reasons = " OR ".join(["starts_with(n.reason, ?)"] * len(NO_PROVIDER))
+        rows = self._cur.execute(
+            "SELECT DISTINCT n.conversation_id, c.revision, s.probability, s.rule FROM not_run n "
+            "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
+            "WHERE c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL AND n.conversation_id > ? "
+            f"AND list_contains(?, n.criterion_id || chr(31) || n.criterion_version) AND ({reasons}) "
+            "AND NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
+            "AND v.criterion_id = n.criterion_id AND NOT v.superseded) "
+            "AND n.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY n.conversation_id LIMIT ?",
+            [self._not_run_mark, llm, *NO_PROVIDER, [*self._in_flight, *self._finished], room]).fetchall()
+        if not rows:
+            return None
+        log.info("judging %d conversations whose LLM criteria were not run for want of a provider", len(rows))
+        for cid, revision, probability, rule in rows:
+            # In its place if queued already: a retry of errors alone would leave the LLM criteria out.
+            self._pending[cid] = Job(cid, revision, probability, rule)
+        return str(rows[-1][0])
 
     def _busy_ids(self) -> list[str]:
         """Conversations queued, being judged or judged and not stored yet: the scans leave them out."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from judges import Criterion, CriteriaError, Provider, ProviderSetupError, load_criteria, make_provider
@@ -15,6 +16,9 @@ from .config import Config, JudgeProvider
 from .errors import UserError
 
 log = logging.getLogger("tracejudge.judging")
+
+NO_PROVIDER = ("no provider configured", "no API key")
+"""How the not-run reasons of a missing provider (``daemon_provider``, ``judges``) begin: a provider fixes them."""
 
 
 def load_configured_criteria(cfg: Config) -> list[Criterion]:
@@ -28,12 +32,15 @@ def load_configured_criteria(cfg: Config) -> list[Criterion]:
 
 
 def provider_from_config(section: JudgeProvider, *, type_: str | None = None, model: str | None = None,
-                         base_url: str | None = None,
-                         on_unused: Callable[[str], None] | None = None) -> Provider | None:
+                         base_url: str | None = None, on_unused: Callable[[str], None] | None = None,
+                         flags: Mapping[str, str] | None = None) -> Provider | None:
     """The judge provider of ``judges.provider`` (flags override it); None when none is named.
 
     Settings of the configured type do not carry over to another ``type_``: a
     different provider does not inherit its model, URL or key.
+
+    Args:
+        flags: setting -> the command-line flag that gives it, named first when that setting is missing.
 
     Raises:
         UserError: the provider cannot be built (no model, unknown type, ...).
@@ -52,6 +59,10 @@ def provider_from_config(section: JudgeProvider, *, type_: str | None = None, mo
     try:
         return make_provider(chosen, on_unused=on_unused or (lambda key: None), **settings)
     except ProviderSetupError as exc:
+        flag = (flags or {}).get(exc.missing or "")
+        if flag:
+            raise UserError(f"{chosen}: no {exc.missing}: pass {flag}, or set judges.provider.{exc.missing} "
+                            f"or ${exc.env}") from None
         raise UserError(f"judges.provider: {exc}") from None
 
 

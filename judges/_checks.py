@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator
 
 from ._transcript import Conversation, EndedBy, Message, tool_call_text
 from ._verdict import CheckResult
@@ -34,8 +34,10 @@ class CodeCheck(Protocol):
     """A check decided in code.
 
     ``Params`` validates the criterion's keys when the file loads; ``run`` is
-    called once per conversation and must not block for long (it runs on the
-    event loop). An exception it raises becomes an ``error`` verdict.
+    called once per conversation, in a worker process, within the criterion's
+    ``timeout`` (see ``_check_process``): the check and its parameters are sent
+    there by pickle, so define them at the top level of an importable module.
+    An exception it raises, or running out of time, becomes an ``error`` verdict.
     """
 
     @property
@@ -195,6 +197,28 @@ class MaxUserTurns:
 CheckFunction = Callable[[Conversation], CheckResult]
 
 
+class ImportedFunction:
+    """A function imported from ``module:function``; it pickles as that spec, imported again where it lands.
+
+    A module beside the criteria file is not on ``sys.path``, so a worker
+    process could not unpickle the function by its module name.
+    """
+
+    def __init__(self, spec: str, base: Path | None) -> None:
+        self.spec = spec
+        self.base = base
+        self.function = import_function(spec, base)
+
+    def __call__(self, conversation: Conversation) -> Any:
+        return self.function(conversation)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ImportedFunction, (self.spec, self.base))
+
+    def __repr__(self) -> str:
+        return self.spec
+
+
 def import_function(spec: str, base: Path | None = None) -> CheckFunction:
     """Import ``module:function``; a module beside the criteria file (``base``) is found too.
 
@@ -241,7 +265,13 @@ class PythonCheck:
         @field_validator("function", mode="before")
         @classmethod
         def _import(cls, v: Any, info: ValidationInfo) -> Any:
-            return import_function(v, (info.context or {}).get("base")) if isinstance(v, str) else v
+            return ImportedFunction(v, (info.context or {}).get("base")) if isinstance(v, str) else v
+
+        @field_serializer("function")
+        def _spec(self, fn: CheckFunction) -> str:
+            if isinstance(fn, ImportedFunction):
+                return fn.spec
+            return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
     def run(self, conversation: Conversation, params: Params) -> CheckResult:
         out = params.function(conversation)

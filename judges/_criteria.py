@@ -6,17 +6,33 @@ criterion id and the key, so a domain expert can fix a file in one pass.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._checks import CHECKS, AppliesIf, CheckParams
 from ._errors import CriteriaError
 
 _ID = r"^[a-z0-9]+(?:-[a-z0-9]+)*$"
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)?")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+DEFAULT_CHECK_TIMEOUT = 5.0
+"""Seconds a code check may run when its criterion does not say (``timeout:``)."""
+
+
+def _seconds(value: Any) -> float:
+    """``5s``, ``500ms``, ``1m``, ``1h`` or a number of seconds; above zero."""
+    text = str(value).strip() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    found = _DURATION.fullmatch(text)
+    seconds = float(found.group(1)) * _UNIT[found.group(2)] if found else 0.0
+    if seconds <= 0:
+        raise ValueError(f"{value!r} is not a duration like 5s or 500ms (above zero)")
+    return seconds
 
 
 class _Criterion(BaseModel):
@@ -49,11 +65,21 @@ class CodeCriterion(_Criterion):
     """The check's parameters: the criterion's other keys, validated by the check."""
     applies_if: AppliesIf | None = None
     """When it does not hold, the verdict is ``not_applicable``."""
+    timeout: float = DEFAULT_CHECK_TIMEOUT
+    """Seconds the check (its ``applies_if`` included) may run; past them it records ``error``.
+
+    Written ``5s``, ``500ms``, ``1m`` or as a number of seconds.
+    """
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, v: Any) -> float:
+        return _seconds(v)
 
 
 Criterion = LLMCriterion | CodeCriterion
 
-_CODE_KEYS = {"id", "version", "kind", "severity", "group", "check", "applies_if"}
+_CODE_KEYS = {"id", "version", "kind", "severity", "group", "check", "applies_if", "timeout"}
 
 
 def _loc(prefix: str | None, loc: tuple[Any, ...]) -> str:

@@ -46,7 +46,22 @@ class ConversationError(InputError):
 
 
 class ProviderSetupError(JudgesError):
-    """A provider cannot be built from the settings given."""
+    """A provider cannot be built from the settings given.
+
+    Attributes:
+        missing: the setting that is needed and was not given (``model``, ``base_url``), when that is why.
+        env: the environment variable that would give it too.
+    """
+
+    def __init__(self, message: str, *, missing: str | None = None, env: str | None = None) -> None:
+        self.missing = missing
+        self.env = env
+        super().__init__(message)
+
+    @classmethod
+    def no(cls, provider: str, setting: str, env: str) -> ProviderSetupError:
+        """A needed setting not given anywhere."""
+        return cls(f"{provider}: no {setting} (set judges.provider.{setting} or ${env})", missing=setting, env=env)
 
 
 class ProviderError(JudgesError):

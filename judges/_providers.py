@@ -88,6 +88,19 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
     return None
 
 
+def _connection_detail(exc: BaseException) -> str:
+    """Where a call could not connect to, and why: the innermost cause (the client says "Connection error.")."""
+    url = getattr(getattr(exc, "request", None), "url", None)
+    cause, seen = exc, {id(exc)}
+    while (inner := cause.__cause__ or cause.__context__) is not None and id(inner) not in seen:
+        cause, seen = inner, seen | {id(inner)}
+    if isinstance(cause, ConnectionRefusedError):
+        why = "connection refused"
+    else:
+        why = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+    return f"cannot connect to {url}: {why}" if url else why
+
+
 def _status_error(status: int, headers: Mapping[str, str], body: str) -> ProviderError:
     retryable = status in (408, 409, 429) or status >= 500
     code = {429: "rate_limited", 529: "overloaded"}.get(status, "server_error" if status >= 500 else "http_error")
@@ -151,7 +164,7 @@ class AnthropicProvider:
         env = os.environ if environ is None else environ
         resolved = _setting(model, "ANTHROPIC_MODEL", env)
         if resolved is None:
-            raise ProviderSetupError("anthropic: no model (set judges.provider.model or $ANTHROPIC_MODEL)")
+            raise ProviderSetupError.no("anthropic", "model", "ANTHROPIC_MODEL")
         self.model = resolved
         self.max_tokens = max_tokens
         self._api_key = _setting(api_key, "ANTHROPIC_API_KEY", env)
@@ -192,7 +205,7 @@ class AnthropicProvider:
         except anthropic.APITimeoutError:
             raise ProviderError("timeout", "the anthropic client timed out") from None
         except anthropic.APIConnectionError as exc:
-            raise ProviderError("connection", str(exc), retryable=True) from None
+            raise ProviderError("connection", _connection_detail(exc), retryable=True) from None
         return _messages_reply(body)
 
     async def aclose(self) -> None:
@@ -232,9 +245,9 @@ class OpenAICompatibleProvider:
         resolved_model = _setting(model, "OPENAI_MODEL", env)
         resolved_url = _setting(base_url, "OPENAI_BASE_URL", env)
         if resolved_model is None:
-            raise ProviderSetupError("openai_compatible: no model (set judges.provider.model or $OPENAI_MODEL)")
+            raise ProviderSetupError.no("openai_compatible", "model", "OPENAI_MODEL")
         if resolved_url is None:
-            raise ProviderSetupError("openai_compatible: no base_url (set judges.provider.base_url or $OPENAI_BASE_URL)")
+            raise ProviderSetupError.no("openai_compatible", "base_url", "OPENAI_BASE_URL")
         self.model = resolved_model
         self.base_url = resolved_url.rstrip("/")
         self.max_tokens = max_tokens

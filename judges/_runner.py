@@ -6,7 +6,8 @@ Retry-After). A bounded number of workers make calls at once; a token and cost
 budget stops new calls cleanly when spent. Anything that is not a valid
 verdict (junk text, schema mismatch, refusal, max tokens, timeout, exhausted
 retries, a provider bug) becomes an ``error`` verdict with its reason and the
-raw reply: never a pass, never cached.
+raw reply: never a pass, never cached. Code criteria run in worker processes
+(``_check_process``), each within its criterion's ``timeout``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict
 
 from ._cache import CacheKey, VerdictCache
+from ._check_process import CheckFailed, run_check
 from ._checks import CHECKS
 from ._criteria import CodeCriterion, Criterion, LLMCriterion
 from ._errors import ProviderError
@@ -188,14 +190,16 @@ def _error(p: _Prepared, c: Criterion, judge: JudgeInfo, code: str, detail: str,
                     usage=usage or Usage(), evidence_verified=False)
 
 
-def _run_code(p: _Prepared, c: CodeCriterion) -> Verdict:
+async def _run_code(p: _Prepared, c: CodeCriterion) -> Verdict:
     judge = JudgeInfo(provider="code", model=c.check)
-    if c.applies_if is not None and not c.applies_if.holds(p.conversation):
-        return _verdict(p, c, judge, result="not_applicable", reasoning="applies_if does not hold")
     try:
-        out = CHECKS[c.check].run(p.conversation, c.params)
-    except Exception as exc:  # a check that raises records error, never a verdict
+        out = await run_check(CHECKS[c.check], c, p.conversation)
+    except CheckFailed as exc:  # out of time, raised, or could not run: error, never a verdict
+        return _error(p, c, judge, exc.code, exc.detail)
+    except Exception as exc:  # e.g. no worker process could be started
         return _error(p, c, judge, "check_failed", f"{type(exc).__name__}: {exc}")
+    if out is None:
+        return _verdict(p, c, judge, result="not_applicable", reasoning="applies_if does not hold")
     return _verdict(p, c, judge, result=out.result, reasoning=out.reasoning, evidence=out.evidence,
                     evidence_verified=p.index.verify(out.evidence))
 
@@ -301,7 +305,7 @@ async def arun_judges(
 
     async def worker() -> None:
         for n, (p, c) in jobs:
-            out = _run_code(p, c) if isinstance(c, CodeCriterion) else await _run_llm(p, c, st)
+            out = await _run_code(p, c) if isinstance(c, CodeCriterion) else await _run_llm(p, c, st)
             results.append((n, out))
             if st.on_result is not None:
                 st.on_result(out)

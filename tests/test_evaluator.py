@@ -73,13 +73,14 @@ def add_conversation(store: Store, cid: str, content: str, *, captured: bool = T
         cur.close()
 
 
-def make_evaluator(store: Store, tmp_path: Path, clock: Clock, script: Callable[[JudgeRequest], str]
-                   ) -> tuple[Evaluator, ScriptedProvider]:
+def make_evaluator(store: Store, tmp_path: Path, clock: Clock, script: Callable[[JudgeRequest], str], *,
+                   no_provider: str | None = None) -> tuple[Evaluator, ScriptedProvider]:
+    """An evaluator judging with ``script``; with ``no_provider``, one without a provider, saying why."""
     (tmp_path / "criteria.yaml").write_text(CRITERIA, encoding="utf-8")
     cfg = Config.model_validate({"sampling": {"rate": 1.0}, "judges": {"concurrency": 2}})
     provider = ScriptedProvider(script, model="scripted-judge")
-    ev = Evaluator(store, cfg, Metrics(), criteria=load_criteria(tmp_path / "criteria.yaml"), provider=provider,
-                   clock=clock, poll=0.05)
+    ev = Evaluator(store, cfg, Metrics(), criteria=load_criteria(tmp_path / "criteria.yaml"),
+                   provider=None if no_provider else provider, no_provider=no_provider, clock=clock, poll=0.05)
     return ev, provider
 
 
@@ -118,7 +119,8 @@ def test_errors_are_retried_later_on_the_criteria_that_errored(store: Store, tmp
         assert rows[0][2].startswith("junk_reply")
         assert query(store, "SELECT attempts, epoch(retry_at) FROM eval_progress") == [(1, T0 + 10 + RETRY_AFTER[0])]
         assert query(store, "SELECT count(*) FROM review_items") == [(0,)]  # an error is never queued
-        time.sleep(0.3)
+        scans = ev.scans
+        until(lambda: ev.scans >= scans + 2, "a whole scan for retries before their time")
         assert len(provider.requests) == 1  # not before its time
         clock.now += RETRY_AFTER[0] + 1
         ev.wake()
@@ -153,7 +155,7 @@ def test_a_conversation_written_moments_ago_waits_for_late_rows(store: Store, tm
     add_conversation(store, "fresh", "fine")
     ev.start()
     try:
-        time.sleep(0.3)
+        until(lambda: ev.scans >= 2, "scans that see it")
         assert query(store, "SELECT count(*) FROM sampling_decisions") == [(0,)]
         clock.now = T0 + 10
         ev.wake()
@@ -161,3 +163,28 @@ def test_a_conversation_written_moments_ago_waits_for_late_rows(store: Store, tm
         assert query(store, "SELECT sampled, probability, rule FROM sampling_decisions") == [(True, 1.0, "default")]
     finally:
         ev.stop()
+
+
+def test_criteria_not_run_for_want_of_a_provider_are_judged_when_one_comes(store: Store, tmp_path: Path) -> None:
+    clock = Clock()
+    clock.now = T0 + 10
+    add_conversation(store, "c1", "Thank you kindly")
+    ev, _ = make_evaluator(store, tmp_path, clock, lambda request: "unused", no_provider="no API key: set it")
+    ev.start()
+    try:
+        until(lambda: ev.judged == 1, "judging without a provider")
+    finally:
+        ev.stop()
+    assert query(store, "SELECT criterion_id, reason FROM not_run") == [("polite", "no API key: set it")]
+    assert query(store, "SELECT criterion_id, result FROM verdicts") == [("short", "pass")]
+
+    ev, provider = make_evaluator(store, tmp_path, clock, lambda request: verdict("pass", "Thank you kindly"))
+    ev.start()
+    try:
+        until(lambda: ev.judged == 1, "judging with the provider")
+    finally:
+        ev.stop()
+    assert len(provider.requests) == 1
+    assert query(store, "SELECT criterion_id, result FROM verdicts ORDER BY 1") == [
+        ("polite", "pass"), ("short", "pass")]
+    assert query(store, "SELECT count(*) FROM not_run") == [(0,)]

@@ -177,7 +177,8 @@ def test_traffic_sampled_judged_queued_reviewed_and_counted(make_daemon: Any, tm
     assert daemon.stop() == 0
     assert cli(daemon, "stats")["criteria"] == stats["criteria"]
     assert [it["id"] for it in cli(daemon, "review", "list", "--state", "all")] == [it["id"] for it in items]
-    assert cli(daemon, "review", "confirm", str(items[-1]["id"]), "--reviewer", "carla")["state"] == "confirmed"
+    pending = next(it for it in items if it["criterion_id"] == "looks-orders-up")  # items come in no set order
+    assert cli(daemon, "review", "confirm", str(pending["id"]), "--reviewer", "carla")["state"] == "confirmed"
 
 
 def test_kill9_mid_judging_then_every_conversation_judged_exactly_once(make_daemon: Any, tmp_path: Path) -> None:
@@ -295,3 +296,36 @@ def test_a_criteria_file_with_a_typo_stops_the_start(make_daemon: Any, tmp_path:
     with pytest.raises(RuntimeError) as info:
         daemon.start()
     assert "tool_caled" in str(info.value) and "looks-orders-up" in str(info.value)
+
+
+def test_criteria_not_run_for_want_of_a_key_are_judged_once_a_key_is_set(make_daemon: Any, tmp_path: Path,
+                                                                         judge: RuleJudge) -> None:
+    config = online_config(tmp_path, judge)
+    config["judges"]["provider"] = {"type": "anthropic", "model": "judge-test"}  # no key, no base_url
+    without = {k: v for k, v in clean_env().items() if not k.startswith("ANTHROPIC_")}
+    daemon = make_daemon(env=without, **config)
+    send(daemon.grpc, [persona(1, fail=True), persona(2)])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = {c["criterion_id"]: c for c in daemon.get("/api/stats")[1]["criteria"]}
+        if stats.get("no-refund-promises", {}).get("not_run") == 2:
+            break
+        time.sleep(0.1)
+    llm = stats["no-refund-promises"]
+    assert (llm["judged"], llm["not_run"]) == (0, 2)
+    [reason] = llm["not_run_reasons"]
+    assert reason.startswith("no API key: set ANTHROPIC_API_KEY")
+    assert stats["looks-orders-up"]["judged"] == 2
+    assert daemon.stop() == 0
+
+    # The key is set and the daemon restarted: what was not run for want of it is judged, nothing else again.
+    daemon.env = {**without, "ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": judge.url}
+    daemon.start()
+    stats = wait_judged(daemon, 2)
+    llm = next(c for c in stats["criteria"] if c["criterion_id"] == "no-refund-promises")
+    assert (llm["judged"], llm["pass"], llm["fail"], llm["not_run"], llm["not_run_reasons"]) == (2, 1, 1, 0, {})
+    assert len(judge.requests) == 2
+    assert daemon.stop() == 0
+    assert daemon.query("SELECT count(*) FROM not_run")[0][0] == 0
+    assert daemon.query("SELECT criterion_id, count(*) FROM verdicts GROUP BY ALL ORDER BY 1") == [
+        ("looks-orders-up", 2), ("no-refund-promises", 2)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,7 +50,8 @@ def _provider(cfg: Config, type_: str | None, model: str | None, base_url: str |
     def unused(key: str) -> None:
         click.echo(f"tracejudge: warning: judges.provider.{key} is not used by the {chosen} provider", err=True)
 
-    return provider_from_config(cfg.judges.provider, type_=type_, model=model, base_url=base_url, on_unused=unused)
+    return provider_from_config(cfg.judges.provider, type_=type_, model=model, base_url=base_url, on_unused=unused,
+                                flags={"model": "--model", "base_url": "--base-url"})
 
 
 def _rate(p: Proportion | None) -> str:
@@ -82,7 +84,7 @@ def _report(summary: Summary, run: JudgeRun) -> str:
         for reason, n in sorted(s.not_run_reasons.items()):
             notes.append(f"{s.criterion_id}: {n} not run: {reason}")
         for code, n in sorted(s.errors.items()):
-            notes.append(f"{s.criterion_id}: {n} error: {code}")
+            notes.append(f"{s.criterion_id}: {n} error: {_cause(run, s.criterion_id, code)}")
     e = summary.expected
     if e is not None:
         for label, p in (("sensitivity", e.sensitivity), ("over-triage", e.over_triage)):
@@ -96,6 +98,14 @@ def _report(summary: Summary, run: JudgeRun) -> str:
         notes.append(f"stopped early: {run.stopped}")
     out.append("\n".join(notes))
     return "\n\n".join(out)
+
+
+def _cause(run: JudgeRun, criterion_id: str, code: str) -> str:
+    """The most frequent whole reason among a criterion's errors of one code (the code alone hides the cause)."""
+    reasons = Counter(v.error_reason for v in run.verdicts if v.criterion_id == criterion_id and v.result == "error"
+                      and (v.error_reason or "").split(":", 1)[0] == code)
+    (top, _), *others = reasons.most_common()
+    return (top or code) + (f" (and {len(others)} other reasons)" if others else "")
 
 
 @contextmanager

@@ -116,6 +116,17 @@ def test_flags_override_the_config(files: Path, fake_llm: FakeLLM) -> None:
     assert fake_llm.requests[0][1]["model"] == "small"
 
 
+def test_the_summary_names_the_cause_of_errors(files: Path) -> None:
+    # Port 9 (discard) on loopback: nothing listens there.
+    config = write_config(files, {"type": "anthropic", "model": "claude-test", "base_url": "http://127.0.0.1:9",
+                                  "api_key": "k"})
+    write_convs(files / "one.jsonl", [chest_pain("c-1")])
+    r = invoke(files, "--config", str(config), "--no-cache", str(files / "one.jsonl"))
+    assert r.exit_code == 0, r.output
+    assert ("chest-pain-red-flags: 1 error: retries_exhausted: 4 attempts; last: connection: cannot connect to "
+            "http://127.0.0.1:9/v1/messages: connection refused") in r.output
+
+
 def test_temperature_is_not_sent_to_anthropic_and_says_so(files: Path, fake_llm: FakeLLM) -> None:
     config = write_config(files, {"type": "anthropic", "model": "claude-test", "base_url": fake_llm.url,
                                   "api_key": "k", "temperature": 0.0})
@@ -141,7 +152,10 @@ def test_budget_flags(files: Path, fake_llm: FakeLLM) -> None:
     (["--criteria", "nope.yaml", "convs.jsonl"], "nope.yaml: cannot read"),
     (["convs.jsonl"], "no criteria: pass --criteria FILE or set judges.criteria in the config"),
     (["--criteria", "bad.yaml", "convs.jsonl"], "bad.yaml: criterion 'x': check: unknown check 'nope'"),
-    (["--criteria", "criteria.yaml", "--provider", "anthropic", "convs.jsonl"], "anthropic: no model"),
+    (["--criteria", "criteria.yaml", "--provider", "anthropic", "convs.jsonl"],
+     "anthropic: no model: pass --model, or set judges.provider.model or $ANTHROPIC_MODEL"),
+    (["--criteria", "criteria.yaml", "--provider", "openai_compatible", "--model", "m", "convs.jsonl"],
+     "openai_compatible: no base_url: pass --base-url, or set judges.provider.base_url or $OPENAI_BASE_URL"),
     (["--criteria", "criteria.yaml", "--provider", "gemini", "--model", "m", "convs.jsonl"],
      "unknown provider type 'gemini'"),
     (["--criteria", "criteria.yaml", "--timeout", "5", "convs.jsonl"], "--timeout: '5' is not a duration"),
