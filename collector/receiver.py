@@ -219,14 +219,6 @@ class _TooLarge(Exception):
     pass
 
 
-def _decompressor(encoding: str) -> Any:
-    if encoding == "gzip":
-        return zlib.decompressobj(wbits=31)
-    if encoding == "deflate":
-        return zlib.decompressobj(wbits=47)  # 32 + 15: zlib or gzip header, auto-detected
-    return None
-
-
 async def _read_body(request: web.Request, limit: int, encoding: str) -> bytes:
     """Read a body (chunked or not) while counting, and inflate it with a bounded buffer."""
     length = request.content_length
@@ -240,21 +232,40 @@ async def _read_body(request: web.Request, limit: int, encoding: str) -> bytes:
         raw += chunk
         if len(raw) > wire_limit:
             raise _TooLarge(f"body exceeds the {limit / MiB:g} MiB limit")
-    d = _decompressor(encoding)
-    if d is None:
-        return bytes(raw)
-    try:
-        out = d.decompress(bytes(raw), limit + 1)
-        if len(out) > limit or d.unconsumed_tail:
+    return _inflate(bytes(raw), limit, encoding) if encoding else bytes(raw)
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _inflate(data: bytes, limit: int, encoding: str) -> bytes:
+    """Inflate a gzip body member by member (RFC 1952 allows several) or one deflate stream.
+
+    Data after the end of the stream is refused, never ignored: what it held would be lost.
+    """
+    out = bytearray()
+    member = 0
+    while True:
+        member += 1
+        # deflate: 32 + 15 auto-detects a zlib or gzip header
+        d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 47)
+        try:
+            out += d.decompress(data, limit + 1 - len(out))  # never 0 (unbounded): checked below
+            if len(out) <= limit:
+                out += d.flush()
+        except zlib.error as exc:
+            where = f"member {member} of " if member > 1 else ""
+            raise ValueError(f"cannot {encoding}-decode {where}the body: {exc}") from None
+        if len(out) > limit:
             raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
-        out += d.flush()
         if not d.eof:
             raise ValueError(f"cannot {encoding}-decode the body: the compressed stream is truncated")
-    except zlib.error as exc:
-        raise ValueError(f"cannot {encoding}-decode the body: {exc}") from None
-    if len(out) > limit:
-        raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
-    return out
+        data = d.unused_data
+        if not data:
+            return bytes(out)
+        if encoding != "gzip" or not data.startswith(_GZIP_MAGIC):
+            raise ValueError(f"cannot {encoding}-decode the body: {len(data)} bytes of trailing data "
+                             f"after the compressed stream")
 
 
 def _http_error(status: int, message: str, json_reply: bool, retry_after: float = 0.0) -> web.Response:
