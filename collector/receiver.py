@@ -11,6 +11,9 @@ the commit; the transports map its ``Outcome`` to their status codes:
     unavailable    503 + Retry-After         UNAVAILABLE + RetryInfo
     unauthorized   401                       UNAUTHENTICATED
 
+An HTTP request whose body never arrives whole (the client went away, or was
+closed at ``read_timeout``) gets no answer; it is counted as ``incomplete``.
+
 grpc's own message limit is set above ours so that our check answers, and
 counts, an oversized request.
 """
@@ -35,7 +38,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from . import otlp
-from .config import TLS
+from .config import TLS, Listener
 from .errors import StoreUnavailable
 from .metrics import Metrics
 from .store import Store
@@ -48,7 +51,7 @@ MiB = 1024 * 1024
 
 @dataclass
 class Outcome:
-    kind: str  # ok | invalid | too_large | unavailable | unauthorized
+    kind: str  # ok | invalid | too_large | unavailable | unauthorized (| incomplete: counted, never answered)
     message: str = ""
     reason: str = ""  # for unavailable: backpressure | storage_error
     response: Any = None
@@ -169,12 +172,29 @@ def _grpc_handler(intake: Intake, signal: str) -> Callable[[bytes, grpc.aio.Serv
     return export
 
 
-def grpc_server(intake: Intake) -> grpc.aio.Server:
-    """A grpc.aio server with the three OTLP services (ports added by the caller)."""
+# A connection is closed (GOAWAY, then the grace for calls in flight) at this age: the
+# one bound on a call whose client sends half a message, with no deadline, for ever.
+# Clients move to a new connection without failing a call.
+GRPC_MAX_CONNECTION_AGE = 600.0
+GRPC_MAX_CONNECTION_AGE_GRACE = 60.0
+
+
+def grpc_server(intake: Intake, listener: Listener) -> grpc.aio.Server:
+    """A grpc.aio server with the three OTLP services (ports added by the caller).
+
+    Connections: one with no call in flight is closed after ``idle_timeout`` (grpc
+    keeps it for ever by default; an exporter's channel reconnects for its next
+    export), one that has not finished its handshake after ``read_timeout``
+    (grpc's default is 120 s), and any after ``GRPC_MAX_CONNECTION_AGE``.
+    """
     limit = intake.max_bytes * 2 + MiB
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", 4 * MiB),
+        ("grpc.max_connection_idle_ms", int(listener.idle_timeout * 1000)),
+        ("grpc.server_handshake_timeout_ms", int(listener.read_timeout * 1000)),
+        ("grpc.max_connection_age_ms", int(GRPC_MAX_CONNECTION_AGE * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(GRPC_MAX_CONNECTION_AGE_GRACE * 1000)),
     ])
     handlers = [
         grpc.method_handlers_generic_handler(service, {
@@ -305,6 +325,9 @@ def http_app(intake: Intake) -> web.Application:
                                json_reply)
         try:
             body = await _read_body(request, intake.max_bytes, encoding)
+        except ConnectionResetError:  # the client went away, or was too slow (read_timeout)
+            intake.refuse("http", signal, Outcome("incomplete"))
+            raise  # the listener logs it at debug
         except _TooLarge as exc:
             intake.refuse("http", signal, Outcome("too_large"))
             return _http_error(413, str(exc), json_reply)
