@@ -17,9 +17,9 @@ Whatever a request carries must not fail the store's shared commit, so the
 walk checks every value against its column: protobuf's types match the
 store's except ``kind`` and ``status.code`` (int32 enums, int8 columns), and a
 span whose value does not fit is rejected on its own through ``partial_success``.
-Strings are valid UTF-8 (both decoders refuse anything else), and nesting is
-bounded by both decoders at 100 message levels, within the walk's recursion and
-orjson's 254 levels.
+Strings are valid UTF-8 (protobuf refuses anything else, JSON's lone surrogates
+are replaced), and both decoders stop at 100 message levels, well within the
+walk's recursion and orjson's 254 levels.
 
 Public functions:
     parse_traces / parse_logs / parse_metrics: body bytes -> protobuf request
@@ -211,10 +211,16 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _replace_lone_surrogates(doc: Any) -> None:
-    """Every string in ``doc`` with a lone surrogate gets U+FFFD in its place (iteratively: docs nest deep)."""
+    """Every string in ``doc`` with a lone surrogate gets U+FFFD in its place (iteratively: docs nest deep).
+
+    Keys too: only unknown field names can hold one, and upb fails on them with a SystemError.
+    """
     stack = [doc]
     while stack:
         node = stack.pop()
+        if isinstance(node, dict):
+            for key in [k for k in node if _LONE_SURROGATE.search(k)]:
+                node[_LONE_SURROGATE.sub("\ufffd", key)] = node.pop(key)
         for key, val in (node.items() if isinstance(node, dict) else enumerate(node)):
             if isinstance(val, str):
                 if _LONE_SURROGATE.search(val):

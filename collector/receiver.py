@@ -184,8 +184,8 @@ def grpc_server(intake: Intake, listener: Listener) -> grpc.aio.Server:
 
     Connections: one with no call in flight is closed after ``idle_timeout`` (grpc
     keeps it for ever by default; an exporter's channel reconnects for its next
-    export), one that has not finished its handshake after ``read_timeout``
-    (grpc's default is 120 s), and any after ``GRPC_MAX_CONNECTION_AGE``.
+    export), one that has not finished its handshake after ``read_timeout``, and
+    any after ``GRPC_MAX_CONNECTION_AGE``.
     """
     limit = intake.max_bytes * 2 + MiB
     server = grpc.aio.server(options=[
