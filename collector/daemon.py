@@ -20,10 +20,11 @@ import signal
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
 from judges import Criterion, Provider
@@ -59,12 +60,13 @@ async def _start_site(app: web.Application, listener: Listener, what: str) -> tu
     sending headers, is closed after ``idle_timeout`` (aiohttp's keep-alive timer
     runs from the connection's start and from each answer); a request body still
     arriving ``read_timeout`` after its headers has its connection closed. A client
-    that goes away mid-request is logged at debug, not as an error.
+    that goes away mid-request, or sends what is not HTTP, is logged at debug, not as
+    an error.
     """
     app.middlewares.insert(0, _unfinished_requests(listener.read_timeout))  # outermost: sees every handler
     # Bodies are inflated by us, with a size bound, not by aiohttp.
     runner = web.AppRunner(app, access_log=None, auto_decompress=False, handle_signals=False,
-                           keepalive_timeout=listener.idle_timeout)
+                           keepalive_timeout=listener.idle_timeout, logger=_ServerLog(_aiohttp_log, {}))
     await runner.setup()
     host, port = _split(listener.endpoint)
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context(listener.tls))
@@ -77,6 +79,20 @@ async def _start_site(app: web.Application, listener: Listener, what: str) -> tu
     sockets = getattr(server, "sockets", None) or []
     actual = sockets[0].getsockname()[1] if sockets else port
     return runner, actual
+
+
+_aiohttp_log = logging.getLogger("aiohttp.server")
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log, where a request it cannot parse (answered 400) is the client's
+    mistake: one debug line, not an ERROR traceback. Anything else is logged as aiohttp does."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug("%s: %s", str(msg) % args, " ".join(str(exc_info.message).split()))
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 def _unfinished_requests(read_timeout: float) -> Middleware:

@@ -126,3 +126,24 @@ def test_client_gone_mid_request_is_counted_not_an_error(daemon: Any) -> None:
     assert daemon.metric('tracejudge_requests_total{outcome="incomplete",signal="traces",transport="http"}') == 1
     assert " ERROR " not in daemon.output() and "Traceback" not in daemon.output()
     assert daemon.counts()["spans"] == 0
+
+
+MALFORMED = [
+    b"GET /healthz HTTP/1.1\r\nBad Header\r\n\r\n",
+    b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 50,  # TLS to a plain-HTTP port
+]
+
+
+@pytest.mark.parametrize("listener", ["http", "api"])
+def test_malformed_http_is_400_not_an_error(daemon: Any, listener: str) -> None:
+    base = daemon.http if listener == "http" else daemon.api
+    for request in MALFORMED:
+        sock = _connect(base)
+        sock.sendall(request)
+        assert sock.recv(1024).startswith(b"HTTP/1.0 400"), request
+        sock.close()
+    assert daemon.get("/healthz")[0] == 200
+    _wait_for(lambda: daemon.output().count("Error handling request") >= len(MALFORMED), "the 400s to be logged")
+    assert " ERROR " not in daemon.output()  # (aiohttp gives TLS on a plain port a debug traceback itself)
