@@ -184,6 +184,12 @@ class APIAuth(Section):
 class Listener(Section):
     endpoint: Endpoint
     tls: TLS = TLS()
+    idle_timeout: Duration = Field(30.0, gt=0)
+    """A connection with no request in flight, or still sending headers, is closed after this long
+    (HTTP keep-alive; gRPC ``max_connection_idle``)."""
+    read_timeout: Duration = Field(30.0, gt=0)
+    """A request body must have arrived this long after its headers (HTTP); a connection must have
+    finished its handshake (gRPC). OTLP exporters give a whole export 10 s by default."""
 
 
 class Protocols(Section):
@@ -233,10 +239,9 @@ class Storage(Section):
     """The delay suggested to clients when the queue is full (Retry-After / RetryInfo)."""
 
 
-class API(Section):
+class API(Listener):
     endpoint: Endpoint = "127.0.0.1:8318"
     """Web page and JSON API (/healthz, /readyz, /metrics, /api/...); beyond loopback it needs auth.bearer_token."""
-    tls: TLS = TLS()
     auth: APIAuth = APIAuth()
     allowed_hosts: list[AllowedHost] = []
     """Other names the API answers to in the Host header (``name`` at any port, or ``name:port``).

@@ -20,15 +20,17 @@ import signal
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler, Middleware
 
 from judges import Criterion, Provider
 
 from .api import API
-from .config import Config
+from .config import Config, Listener
 from .conversations import Conversations
 from .queries import conversation_counts
 from .errors import UserError
@@ -52,21 +54,73 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _start_site(app: web.Application, endpoint: str, tls_ctx: object, what: str) -> tuple[web.AppRunner, int]:
+async def _start_site(app: web.Application, listener: Listener, what: str) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``listener``; returns the runner and the actual port (port 0 picks one).
+
+    No client holds a connection for ever: one with no request in flight, or still
+    sending headers, is closed after ``idle_timeout`` (aiohttp's keep-alive timer
+    runs from the connection's start and from each answer); a request body still
+    arriving ``read_timeout`` after its headers has its connection closed. A client
+    that goes away mid-request, or sends what is not HTTP, is logged at debug, not as
+    an error.
+    """
+    app.middlewares.insert(0, _unfinished_requests(listener.read_timeout))  # outermost: sees every handler
     # Bodies are inflated by us, with a size bound, not by aiohttp.
-    runner = web.AppRunner(app, access_log=None, auto_decompress=False, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, auto_decompress=False, handle_signals=False,
+                           keepalive_timeout=listener.idle_timeout, logger=_ServerLog(_aiohttp_log, {}))
     await runner.setup()
-    host, port = _split(endpoint)
-    site = web.TCPSite(runner, host, port, ssl_context=tls_ctx)  # type: ignore[arg-type]
+    host, port = _split(listener.endpoint)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(listener.tls))
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise UserError(f"cannot listen on {endpoint} ({what}): {exc.strerror or exc}") from None
+        raise UserError(f"cannot listen on {listener.endpoint} ({what}): {exc.strerror or exc}") from None
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     actual = sockets[0].getsockname()[1] if sockets else port
     return runner, actual
+
+
+_aiohttp_log = logging.getLogger("aiohttp.server")
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log, where a request it cannot parse (answered 400) is the client's
+    mistake: one debug line, not an ERROR traceback. Anything else is logged as aiohttp does."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug("%s: %s", str(msg) % args, " ".join(str(exc_info.message).split()))
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+def _unfinished_requests(read_timeout: float) -> Middleware:
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        timer = None
+        if not request.content.is_eof():
+            timer = asyncio.get_running_loop().call_later(read_timeout, _close_if_unread, request, read_timeout)
+        try:
+            return await handler(request)
+        except ConnectionResetError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise  # not this client's connection
+            log.debug("client %s went away during %s %s", request.remote, request.method, request.path)
+            return web.Response(status=400)  # nobody reads it: aiohttp drops it quietly
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    return guard
+
+
+def _close_if_unread(request: web.Request, read_timeout: float) -> None:
+    if not request.content.is_eof() and request.transport is not None:
+        log.debug("closing the connection of %s: the body of %s %s did not arrive within read_timeout (%gs)",
+                  request.remote, request.method, request.path, read_timeout)
+        request.transport.close()
 
 
 CAPTURE_HINT = ("set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY (with "
@@ -123,11 +177,11 @@ class Daemon:
         runners: list[web.AppRunner] = []
         gserver: grpc.aio.Server | None = None
         try:
-            api_runner, api_port = await _start_site(api.app, cfg.api.endpoint, ssl_context(cfg.api.tls), "API")
+            api_runner, api_port = await _start_site(api.app, cfg.api, "API")
             runners.append(api_runner)
             grpc_addr = http_addr = None
             if rcv.protocols.grpc is not None:
-                gserver = grpc_server(intake)
+                gserver = grpc_server(intake, rcv.protocols.grpc)
                 try:
                     port = add_grpc_port(gserver, rcv.protocols.grpc.endpoint, rcv.protocols.grpc.tls)
                 except (OSError, RuntimeError) as exc:
@@ -136,7 +190,7 @@ class Daemon:
                 grpc_addr = f"{_split(rcv.protocols.grpc.endpoint)[0]}:{port}"
             if rcv.protocols.http is not None:
                 h = rcv.protocols.http
-                http_runner, port = await _start_site(http_app(intake), h.endpoint, ssl_context(h.tls), "OTLP/HTTP")
+                http_runner, port = await _start_site(http_app(intake), h, "OTLP/HTTP")
                 runners.append(http_runner)
                 http_addr = f"{_split(h.endpoint)[0]}:{port}"
             api_host = _split(cfg.api.endpoint)[0]

@@ -7,7 +7,19 @@ helper objects.
 
 Both encodings land in the same protobuf message first: OTLP/JSON needs its hex
 ids turned into bytes before ``json_format`` sees them, because ``ParseDict``
-silently base64-decodes a 32-character hex id into 24 wrong bytes.
+silently base64-decodes a 32-character hex id into 24 wrong bytes. Its parser is
+made strict where it would store a wrong value silently (a message written as a
+string, an enum number beyond int32, a boolean as a double), and a lone UTF-16
+surrogate, which a JS exporter sends when it cut a string inside a pair, becomes
+U+FFFD as any UTF-8 encoder would make it.
+
+Whatever a request carries must not fail the store's shared commit, so the
+walk checks every value against its column: protobuf's types match the
+store's except ``kind`` and ``status.code`` (int32 enums, int8 columns), and a
+span whose value does not fit is rejected on its own through ``partial_success``.
+Strings are valid UTF-8 (protobuf refuses anything else, JSON's lone surrogates
+are replaced), and both decoders stop at 100 message levels, well within the
+walk's recursion and orjson's 254 levels.
 
 Public functions:
     parse_traces / parse_logs / parse_metrics: body bytes -> protobuf request
@@ -18,9 +30,11 @@ Public functions:
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -133,20 +147,119 @@ def _snake(camel: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in camel)
 
 
+class _StrictParser(json_format._Parser):  # type: ignore[misc,name-defined]
+    """``json_format``'s parser, refusing what it would otherwise store altered.
+
+    With unknown fields ignored (OTLP/JSON requires it), a message written as a
+    string is read as a list of unknown one-letter field names, and so is lost;
+    an enum number beyond int32 wraps (2**40 becomes 0), and ``true`` becomes the
+    double 1.0. Each is a ``ParseError`` naming the field here.
+    """
+
+    def ConvertMessage(self, value: Any, message: Any, path: str) -> None:  # noqa: N802 (json_format's name)
+        where = path or message.DESCRIPTOR.name
+        if not isinstance(value, dict):
+            raise json_format.ParseError(f"{where} must be a JSON object, not {_json_type(value)}")
+        for key, is_enum in _checked_fields(message.DESCRIPTOR):
+            if key in value:
+                _check_scalar(value[key], is_enum, f"{where}.{key}")
+        super().ConvertMessage(value, message, path)
+
+
+@functools.cache
+def _checked_fields(descriptor: Any) -> tuple[tuple[str, bool], ...]:
+    """JSON keys (both spellings) of the enum and double fields of a message type."""
+    return tuple(
+        (key, f.enum_type is not None)
+        for f in descriptor.fields
+        if f.enum_type is not None or f.cpp_type == f.CPPTYPE_DOUBLE
+        for key in dict.fromkeys((f.json_name, f.name))
+    )
+
+
+_INT32 = range(-2**31, 2**31)
+
+
+def _check_scalar(value: Any, is_enum: bool, where: str) -> None:
+    if isinstance(value, bool):
+        raise json_format.ParseError(f"{where} must be {'an enum name or number' if is_enum else 'a number'}, "
+                                     f"not {_json_type(value)}")
+    if not is_enum:
+        return
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            return  # an enum name: json_format knows it or ignores it as unknown
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise json_format.ParseError(f"{where} must be an enum name or integer, not {value}")
+        value = int(value)
+    if isinstance(value, int) and value not in _INT32:
+        raise json_format.ParseError(f"{where} must be an enum number within int32, not {value}")
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+# After json.loads, escaped surrogate pairs are one character: what is left in
+# this range is a lone surrogate, which UTF-8 cannot encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _replace_lone_surrogates(doc: Any) -> None:
+    """Every string in ``doc`` with a lone surrogate gets U+FFFD in its place (iteratively: docs nest deep).
+
+    Keys too: only unknown field names can hold one, and upb fails on them with a SystemError.
+    """
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in [k for k in node if _LONE_SURROGATE.search(k)]:
+                node[_LONE_SURROGATE.sub("\ufffd", key)] = node.pop(key)
+        for key, val in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(val, str):
+                if _LONE_SURROGATE.search(val):
+                    node[key] = _LONE_SURROGATE.sub("\ufffd", val)
+            elif isinstance(val, (dict, list)):
+                stack.append(val)
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    """The innermost ParseError: json_format wraps it once per enclosing field ("Failed to parse ... field")."""
+    while isinstance(exc.__cause__, json_format.ParseError):
+        exc = exc.__cause__
+    return exc
+
+
+def _load_json(body: bytes) -> Any:
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise DecodeFailure("body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # bad syntax or encoding, or an integer of more than 4300 digits
+        raise DecodeFailure(f"body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(body):
+        _replace_lone_surrogates(doc)
+    return doc
+
+
 def _parse(body: bytes, json_body: bool, message: Any, ids: tuple[str, str, str] | None) -> Any:
     if json_body:
         if not body.strip():
             return message  # an empty request is a valid, empty export
-        try:
-            doc = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DecodeFailure(f"body is not valid JSON: {exc}") from None
+        doc = _load_json(body)
         if ids is not None:
             _walk_json_ids(doc, *ids)
         try:
-            json_format.ParseDict(doc, message, ignore_unknown_fields=True)
-        except (json_format.ParseError, TypeError, ValueError) as exc:
-            raise DecodeFailure(f"body is not a valid OTLP/JSON {type(message).__name__}: {exc}") from None
+            _StrictParser(True, None, 100).ConvertMessage(doc, message, "")
+        except (json_format.ParseError, TypeError, ValueError, RecursionError) as exc:
+            raise DecodeFailure(f"body is not a valid OTLP/JSON {type(message).__name__}: "
+                                f"{_first_cause(exc)}") from None
         return message
     try:
         message.ParseFromString(body)
@@ -243,8 +356,9 @@ def _resource_parts(resource: Any) -> tuple[str, str | None]:
 def span_batch(req: ExportTraceServiceRequest) -> tuple[SpanBatch, int, str]:
     """Walk every span once into columns.
 
-    Returns the batch, the number of spans rejected (bad ids; reported through
-    ``partial_success``) and a message naming the first reason.
+    Returns the batch, the number of spans rejected (bad ids, or a kind or status
+    code the store's int8 columns cannot hold; reported through ``partial_success``)
+    and a message naming the first reason.
     """
     batch = SpanBatch()
     (c_trace, c_span, c_parent, c_state, c_flags, c_name, c_kind, c_start, c_end, c_attrs,
@@ -269,6 +383,15 @@ def span_batch(req: ExportTraceServiceRequest) -> tuple[SpanBatch, int, str]:
                         reason = (f"span {sp.name!r} has an invalid trace_id/span_id "
                                   f"({len(tid)} and {len(sid)} bytes, all-zero not allowed)")
                     continue
+                kind = sp.kind
+                st = sp.status
+                code = st.code
+                if not (-128 <= kind <= 127 and -128 <= code <= 127):
+                    rejected += 1
+                    if not reason:
+                        what, value = ("kind", kind) if not -128 <= kind <= 127 else ("status.code", code)
+                        reason = f"span {sid.hex()} ({sp.name!r}): {what} {value} is outside -128..127"
+                    continue
                 c_trace.append(tid.hex())
                 c_span.append(sid.hex())
                 parent = sp.parent_span_id
@@ -276,7 +399,7 @@ def span_batch(req: ExportTraceServiceRequest) -> tuple[SpanBatch, int, str]:
                 c_state.append(sp.trace_state or None)
                 c_flags.append(sp.flags)
                 c_name.append(sp.name)
-                c_kind.append(sp.kind)
+                c_kind.append(kind)
                 c_start.append(sp.start_time_unix_nano)
                 c_end.append(sp.end_time_unix_nano)
                 c_attrs.append(to_json(attributes_dict(sp.attributes)))
@@ -299,8 +422,7 @@ def span_batch(req: ExportTraceServiceRequest) -> tuple[SpanBatch, int, str]:
                     ]))
                 else:
                     c_links.append(None)
-                st = sp.status
-                c_scode.append(st.code)
+                c_scode.append(code)
                 c_smsg.append(st.message or None)
                 if sp.dropped_attributes_count or sp.dropped_events_count or sp.dropped_links_count:
                     c_dropped.append(to_json({

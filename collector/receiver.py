@@ -11,6 +11,9 @@ the commit; the transports map its ``Outcome`` to their status codes:
     unavailable    503 + Retry-After         UNAVAILABLE + RetryInfo
     unauthorized   401                       UNAUTHENTICATED
 
+An HTTP request whose body never arrives whole (the client went away, or was
+closed at ``read_timeout``) gets no answer; it is counted as ``incomplete``.
+
 grpc's own message limit is set above ours so that our check answers, and
 counts, an oversized request.
 """
@@ -35,7 +38,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from . import otlp
-from .config import TLS
+from .config import TLS, Listener
 from .errors import StoreUnavailable
 from .metrics import Metrics
 from .store import Store
@@ -48,7 +51,7 @@ MiB = 1024 * 1024
 
 @dataclass
 class Outcome:
-    kind: str  # ok | invalid | too_large | unavailable | unauthorized
+    kind: str  # ok | invalid | too_large | unavailable | unauthorized (| incomplete: counted, never answered)
     message: str = ""
     reason: str = ""  # for unavailable: backpressure | storage_error
     response: Any = None
@@ -169,12 +172,29 @@ def _grpc_handler(intake: Intake, signal: str) -> Callable[[bytes, grpc.aio.Serv
     return export
 
 
-def grpc_server(intake: Intake) -> grpc.aio.Server:
-    """A grpc.aio server with the three OTLP services (ports added by the caller)."""
+# A connection is closed (GOAWAY, then the grace for calls in flight) at this age: the
+# one bound on a call whose client sends half a message, with no deadline, for ever.
+# Clients move to a new connection without failing a call.
+GRPC_MAX_CONNECTION_AGE = 600.0
+GRPC_MAX_CONNECTION_AGE_GRACE = 60.0
+
+
+def grpc_server(intake: Intake, listener: Listener) -> grpc.aio.Server:
+    """A grpc.aio server with the three OTLP services (ports added by the caller).
+
+    Connections: one with no call in flight is closed after ``idle_timeout`` (grpc
+    keeps it for ever by default; an exporter's channel reconnects for its next
+    export), one that has not finished its handshake after ``read_timeout``, and
+    any after ``GRPC_MAX_CONNECTION_AGE``.
+    """
     limit = intake.max_bytes * 2 + MiB
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", 4 * MiB),
+        ("grpc.max_connection_idle_ms", int(listener.idle_timeout * 1000)),
+        ("grpc.server_handshake_timeout_ms", int(listener.read_timeout * 1000)),
+        ("grpc.max_connection_age_ms", int(GRPC_MAX_CONNECTION_AGE * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(GRPC_MAX_CONNECTION_AGE_GRACE * 1000)),
     ])
     handlers = [
         grpc.method_handlers_generic_handler(service, {
@@ -219,14 +239,6 @@ class _TooLarge(Exception):
     pass
 
 
-def _decompressor(encoding: str) -> Any:
-    if encoding == "gzip":
-        return zlib.decompressobj(wbits=31)
-    if encoding == "deflate":
-        return zlib.decompressobj(wbits=47)  # 32 + 15: zlib or gzip header, auto-detected
-    return None
-
-
 async def _read_body(request: web.Request, limit: int, encoding: str) -> bytes:
     """Read a body (chunked or not) while counting, and inflate it with a bounded buffer."""
     length = request.content_length
@@ -240,21 +252,40 @@ async def _read_body(request: web.Request, limit: int, encoding: str) -> bytes:
         raw += chunk
         if len(raw) > wire_limit:
             raise _TooLarge(f"body exceeds the {limit / MiB:g} MiB limit")
-    d = _decompressor(encoding)
-    if d is None:
-        return bytes(raw)
-    try:
-        out = d.decompress(bytes(raw), limit + 1)
-        if len(out) > limit or d.unconsumed_tail:
+    return _inflate(bytes(raw), limit, encoding) if encoding else bytes(raw)
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _inflate(data: bytes, limit: int, encoding: str) -> bytes:
+    """Inflate a gzip body member by member (RFC 1952 allows several) or one deflate stream.
+
+    Data after the end of the stream is refused, never ignored: what it held would be lost.
+    """
+    out = bytearray()
+    member = 0
+    while True:
+        member += 1
+        # deflate: 32 + 15 auto-detects a zlib or gzip header
+        d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 47)
+        try:
+            out += d.decompress(data, limit + 1 - len(out))  # never 0 (unbounded): checked below
+            if len(out) <= limit:
+                out += d.flush()
+        except zlib.error as exc:
+            where = f"member {member} of " if member > 1 else ""
+            raise ValueError(f"cannot {encoding}-decode {where}the body: {exc}") from None
+        if len(out) > limit:
             raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
-        out += d.flush()
         if not d.eof:
             raise ValueError(f"cannot {encoding}-decode the body: the compressed stream is truncated")
-    except zlib.error as exc:
-        raise ValueError(f"cannot {encoding}-decode the body: {exc}") from None
-    if len(out) > limit:
-        raise _TooLarge(f"decompressed body exceeds the {limit / MiB:g} MiB limit")
-    return out
+        data = d.unused_data
+        if not data:
+            return bytes(out)
+        if encoding != "gzip" or not data.startswith(_GZIP_MAGIC):
+            raise ValueError(f"cannot {encoding}-decode the body: {len(data)} bytes of trailing data "
+                             f"after the compressed stream")
 
 
 def _http_error(status: int, message: str, json_reply: bool, retry_after: float = 0.0) -> web.Response:
@@ -294,6 +325,9 @@ def http_app(intake: Intake) -> web.Application:
                                json_reply)
         try:
             body = await _read_body(request, intake.max_bytes, encoding)
+        except ConnectionResetError:  # the client went away, or was too slow (read_timeout)
+            intake.refuse("http", signal, Outcome("incomplete"))
+            raise  # the listener logs it at debug
         except _TooLarge as exc:
             intake.refuse("http", signal, Outcome("too_large"))
             return _http_error(413, str(exc), json_reply)

@@ -12,8 +12,20 @@ import pytest
 from google.rpc import status_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
-from .wire import grpc_export, post, retry_info, span_request_bytes
+from .wire import (
+    grpc_export,
+    json_traces,
+    nested_value_json,
+    nested_value_request,
+    post,
+    retry_info,
+    span_request_bytes,
+)
 
 PB = "application/x-protobuf"
 JS = "application/json"
@@ -83,11 +95,6 @@ def test_wrong_method_and_path(daemon: Any) -> None:
 
 
 def test_partial_success_for_bad_span_ids(daemon: Any) -> None:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-        ExportTraceServiceResponse,
-    )
-
     req = ExportTraceServiceRequest.FromString(span_request_bytes(3)[0])
     spans = req.resource_spans[0].scope_spans[0].spans
     spans[0].trace_id = bytes(16)  # all-zero: invalid
@@ -166,3 +173,174 @@ def test_fuzz_http_never_crashes(daemon: Any, junk: bytes, ctype: str, encoding:
     status, _, _ = post(daemon.http, "/v1/traces", junk, ctype, encoding)
     assert status < 500
     assert daemon.get("/healthz")[0] == 200
+
+
+def _error_message(reply: bytes, ctype: str) -> str:
+    if ctype == JS:
+        shape = json.loads(reply)
+        assert shape["code"] == 3
+        return str(shape["message"])
+    return status_pb2.Status.FromString(reply).message
+
+
+def _span_json(trace: int, span: int, **fields: Any) -> dict[str, Any]:
+    return {"traceId": f"{trace:032x}", "spanId": f"{span:016x}", "name": f"span {span}", **fields}
+
+
+def test_values_the_store_cannot_hold_are_rejected_per_span(daemon: Any) -> None:
+    """kind and status.code are int32 enums on the wire but int8 columns in the store: a span
+    outside -128..127 is rejected on its own (partial success) before the shared commit."""
+    stored = _good(daemon, 1)
+    for n, send in enumerate(("http", "grpc")):
+        req = ExportTraceServiceRequest.FromString(span_request_bytes(4, trace_seed=2 + n)[0])
+        spans = req.resource_spans[0].scope_spans[0].spans
+        spans[0].kind = 200
+        spans[1].status.code = -1000
+        if send == "http":
+            status, _, reply = post(daemon.http, "/v1/traces", req.SerializeToString())
+            assert status == 200
+            resp = ExportTraceServiceResponse.FromString(reply)
+        else:
+            resp = grpc_export(daemon.grpc, "traces", req.SerializeToString())
+        assert resp.partial_success.rejected_spans == 2
+        message = resp.partial_success.error_message
+        assert f"span {spans[0].span_id.hex()}" in message and "kind 200" in message
+        stored |= {(sp.trace_id.hex(), sp.span_id.hex()) for sp in spans[2:]}
+    doc = json_traces([_span_json(7, 1, kind=128), _span_json(7, 2, status={"code": -129}), _span_json(7, 3)])
+    status, _, reply = post(daemon.http, "/v1/traces", json.dumps(doc).encode(), JS)
+    assert status == 200
+    partial = json.loads(reply)["partialSuccess"]
+    assert partial["rejectedSpans"] == "2"
+    assert f"span {1:016x}" in partial["errorMessage"] and "kind 128" in partial["errorMessage"]
+    stored.add((f"{7:032x}", f"{3:016x}"))
+    assert daemon.counts()["spans"] == len(stored)
+    assert daemon.metric('tracejudge_spans_rejected_total{reason="invalid"}') == 6
+    assert 'outcome="unavailable"' not in daemon.get("/metrics")[1]
+    _check_then_good(daemon, stored, 9)
+
+
+def test_every_gzip_member_is_inflated(daemon: Any) -> None:
+    """RFC 1952 allows a gzip body of several members; each one is part of the request."""
+    first, ids1 = span_request_bytes(3, trace_seed=5)
+    second, ids2 = span_request_bytes(3, trace_seed=6)
+    # Serialized protobuf messages concatenate into one message holding both span lists.
+    status, _, _ = post(daemon.http, "/v1/traces", gzip.compress(first) + gzip.compress(second), encoding="gzip")
+    assert status == 200
+    assert daemon.counts()["spans"] == 6
+
+
+def test_decompressed_size_is_bounded_across_gzip_members(make_daemon: Any) -> None:
+    daemon = make_daemon(receivers={"otlp": {"max_request_size_mib": 1}})
+    member = gzip.compress(b"\x00" * (700 * 1024))
+    status, _, reply = post(daemon.http, "/v1/traces", member + member, encoding="gzip")
+    assert status == 413
+    assert "1 MiB" in status_pb2.Status.FromString(reply).message
+
+
+TRAILING: dict[str, Callable[[bytes], tuple[bytes, str]]] = {
+    "gzip, then garbage": lambda body: (gzip.compress(body) + b"garbage", "gzip"),
+    "deflate, then garbage": lambda body: (zlib.compress(body) + b"garbage", "deflate"),
+    "deflate, then a second stream": lambda body: (zlib.compress(body) * 2, "deflate"),
+}
+
+
+def test_trailing_data_after_the_compressed_stream_is_refused(daemon: Any) -> None:
+    body, _ = span_request_bytes(3, trace_seed=4)
+    for case, make in TRAILING.items():
+        wire, encoding = make(body)
+        status, _, reply = post(daemon.http, "/v1/traces", wire, encoding=encoding)
+        assert status == 400, case
+        assert "trailing data" in status_pb2.Status.FromString(reply).message, case
+    assert daemon.counts()["spans"] == 0
+
+
+def _signal_docs(value: str) -> dict[str, str]:
+    """OTLP/JSON text for each signal with ``value`` (AnyValue JSON text) in an attribute or body."""
+    trace, span = "01" * 16, "02" * 8
+    return {
+        "traces": '{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "%s", "spanId": "%s", "name": "n", '
+                  '"attributes": [{"key": "k", "value": %s}]}]}]}]}' % (trace, span, value),
+        "logs": '{"resourceLogs": [{"scopeLogs": [{"logRecords": [{"body": %s}]}]}]}' % value,
+        "metrics": '{"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "m", "gauge": {"dataPoints": '
+                   '[{"asInt": "1", "attributes": [{"key": "k", "value": %s}]}]}}]}]}]}' % value,
+    }
+
+
+DEEP_JSON: dict[str, tuple[str, str]] = {
+    # name: AnyValue JSON text, words in the message
+    "400 AnyValue levels": (nested_value_json(400), "nested too deeply"),
+    "100 AnyValue levels": (nested_value_json(100), "too deep"),
+    "2000 brackets": ("[" * 2000 + "]" * 2000, "nested too deeply"),
+    "a 5000-digit integer": ('{"intValue": ' + "9" * 5000 + "}", "digits"),
+}
+
+
+@pytest.mark.parametrize("signal", ["traces", "logs", "metrics"])
+def test_deep_or_huge_json_is_400_on_every_signal(daemon: Any, signal: str) -> None:
+    stored = _good(daemon, 1)
+    for case, (value, words) in DEEP_JSON.items():
+        status, headers, reply = post(daemon.http, f"/v1/{signal}", _signal_docs(value)[signal].encode(), JS)
+        assert (status, case) == (400, case)
+        assert headers["content-type"].startswith(JS)
+        assert words in _error_message(reply, JS), case
+    assert "Traceback" not in daemon.output()
+    _check_then_good(daemon, stored, 2)
+
+
+def test_nesting_each_decoder_accepts_is_stored_and_deeper_is_400(daemon: Any) -> None:
+    """Both decoders stop at 100 message levels, well inside what the walk and orjson handle."""
+    body, ids = nested_value_request(40, trace_seed=3)
+    assert post(daemon.http, "/v1/traces", body)[0] == 200
+    grpc_export(daemon.grpc, "traces", nested_value_request(40, trace_seed=4)[0])
+    doc = _signal_docs(nested_value_json(40))["traces"]
+    assert post(daemon.http, "/v1/traces", doc.encode(), JS)[0] == 200
+    trace = daemon.get(f"/api/traces/{ids[0][0]}")[1]
+    value = trace["spans"][0]["attributes"]["nested"]
+    for _ in range(40):
+        (value,) = value
+    assert value == "x"
+    deep, _ = nested_value_request(200, trace_seed=5)
+    status, _, reply = post(daemon.http, "/v1/traces", deep)
+    assert status == 400 and "not a valid protobuf" in _error_message(reply, PB)
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_export(daemon.grpc, "traces", deep)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert daemon.counts()["spans"] == 3
+    assert "Traceback" not in daemon.output()
+
+
+BAD_JSON_TYPES: dict[str, tuple[dict[str, Any], str]] = {
+    # name: span fields, words in the message
+    "kind 2**40": ({"kind": 2**40}, "kind"),
+    "kind as a huge numeric string": ({"kind": str(2**40)}, "kind"),
+    "kind true": ({"kind": True}, "kind"),
+    "kind 1.5": ({"kind": 1.5}, "kind"),
+    "status.code 2**32 + 1": ({"status": {"code": 2**32 + 1}}, "code"),
+    "attribute value a bare string": ({"attributes": [{"key": "k", "value": "str"}]}, "value"),
+    "attribute a bare string": ({"attributes": ["str"]}, "attributes"),
+    "status a list": ({"status": ["code"]}, "status"),
+    "doubleValue true": ({"attributes": [{"key": "k", "value": {"doubleValue": True}}]}, "doubleValue"),
+}
+
+
+def test_json_of_the_wrong_type_is_400_never_stored_altered(daemon: Any) -> None:
+    stored = _good(daemon, 1)
+    for n, (case, (fields, words)) in enumerate(BAD_JSON_TYPES.items()):
+        doc = json_traces([_span_json(20 + n, 1, **fields)])
+        status, _, reply = post(daemon.http, "/v1/traces", json.dumps(doc).encode(), JS)
+        assert (status, case) == (400, case)
+        message = _error_message(reply, JS)
+        assert words in message and "must be" in message, (case, message)
+    assert daemon.counts()["spans"] == len(stored)
+    _check_then_good(daemon, stored, 2)
+
+
+def test_lone_surrogates_in_json_strings_become_replacement_characters(daemon: Any) -> None:
+    """A JS exporter that cut a string inside a surrogate pair sends a lone surrogate; it is
+    stored as U+FFFD, as a UTF-8 encoder (and the protobuf exporter of the same SDK) would."""
+    doc = json_traces([_span_json(30, 1, attributes=[{"key": "k", "value": {"stringValue": "cut \ud83d"}}]),
+                       _span_json(30, 2, attributes=[{"key": "k", "value": {"stringValue": "kept \U0001f600"}}])])
+    status, _, _ = post(daemon.http, "/v1/traces", json.dumps(doc).encode(), JS)  # json.dumps escapes: \ud83d
+    assert status == 200
+    spans = daemon.get(f"/api/traces/{30:032x}")[1]["spans"]
+    assert sorted(sp["attributes"]["k"] for sp in spans) == ["cut \ufffd", "kept \U0001f600"]

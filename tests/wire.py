@@ -122,3 +122,31 @@ def span_request_bytes(n_spans: int, trace_seed: int = 1, attr_bytes: int = 1200
         a.key, a.value.string_value = "gen_ai.input.messages", text
         ids.append((sp.trace_id.hex(), sp.span_id.hex()))
     return req.SerializeToString(), ids
+
+
+def json_traces(spans: list[dict[str, Any]], service: str = "wire-test") -> dict[str, Any]:
+    """An OTLP/JSON ExportTraceServiceRequest document holding ``spans`` (hex ids, as exporters send them)."""
+    return {"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
+        "scopeSpans": [{"scope": {"name": "tests.wire"}, "spans": spans}],
+    }]}
+
+
+def nested_value_json(depth: int) -> str:
+    """OTLP/JSON text of an AnyValue holding arrays ``depth`` levels deep (as text: json.dumps would recurse)."""
+    return '{"arrayValue": {"values": [' * depth + '{"stringValue": "x"}' + "]}}" * depth
+
+
+def nested_value_request(depth: int, trace_seed: int = 1) -> tuple[bytes, list[tuple[str, str]]]:
+    """A protobuf ExportTraceServiceRequest of one span whose attribute nests arrays ``depth`` levels deep."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    req = ExportTraceServiceRequest.FromString(span_request_bytes(1, trace_seed=trace_seed, attr_bytes=10)[0])
+    span = req.resource_spans[0].scope_spans[0].spans[0]
+    kv = span.attributes.add()
+    kv.key = "nested"
+    value = kv.value
+    for _ in range(depth):
+        value = value.array_value.values.add()
+    value.string_value = "x"
+    return req.SerializeToString(), [(span.trace_id.hex(), span.span_id.hex())]
