@@ -40,7 +40,7 @@ from .api import API
 from .config import Config
 from .conversations import Conversations
 from .queries import conversation_counts
-from .errors import UserError
+from .errors import StoreUnavailable, UserError
 from .evaluator import Evaluator
 from .judge_setup import daemon_provider, load_configured_criteria
 from .metrics import Metrics
@@ -96,11 +96,14 @@ CAPTURE_HINT = ("set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONL
 
 
 def _conversation_gauges(store: Store) -> list[str]:
-    cur = store.cursor()
     try:
-        counts = conversation_counts(cur)
-    finally:
-        cur.close()
+        cur = store.cursor()
+        try:
+            counts = conversation_counts(cur)
+        finally:
+            cur.close()
+    except (duckdb.Error, StoreUnavailable) as exc:  # the file is being attached again: /metrics still answers
+        return [f"# tracejudge_conversations unavailable: {str(exc).splitlines()[0]}"]
     return [
         "# HELP tracejudge_conversations Conversations by state.",
         "# TYPE tracejudge_conversations gauge",

@@ -524,7 +524,6 @@ class Store:
             self.metrics.queue_depth.set(self._pending)
             if not self._pending:
                 self._emptied_at = time.monotonic()
-        self._taken = []
         for it in items:
             if not it.waited:  # its caller gave up before the writer took it: nobody to answer
                 continue
@@ -532,6 +531,7 @@ class Store:
                 it.future.set_exception(exc)
             else:
                 it.future.set_result((len(it.spans or ()), len(it.logs or ())))
+        self._taken = []
 
     # ------------------------------------------------------------ failures
 

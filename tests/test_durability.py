@@ -241,6 +241,7 @@ def test_disk_full_refuses_retryably_then_recovers_once_space_is_freed(make_daem
         assert status == 503 and headers["retry-after"] == "5", answer
         assert "File too large" in _readyz_refusal(daemon)
         assert daemon.get("/healthz")[0] == 200  # alive: it recovers by itself
+        assert daemon.metric('tracejudge_spans_rejected_total{reason="storage_error"}') >= 512
         with pytest.raises(grpc.RpcError) as refused:
             grpc_export(daemon.grpc, "traces", _random_spans(seed)[0])
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and retry_info(refused.value) == 5.0
@@ -249,6 +250,8 @@ def test_disk_full_refuses_retryably_then_recovers_once_space_is_freed(make_daem
     acked.update(ids)
     assert daemon.get("/readyz")[1]["status"] == "ready"
     assert "attached" in daemon.output() and "again after DuckDB invalidated it" in daemon.output()
+    daemon.kill9()  # what was acknowledged is in the WAL or the file: a restart replays it
+    daemon.start()
     assert daemon.stop() == 0
     stored = set(daemon.query("SELECT trace_id, span_id FROM spans"))
     assert acked <= stored, f"{len(acked - stored)} acknowledged spans lost"
@@ -265,5 +268,7 @@ def test_a_wal_that_cannot_grow_fails_readiness_until_a_commit_succeeds(make_dae
     body3, ids3 = _random_spans(3)
     assert post(daemon.http, "/v1/traces", body3)[0] == 200
     assert daemon.get("/readyz")[1]["status"] == "ready"
+    daemon.kill9()  # the WAL left by the failed append replays
+    daemon.start()
     assert daemon.stop() == 0
     assert set(ids) | set(ids3) <= set(daemon.query("SELECT trace_id, span_id FROM spans"))
