@@ -242,11 +242,19 @@ class API:
         return await asyncio.to_thread(run)
 
     async def healthz(self, request: web.Request) -> web.Response:
+        """Alive: 503 only once the store's writer has stopped for good (the daemon is exiting)."""
+        if self.store.broken is not None:
+            raise APIError(503, "store_broken", self.store.broken)
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        """Ready to take data: every receiver listens and the store commits."""
+        failure = self.store.failure
+        if failure is not None:
+            raise APIError(503, "store_unavailable", f"the store cannot commit: {failure}; requests are "
+                                                     "refused with a retryable status until a commit succeeds")
         if not self.ready:
-            raise APIError(503, "not_ready", "receivers are not listening yet")
+            raise APIError(503, "not_ready", "the receivers are not listening (starting or stopping)")
         return web.json_response({"status": "ready", "queue_depth": self.store.queue_depth})
 
     async def prometheus(self, request: web.Request) -> web.Response:

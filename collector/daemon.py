@@ -1,10 +1,18 @@
 """The daemon: one asyncio loop running the OTLP receivers and the API over one store.
 
-Start: refuse if a daemon already serves this DuckDB file, open the store,
-bind every listener, write the runtime file, print where to look.
-Stop (SIGTERM or SIGINT): stop intake (in-flight requests still get their
-answer after their commit), commit what is queued, close DuckDB, remove the
-runtime file, exit 0.
+Start: refuse if a daemon already serves this DuckDB file, open the store
+(a damaged file stops the start with one line naming it), start the
+conversation and eval stages, bind every listener, write the runtime file,
+print where to look.
+Stop (SIGTERM or SIGINT, see ``shutdown``; a second signal changes nothing):
+stop intake on every listener at once (in-flight requests still get their
+answer after their commit), commit everything queued, let the conversation
+stage take in the last commits, close DuckDB, remove the runtime file, log
+what was committed and refused while stopping, exit 0. A signal during
+start-up stops it at its next step, through the same teardown, and exits 0.
+If the store's writer stops for good, readiness fails and the daemon stops
+the same way but exits 1, for a supervisor to restart it; a shutdown whose
+last commits failed exits 1 too.
 
 The daemon never installs a global OpenTelemetry TracerProvider: SDKs used
 inside it would feed its own calls back into ingestion.
@@ -16,12 +24,12 @@ import asyncio
 import datetime as dt
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any, TextIO
+from typing import Any, Awaitable, TextIO
 
+import duckdb
 import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -33,20 +41,20 @@ from .api import API
 from .config import Config, Listener
 from .conversations import Conversations
 from .queries import conversation_counts
-from .errors import UserError
+from .errors import StoreUnavailable, UserError
 from .evaluator import Evaluator
 from .judge_setup import daemon_provider, load_configured_criteria
 from .metrics import Metrics
 from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
 from .runtime import RuntimeInfo, running_daemon
-from .store import Store
+from .shutdown import StopSignals
+from .store import Store, file_fault, unreadable
 from .words import percent, plural
 
 log = logging.getLogger("tracejudge.daemon")
 
-
-def _loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1", "[::1]") or host.startswith("127.")
+# Seconds in-flight gRPC requests get to finish at shutdown; one cut off is still committed.
+GRPC_GRACE = 10.0
 
 
 def _split(endpoint: str) -> tuple[str, int]:
@@ -128,11 +136,14 @@ CAPTURE_HINT = ("set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONL
 
 
 def _conversation_gauges(store: Store) -> list[str]:
-    cur = store.cursor()
     try:
-        counts = conversation_counts(cur)
-    finally:
-        cur.close()
+        cur = store.cursor()
+        try:
+            counts = conversation_counts(cur)
+        finally:
+            cur.close()
+    except (duckdb.Error, StoreUnavailable) as exc:  # the file is being attached again: /metrics still answers
+        return [f"# tracejudge_conversations unavailable: {str(exc).splitlines()[0]}"]
     return [
         "# HELP tracejudge_conversations Conversations by state.",
         "# TYPE tracejudge_conversations gauge",
@@ -145,93 +156,185 @@ def _conversation_gauges(store: Store) -> list[str]:
     ]
 
 
+class Parts:
+    """What start-up has opened so far: the teardown closes exactly these."""
+
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.broken = asyncio.Event()  # set when the store's writer stops for good
+        self.store: Store | None = None
+        self.convs: Conversations | None = None
+        self.evaluator: Evaluator | None = None
+        self.api: API | None = None
+        self.api_runner: web.AppRunner | None = None
+        self.gserver: grpc.aio.Server | None = None
+        self.http_runner: web.AppRunner | None = None
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How a run ended: the exit status and the last log line."""
+
+    status: int
+    message: str
+
+
+def _refused(m: Metrics) -> int:
+    """Spans and log records the store refused (queue full, shutting down, commit failed)."""
+    return int(sum(c.value(reason=r) for c in (m.spans_rejected, m.logs_rejected)
+                   for r in ("backpressure", "storage_error")))
+
+
+async def _each(*steps: Awaitable[object]) -> None:
+    """Run teardown steps side by side; one that fails is logged and stops none of the others."""
+    for result in await asyncio.gather(*steps, return_exceptions=True):
+        if isinstance(result, BaseException):
+            log.error("a shutdown step failed: %r", result, exc_info=result)
+
+
 @dataclass
 class Daemon:
     config: Config
     out: TextIO = sys.stdout
+    parts: Parts | None = None  # what the current run has opened
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
+    async def run(self, signals: StopSignals) -> Stopped:
+        """Start, serve until a stop signal or a broken store, then stop.
+
+        Raises:
+            UserError: start-up failed (a port in use, a damaged DuckDB file...); what it opened is closed.
+        """
+        signals.attach()
+        self.parts = parts = Parts()
+        try:
+            if not await self._start(parts, signals):
+                await self._teardown(parts)
+                return Stopped(0, f"stopped during start-up ({signals.received[0]}); nothing was left open")
+            why = await self._serve(parts, signals)
+        except BaseException:
+            await self._teardown(parts)
+            raise
+        (log.error if parts.store is not None and parts.store.broken else log.info)(
+            "stopping (%s): no new requests; committing what is queued", why)
+        m = parts.metrics
+        spans, logs, refused = m.spans_stored.value(), m.logs_stored.value(), _refused(m)
+        await self._teardown(parts)
+        while_stopping = (f"while stopping {int(m.spans_stored.value() - spans)} spans and "
+                          f"{int(m.logs_stored.value() - logs)} log records were committed, "
+                          f"{_refused(m) - refused} refused")
+        stored = f"{int(m.spans_stored.value())} spans stored this run"
+        assert parts.store is not None
+        if parts.store.failure is not None:
+            return Stopped(1, f"stopped, but the store could not commit ({parts.store.failure}); "
+                              f"{stored}; {while_stopping}")
+        return Stopped(0, f"stopped cleanly; {stored}; {while_stopping}")
+
+    async def _start(self, parts: Parts, signals: StopSignals) -> bool:
+        """Open everything, step by step; False when a stop signal came first (start-up stops there)."""
         cfg = self.config
-        runtime_path = cfg.runtime_file
-        other = running_daemon(runtime_path)
+        log.debug("starting (pid %d) on %s", os.getpid(), cfg.storage.duckdb.path)
+        other = running_daemon(cfg.runtime_file)
         if other is not None and other.pid != os.getpid():
             raise UserError(f"a tracejudge daemon (pid {other.pid}) already serves {cfg.storage.duckdb.path}; "
                             f"its API is {other.api}")
         criteria = load_configured_criteria(cfg)  # a typo in a criteria file stops the start, not a judge
         provider, no_provider = daemon_provider(cfg)
-        metrics = Metrics()
+        if signals.requested:
+            return False
+        metrics = parts.metrics
         store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit,
                       max_queue_spans=cfg.storage.max_queue_spans, max_batch_spans=cfg.storage.max_batch_spans,
                       retry_after=cfg.storage.retry_after, metrics=metrics)
         store.open()
-        convs = Conversations(store, cfg.conversations, metrics)
-        convs.start()
-        store.on_commit(convs.on_commit)
-        metrics.add_collector(lambda: _conversation_gauges(store))
-        evaluator = Evaluator(store, cfg, metrics, criteria=criteria, provider=provider, no_provider=no_provider)
-        evaluator.start()
+        parts.store = store
+        loop = asyncio.get_running_loop()
+        store.on_broken(lambda reason: loop.call_soon_threadsafe(parts.broken.set))
+        if signals.requested:
+            return False
+        try:
+            # Each stage is recorded before it starts: its stop() closes whatever its start opened.
+            parts.convs = convs = Conversations(store, cfg.conversations, metrics)
+            convs.start()
+            store.on_commit(convs.on_commit)
+            metrics.add_collector(lambda: _conversation_gauges(store))
+            if signals.requested:
+                return False
+            parts.evaluator = evaluator = Evaluator(store, cfg, metrics, criteria=criteria, provider=provider,
+                                                    no_provider=no_provider)
+            evaluator.start()
+        except duckdb.Error as exc:  # the stages' first reads find what the store's did not
+            if file_fault(exc):
+                raise unreadable(store.path, exc) from None
+            raise
+        if signals.requested:
+            return False
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
-        api = API(store, metrics, cfg.api,
-                  status=lambda: {**convs.status(), **evaluator.status()}, evaluator=evaluator)
-        runners: list[web.AppRunner] = []
-        gserver: grpc.aio.Server | None = None
-        try:
-            api_runner, api_port = await _start_site(api.app, cfg.api, "API")
-            runners.append(api_runner)
-            grpc_addr = http_addr = None
-            if rcv.protocols.grpc is not None:
-                gserver = grpc_server(intake, rcv.protocols.grpc)
-                try:
-                    port = add_grpc_port(gserver, rcv.protocols.grpc.endpoint, rcv.protocols.grpc.tls)
-                except (OSError, RuntimeError) as exc:
-                    raise UserError(f"cannot listen on {rcv.protocols.grpc.endpoint} (OTLP/gRPC): {exc}") from None
-                await gserver.start()
-                grpc_addr = f"{_split(rcv.protocols.grpc.endpoint)[0]}:{port}"
-            if rcv.protocols.http is not None:
-                h = rcv.protocols.http
-                http_runner, port = await _start_site(http_app(intake), h, "OTLP/HTTP")
-                runners.append(http_runner)
-                http_addr = f"{_split(h.endpoint)[0]}:{port}"
-            api_host = _split(cfg.api.endpoint)[0]
-            scheme = "https" if cfg.api.tls.enabled else "http"
-            api_url = f"{scheme}://{api_host}:{api_port}"
-            RuntimeInfo(
-                pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
-                grpc=grpc_addr, http=http_addr, api=api_url,
-                started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            ).write(runtime_path)
-            api.ready = True
-            self._banner(grpc_addr, http_addr, api_url)
-            self._judging(criteria, provider, no_provider)
-            if not _loopback(api_host) and not cfg.api.auth.bearer_token:
-                log.warning("the API listens on %s without api.auth.bearer_token: anyone who can reach it "
-                            "can read production conversations", cfg.api.endpoint)
-            await self._wait(stop)
-            log.info("stopping: no new requests; committing what is in flight")
-        finally:
-            api.ready = False
-            if gserver is not None:
-                await gserver.stop(grace=10)
-            for runner in reversed(runners):
-                await runner.cleanup()
-            await asyncio.to_thread(evaluator.stop)
-            await asyncio.to_thread(store.drain)
-            await asyncio.to_thread(convs.stop)
-            await asyncio.to_thread(store.close)
-            if RuntimeInfo.read(runtime_path) and RuntimeInfo.read(runtime_path).pid == os.getpid():  # type: ignore[union-attr]
-                runtime_path.unlink(missing_ok=True)
-        log.info("stopped cleanly; %d spans stored this run", int(metrics.spans_stored.value()))
+        parts.api = api = API(store, metrics, cfg.api,
+                              status=lambda: {**convs.status(), **evaluator.status()}, evaluator=evaluator)
+        parts.api_runner, api_port = await _start_site(api.app, cfg.api, "API")
+        grpc_addr = http_addr = None
+        if rcv.protocols.grpc is not None:
+            parts.gserver = grpc_server(intake, rcv.protocols.grpc)
+            try:
+                port = add_grpc_port(parts.gserver, rcv.protocols.grpc.endpoint, rcv.protocols.grpc.tls)
+            except (OSError, RuntimeError) as exc:
+                raise UserError(f"cannot listen on {rcv.protocols.grpc.endpoint} (OTLP/gRPC): {exc}") from None
+            await parts.gserver.start()
+            grpc_addr = f"{_split(rcv.protocols.grpc.endpoint)[0]}:{port}"
+        if rcv.protocols.http is not None:
+            h = rcv.protocols.http
+            parts.http_runner, port = await _start_site(http_app(intake), h, "OTLP/HTTP")
+            http_addr = f"{_split(h.endpoint)[0]}:{port}"
+        if signals.requested:
+            return False
+        api_host = _split(cfg.api.endpoint)[0]
+        scheme = "https" if cfg.api.tls.enabled else "http"
+        api_url = f"{scheme}://{api_host}:{api_port}"
+        RuntimeInfo(
+            pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
+            grpc=grpc_addr, http=http_addr, api=api_url,
+            started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        ).write(cfg.runtime_file)
+        api.ready = True
+        self._banner(grpc_addr, http_addr, api_url)
+        self._judging(criteria, provider, no_provider)
+        return True
 
-    async def _wait(self, stop: asyncio.Event | None) -> None:
-        # The handlers stay until the process exits: a second signal (Ctrl-C reaches
-        # every process of the group, then `demo` forwards SIGTERM) must not cut the
-        # shutdown short with the default action.
-        event = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, event.set)
-        await event.wait()
+    async def _serve(self, parts: Parts, signals: StopSignals) -> str:
+        """Wait for a stop signal, or for the store's writer to stop for good; say which came."""
+        assert parts.store is not None
+        by_signal = asyncio.ensure_future(signals.wait())
+        by_store = asyncio.ensure_future(parts.broken.wait())
+        try:
+            await asyncio.wait({by_signal, by_store}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            by_signal.cancel()
+            by_store.cancel()
+        if parts.store.broken is not None:
+            return f"{parts.store.broken}; exiting for a supervisor to restart the daemon"
+        return by_signal.result()
+
+    async def _teardown(self, parts: Parts) -> None:
+        """Close what start-up opened, in the order that commits everything queued."""
+        if parts.api is not None:
+            parts.api.ready = False
+        # Intake first, every listener at once: in-flight requests still get their answer
+        # after their commit; one the gRPC grace cuts off is committed all the same.
+        await _each(*([parts.gserver.stop(grace=GRPC_GRACE)] if parts.gserver is not None else []),
+                    *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
+        await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
+                    *([asyncio.to_thread(parts.store.drain)] if parts.store is not None else []))
+        if parts.api_runner is not None:
+            await _each(parts.api_runner.cleanup())
+        if parts.convs is not None:  # after the drain: it takes in the last commits
+            await _each(asyncio.to_thread(parts.convs.stop))
+        if parts.store is not None:
+            await _each(asyncio.to_thread(parts.store.close))
+        runtime_path = self.config.runtime_file
+        info = RuntimeInfo.read(runtime_path)
+        if info is not None and info.pid == os.getpid():
+            runtime_path.unlink(missing_ok=True)
 
     def _banner(self, grpc_addr: str | None, http_addr: str | None, api_url: str) -> None:
         lines = [f"tracejudge {version('tracejudge')} is running (pid {os.getpid()})"]
@@ -265,6 +368,11 @@ class Daemon:
             log.info("judge: %s %s", provider.name, provider.model)
 
 
-def serve(config: Config) -> None:
-    """Run the daemon until SIGTERM/SIGINT."""
-    asyncio.run(Daemon(config).run())
+def serve(config: Config, signals: StopSignals) -> int:
+    """Run the daemon until SIGTERM/SIGINT (``signals`` installed before start-up); the exit status."""
+    try:
+        stopped = asyncio.run(Daemon(config).run(signals))
+    finally:
+        signals.ignore()
+    (log.info if stopped.status == 0 else log.error)(stopped.message)
+    return stopped.status

@@ -2,8 +2,8 @@
 
 Lifecycle: ``Store(...)`` -> ``open()`` (connects, creates the schema, starts the
 writer thread) -> ``submit()`` from any thread, any number of times ->
-``close()`` (refuses new work, commits everything queued, stops the thread,
-closes the file). Reads take their own cursor with ``cursor()``.
+``drain()`` (refuses new work, commits everything queued, stops the thread) ->
+``close()`` (drains, closes the file). Reads take their own cursor with ``cursor()``.
 
 Why a thread: DuckDB calls block. Receivers hand column batches to ``submit``,
 which returns a future the writer resolves after the transaction that holds
@@ -11,6 +11,22 @@ them has committed; many requests share one insert and one commit. The queue
 is bounded in spans and log records (``max_queue_spans``): when it is full
 ``submit`` raises ``StoreUnavailable`` and the receiver answers with a
 retryable status, so nothing is dropped silently.
+
+Once the writer takes a request its future can no longer be cancelled (a gRPC
+deadline, a client that went away): the data is committed either way, and only
+a caller still waiting is answered. A request whose caller gave up while it was
+queued is committed all the same; its retry stores nothing twice.
+
+When a commit fails (disk full) every request in it is refused retryably and
+``failure`` says why until a commit succeeds again (``/readyz`` reports it).
+DuckDB invalidates the database when a checkpoint fails; the writer then
+detaches the file and attaches it again (every ``retry_after`` seconds until it
+can), which replays the WAL. Cursors name the attached database, not the
+attachment, so every reader's cursor reads the new one. If the writer itself
+stops (a bug, a fatal DuckDB error), everything queued is refused, ``broken``
+says why and the ``on_broken`` listeners are told, so that the daemon exits
+non-zero for its supervisor to restart it; nothing acknowledged is lost, since
+only committed data is acknowledged.
 
 Spans are unique on (trace_id, span_id) and log records on their digest, so
 an OTLP retry of an acknowledged request stores nothing twice.
@@ -147,6 +163,11 @@ class _Item:
     logs: LogBatch | None
     size: int
     future: concurrent.futures.Future[tuple[int, int]] = field(default_factory=concurrent.futures.Future)
+    waited: bool = False  # the caller still waited when the writer took it (its future is running)
+
+    def take(self) -> None:
+        """The writer has it: from now on the future cannot be cancelled under the writer."""
+        self.waited = self.future.set_running_or_notify_cancel()
 
 
 _STOP = object()
@@ -156,18 +177,57 @@ ATTACHED = "tracejudge"
 # 2.8 s (every request waits for it) and held its memory; 8192 rows take ~0.15 s.
 ROW_GROUP_SIZE = 8192
 
+# What DuckDB's messages about a file it cannot read mean, in the user's words, and
+# whether its own words add anything (a block's location does; a repeated path does not).
+_UNREADABLE = (
+    ("not a valid DuckDB database file", "it is not a DuckDB database file", False),
+    ("Is a directory", "it is a directory, not a DuckDB database file", False),
+    ("WAL does not match", "its write-ahead log {wal} belongs to another database file", False),
+    ("WAL", "its write-ahead log {wal} is damaged", True),
+    ("Could not read enough bytes", "the file is truncated", True),
+    ("Corrupt database file", "the file is damaged", True),
+)
+
 
 def _lock_holder(message: str) -> str:
     m = re.search(r"PID (\d+)", message)
     return m.group(1) if m else "unknown"
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def unreadable(path: Path, exc: duckdb.Error) -> UserError:
+    """The one line for a DuckDB file that cannot be opened or read: which file, what is wrong, what to do."""
+    detail = _first_line(exc).removeprefix("IO Error: ")
+    what, show = next(((plain, show) for phrase, plain, show in _UNREADABLE if phrase in detail),
+                      ("DuckDB cannot read it", True))
+    if path.is_file() and path.stat().st_size == 0:
+        what, show = "the file is empty", False
+    what = what.format(wal=f"{path}.wal") + (f" ({detail})" if show else "")
+    return UserError(f"cannot open {path}: {what}; restore it from a backup, or move it "
+                     f"(and {path.name}.wal) away to start with an empty store")
+
+
+def _attach_sql(path: Path, row_group_size: int, read_only: bool) -> str:
+    quoted = str(path).replace("'", "''")
+    # TYPE duckdb: never guess another format (DuckDB would fetch its SQLite extension from the network).
+    return (f"ATTACH '{quoted}' AS {ATTACHED} (TYPE duckdb, ROW_GROUP_SIZE {int(row_group_size)}"
+            f"{', READ_ONLY' if read_only else ''})")
+
+
 def connect(path: Path, read_only: bool = False, memory_limit: str | None = None,
             row_group_size: int | None = None) -> duckdb.DuckDBPyConnection:
-    """Open the DuckDB file, turning a lock conflict into one clear line.
+    """Open the DuckDB file, turning a lock conflict or a damaged file into one clear line.
 
     With ``row_group_size`` the file is attached as ``ATTACHED`` (the only way to set it),
     and every cursor must ``USE`` it (``Store.cursor`` does).
+
+    Raises:
+        DatabaseLocked: another process holds the file.
+        UserError: the file cannot be read (not DuckDB, truncated, damaged, a directory...).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     config: dict[str, str | bool | int | float | list[str]] = {"memory_limit": memory_limit} if memory_limit else {}
@@ -176,21 +236,45 @@ def connect(path: Path, read_only: bool = False, memory_limit: str | None = None
             return duckdb.connect(str(path), read_only=read_only, config=config)
         con = duckdb.connect(config={**config, "temp_directory": f"{path}.tmp"})
         try:
-            quoted = str(path).replace("'", "''")
-            con.execute(f"ATTACH '{quoted}' AS {ATTACHED} (ROW_GROUP_SIZE {int(row_group_size)}"
-                        f"{', READ_ONLY' if read_only else ''})")
+            con.execute(_attach_sql(path, row_group_size, read_only))
             con.execute(f"USE {ATTACHED}")
         except BaseException:
             con.close()
             raise
         return con
-    except duckdb.IOException as exc:
+    except duckdb.Error as exc:
         msg = str(exc)
-        if "lock" in msg.lower():
+        if isinstance(exc, duckdb.IOException) and "lock" in msg.lower():
             raise DatabaseLocked(
                 f"{path} is locked by process {_lock_holder(msg)}, which does not answer as a tracejudge daemon"
             ) from None
-        raise UserError(f"cannot open {path}: {msg.splitlines()[0]}") from None
+        raise unreadable(path, exc) from None
+
+
+def _views(con: duckdb.DuckDBPyConnection, database: str) -> dict[str, str]:
+    return dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE database_name = ? AND NOT internal",
+                            [database]).fetchall())
+
+
+def _create_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """Create the tables and views, writing nothing to a file that already has them as they are.
+
+    So a start that fails later (another stage finds the file damaged) leaves the file as it was.
+    """
+    scratch = duckdb.connect()  # renders our views as DuckDB stores them, to compare
+    try:
+        scratch.execute(SCHEMA)
+        wanted = _views(scratch, "memory")
+    finally:
+        scratch.close()
+    have = _views(con, ATTACHED)
+    if any(have.get(name) != sql for name, sql in wanted.items()):
+        con.execute(SCHEMA)
+
+
+def file_fault(exc: BaseException) -> bool:
+    """Whether a DuckDB error is about the file (damaged, unreadable), not about our SQL."""
+    return isinstance(exc, duckdb.Error) and not isinstance(exc, duckdb.ProgrammingError)
 
 
 class Store:
@@ -210,19 +294,35 @@ class Store:
         self._accepting = False
         self._thread: threading.Thread | None = None
         self._con: duckdb.DuckDBPyConnection | None = None
+        self._admin: duckdb.DuckDBPyConnection | None = None  # the writer's cursor outside the file: re-attaches it
         self._batch_id = 0
         self._emptied_at = 0.0  # time.monotonic() when the queue last became empty
         self._listeners: list[Callable[[Committed], None]] = []
+        self._broken_listeners: list[Callable[[str], None]] = []
+        self._failure: str | None = None
+        self._broken: str | None = None
+        self._invalid = False  # DuckDB invalidated the attached file: attach it again before writing
+        self._taken: list[_Item] = []  # what the writer is committing now
 
     # ------------------------------------------------------------ lifecycle
 
     def open(self) -> None:
+        """Connect, create the schema and start the writer.
+
+        Raises:
+            DatabaseLocked: another process holds the file.
+            UserError: the file cannot be read (one line naming it and what is wrong).
+        """
         con = connect(self.path, memory_limit=self.memory_limit, row_group_size=ROW_GROUP_SIZE)
-        con.execute(SCHEMA)
-        row = con.execute(
-            "SELECT greatest((SELECT max(batch_id) FROM span_records), (SELECT max(batch_id) FROM log_records))"
-        ).fetchone()
-        self._batch_id = int(row[0] or 0) if row else 0
+        try:
+            _create_schema(con)
+            self._batch_id = self._last_batch(con)
+            self._admin = con.cursor()  # its catalog is the in-memory one, never the file
+        except duckdb.Error as exc:
+            con.close()
+            if file_fault(exc):
+                raise unreadable(self.path, exc) from None
+            raise
         self._con = con
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="tracejudge-writer", daemon=True)
@@ -232,14 +332,18 @@ class Store:
         """Stop taking work and commit everything already queued; the file stays open for reads."""
         with self._lock:
             self._accepting = False
+            if self._thread is not None:
+                self._queue.put(_STOP)
         if self._thread is not None:
-            self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
 
     def close(self) -> None:
         """``drain``, then close the file."""
         self.drain()
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
         if self._con is not None:
             self._con.close()
             self._con = None
@@ -248,7 +352,11 @@ class Store:
         """Call ``listener`` in the writer thread after each commit (keep it quick)."""
         self._listeners.append(listener)
 
-    # ------------------------------------------------------------ writing
+    def on_broken(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(reason)`` in the writer thread if the writer stops for good."""
+        self._broken_listeners.append(listener)
+
+    # ------------------------------------------------------------ state
 
     @property
     def queue_depth(self) -> int:
@@ -265,12 +373,24 @@ class Store:
         """The id of the last committed transaction."""
         return self._batch_id
 
+    @property
+    def failure(self) -> str | None:
+        """Why the store cannot commit now (its last commit failed, or the writer stopped); None while it can."""
+        return self._broken or self._failure
+
+    @property
+    def broken(self) -> str | None:
+        """Why the writer stopped for good, if it did; the store refuses everything from then on."""
+        return self._broken
+
+    # ------------------------------------------------------------ writing
+
     def submit(self, spans: SpanBatch | None = None, logs: LogBatch | None = None
                ) -> concurrent.futures.Future[tuple[int, int]]:
         """Queue spans and/or log records; the future resolves to (spans, logs) stored after commit.
 
         Raises:
-            StoreUnavailable: the queue is full or the store is closing (retryable).
+            StoreUnavailable: the queue is full, the store is closing, or its writer stopped (retryable).
         """
         size = (len(spans) if spans else 0) + (len(logs) if logs else 0)
         item = _Item(spans, logs, size)
@@ -278,6 +398,9 @@ class Store:
             item.future.set_result((0, 0))
             return item.future
         with self._lock:
+            if self._broken is not None:
+                raise StoreUnavailable(f"the store cannot commit: {self._broken}", retry_after=5.0,
+                                       reason="storage_error")
             if not self._accepting:
                 raise StoreUnavailable("tracejudge is shutting down", retry_after=5.0)
             # A request larger than the whole queue is admitted when the queue is
@@ -288,17 +411,31 @@ class Store:
                     retry_after=self.retry_after)
             self._pending += size
             self.metrics.queue_depth.set(self._pending)
-        self._queue.put(item)
+            # Under the lock: once ``drain`` or a broken writer has refused new work, nothing
+            # can be queued behind it and wait for ever.
+            self._queue.put(item)
         return item.future
 
     def _run(self) -> None:
-        stop = False
-        while not stop:
-            first = self._queue.get()
+        try:
+            self._write()
+        except BaseException as exc:  # not one bad batch: a bug, or DuckDB's instance is gone
+            self._break(exc)
+
+    def _write(self) -> None:
+        while True:
+            try:
+                # While the file is invalidated, try to attach it again now and then, so that
+                # readers work again once space is freed, without waiting for a request.
+                first = self._queue.get(timeout=self.retry_after if self._invalid else None)
+            except queue.Empty:
+                self._reopen()
+                continue
             if first is _STOP:
-                break
+                return
             items = [first]
             size = first.size
+            stop = False
             while size < self.max_batch:
                 try:
                     nxt = self._queue.get_nowait()
@@ -310,20 +447,18 @@ class Store:
                 items.append(nxt)
                 size += nxt.size
             self._commit(items)
-        # Anything queued after the stop marker (a race with close) is still committed.
-        rest = []
-        while True:
-            try:
-                nxt = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is not _STOP:
-                rest.append(nxt)
-        if rest:
-            self._commit(rest)
+            if stop:
+                return
 
     def _commit(self, items: list[_Item]) -> None:
         assert self._con is not None
+        self._taken = items
+        for it in items:
+            it.take()
+        if self._invalid and not self._reopen():
+            self._finish(items, exc=StoreUnavailable(f"storage commit failed: {self._failure}", retry_after=5.0,
+                                                     reason="storage_error"))
+            return
         spans = SpanBatch()
         logs = LogBatch()
         for it in items:
@@ -340,6 +475,8 @@ class Store:
             stored_spans = self._insert(con, "span_records", "incoming_spans", spans, _SPAN_SCHEMA, now)
             stored_logs = self._insert(con, "log_records", "incoming_logs", logs, _LOG_SCHEMA, now)
             con.commit()
+        except duckdb.FatalException:
+            raise  # the whole DuckDB instance is gone: only a restart helps
         except Exception as exc:  # a failed commit fails every request in it, retryably
             log.error("commit of %d spans and %d log records failed: %s", len(spans), len(logs), exc)
             try:
@@ -347,9 +484,17 @@ class Store:
             except duckdb.Error:
                 pass
             self._batch_id -= 1
+            if isinstance(exc, duckdb.Error):  # the storage failed, not this batch's data
+                self._failure = _first_line(exc)
+                if not self._usable():
+                    self._invalid = True
+                    log.error("DuckDB invalidated %s; attaching it again before the next commit", self.path)
             self._finish(items, exc=StoreUnavailable(f"storage commit failed: {exc}", retry_after=5.0,
-                                                          reason="storage_error"))
+                                                     reason="storage_error"))
             return
+        if self._failure is not None:
+            log.warning("storage commits again (after: %s)", self._failure)
+            self._failure = None
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
         self.metrics.spans_stored.inc(stored_spans)
         self.metrics.logs_stored.inc(stored_logs)
@@ -387,10 +532,80 @@ class Store:
             if not self._pending:
                 self._emptied_at = time.monotonic()
         for it in items:
+            if not it.waited:  # its caller gave up before the writer took it: nobody to answer
+                continue
             if exc is not None:
                 it.future.set_exception(exc)
             else:
                 it.future.set_result((len(it.spans or ()), len(it.logs or ())))
+        self._taken = []
+
+    # ------------------------------------------------------------ failures
+
+    @staticmethod
+    def _last_batch(con: duckdb.DuckDBPyConnection) -> int:
+        row = con.execute(
+            f"SELECT greatest((SELECT max(batch_id) FROM {ATTACHED}.span_records), "
+            f"(SELECT max(batch_id) FROM {ATTACHED}.log_records))"
+        ).fetchone()
+        return int(row[0] or 0) if row else 0
+
+    def _usable(self) -> bool:
+        """Whether the attached file still answers (DuckDB invalidates it when a checkpoint fails)."""
+        assert self._con is not None
+        try:
+            self._con.execute("SELECT 1 FROM span_records LIMIT 0").fetchall()
+        except duckdb.FatalException:
+            raise
+        except duckdb.Error:
+            return False
+        return True
+
+    def _reopen(self) -> bool:
+        """Detach the invalidated file and attach it again (DuckDB replays its WAL); True once it is back."""
+        assert self._admin is not None
+        try:
+            self._admin.execute(f"DETACH DATABASE IF EXISTS {ATTACHED}")
+            self._admin.execute(_attach_sql(self.path, ROW_GROUP_SIZE, read_only=False))
+            self._batch_id = self._last_batch(self._admin)  # what the replayed WAL holds
+        except duckdb.FatalException:
+            raise
+        except duckdb.Error as exc:
+            reason = f"cannot attach {self.path} again: {_first_line(exc)}"
+            if reason != self._failure:  # once per new reason, not every retry
+                log.error("%s; retrying every %gs", reason, self.retry_after)
+            self._failure = reason
+            return False
+        self._invalid = False
+        log.warning("attached %s again after DuckDB invalidated it", self.path)
+        return True
+
+    def _break(self, exc: BaseException) -> None:
+        reason = f"the store's writer stopped ({type(exc).__name__}: {_first_line(exc)})"
+        log.critical("%s: refusing all data; the daemon must be restarted", reason, exc_info=exc)
+        refusal = StoreUnavailable(f"the store cannot commit: {reason}", retry_after=5.0, reason="storage_error")
+        with self._lock:
+            self._broken = reason
+            self._accepting = False
+            stranded = list(self._taken)
+            while True:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is not _STOP:
+                    stranded.append(nxt)
+            self._pending = 0
+            self.metrics.queue_depth.set(0)
+        for it in stranded:  # answer every caller still waiting, taken or not
+            fut = it.future
+            if fut.running() or (not fut.done() and fut.set_running_or_notify_cancel()):
+                fut.set_exception(refusal)
+        for listener in self._broken_listeners:
+            try:
+                listener(reason)
+            except Exception:
+                log.exception("listener of the broken writer failed")
 
     # ------------------------------------------------------------ reading
 
@@ -401,4 +616,3 @@ class Store:
         cur = self._con.cursor()
         cur.execute(f"USE {ATTACHED}")
         return cur
-

@@ -1,17 +1,36 @@
-"""Daemon lifecycle, the runtime file, the JSON API and its error shape, TLS."""
+"""Daemon lifecycle, the runtime file, the JSON API and its error shape, TLS, signals, damaged files."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import io
 import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sqlite3
 import ssl
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import run_cli
+from collector.config import load_config
+from collector.config import is_loopback
+from collector.daemon import Daemon
+from collector.errors import StoreUnavailable
+from collector.shutdown import StopSignals
+
+from .conftest import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_conversations
 from .wire import post, span_request_bytes
 
 
@@ -53,9 +72,6 @@ def test_second_daemon_on_same_file_is_refused(make_daemon: Any, tmp_path: Path)
 
 
 def test_file_locked_by_a_process_that_does_not_answer(make_daemon: Any) -> None:
-    import subprocess
-    import sys
-
     daemon = make_daemon(start=False)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import duckdb,sys,time; c=duckdb.connect(sys.argv[1]); print('ok', flush=True); time.sleep(60)"),
@@ -117,10 +133,6 @@ def test_tls_on_every_listener(make_daemon: Any, tmp_path: Path) -> None:
         api={"tls": tls}, start=False)
     daemon.info = {}
     # The helper polls /readyz over plain HTTP; read readiness through TLS here instead.
-    import subprocess
-    import sys
-    import time
-
     daemon.runtime_file.unlink(missing_ok=True)
     daemon.log = open(daemon.data_dir / "daemon.log", "a", encoding="utf-8")
     daemon.proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(daemon.config_path)],
@@ -156,17 +168,238 @@ def test_tls_on_every_listener(make_daemon: Any, tmp_path: Path) -> None:
     assert daemon.stop() == 0
 
 
+# ------------------------------------------------------------------ signals
+
+
+def _wait_line(daemon: DaemonProcess, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in daemon.output():
+        assert time.monotonic() < deadline, f"{text!r} not logged:\n{daemon.output()}"
+        assert daemon.proc is not None
+        if daemon.proc.poll() is not None and text not in daemon.output():
+            raise AssertionError(f"exited with {daemon.proc.returncode} before logging {text!r}:\n{daemon.output()}")
+        time.sleep(0.01)
+
+
+def _spawn(daemon: DaemonProcess) -> subprocess.Popen[str]:
+    """``tracejudge serve`` without waiting for it to be ready (DaemonProcess.start waits)."""
+    daemon.log = open(daemon.data_dir / "daemon.log", "a", encoding="utf-8")
+    daemon.proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(daemon.config_path)],
+                                   stdout=daemon.log, stderr=subprocess.STDOUT, env=daemon.env, cwd=REPO, text=True)
+    return daemon.proc
+
+
 def test_second_signal_during_shutdown_does_not_cut_it_short(make_daemon: Any) -> None:
     """Ctrl-C reaches every process of the group, then `demo` forwards SIGTERM: both arrive."""
-    import signal
-    import time
-
     daemon = make_daemon()
     body, _ = span_request_bytes(64)
     post(daemon.http, "/v1/traces", body)
     daemon.proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)  # the second one lands while the first one's shutdown runs
+    _wait_line(daemon, "stopping (SIGINT)")  # the second one lands while the first one's shutdown runs
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(timeout=60) == 0
     assert "stopped cleanly" in daemon.output()
+    assert not daemon.runtime_file.exists()
+
+
+def test_a_signal_after_the_shutdown_has_finished_changes_nothing(make_daemon: Any) -> None:
+    """The loop has closed and the interpreter is exiting: the exit status stays 0."""
+    daemon = make_daemon()
+    daemon.proc.send_signal(signal.SIGTERM)
+    _wait_line(daemon, "stopped cleanly")
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=60) == 0
+
+
+def test_signal_during_start_up_stops_it_cleanly(make_daemon: Any) -> None:
+    """Start-up waits on a stale runtime file whose process does not answer: a SIGTERM then stops it."""
+    daemon = make_daemon(start=False)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        stale = {"pid": os.getpid(), "version": "0", "duckdb": str(daemon.duckdb), "grpc": None, "http": None,
+                 "api": f"http://127.0.0.1:{silent.getsockname()[1]}", "started_at": "2025-01-01T00:00:00+00:00"}
+        daemon.runtime_file.write_text(json.dumps(stale), encoding="utf-8")
+        proc = _spawn(daemon)
+        silent.settimeout(60)
+        conn, _ = silent.accept()  # the daemon asks whether that process is a daemon: it is starting up
+        proc.send_signal(signal.SIGTERM)
+        conn.close()
+    assert proc.wait(timeout=60) == 0
+    out = daemon.output()
+    assert "stopped during start-up (SIGTERM)" in out and "is running" not in out
+    assert json.loads(daemon.runtime_file.read_text()) == stale  # not ours: left alone
+    daemon.runtime_file.unlink()
+    daemon.start()  # nothing was left half-open
+    assert daemon.stop() == 0
+
+
+def test_signal_at_any_point_of_start_up_exits_0_and_leaves_nothing_behind(make_daemon: Any) -> None:
+    daemon = make_daemon(start=False, env=clean_env(TRACEJUDGE_LOG_LEVEL="debug"))
+    proc = _spawn(daemon)
+    _wait_line(daemon, "starting (pid")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    out = daemon.output()
+    assert "stopped during start-up (SIGTERM)" in out or "stopped cleanly" in out
+    assert not daemon.runtime_file.exists()
+    daemon.start()
+    assert daemon.stop() == 0
+
+
+# ------------------------------------------------------------------ a writer that stops for good
+
+
+class Crash(BaseException):
+    """Not one bad batch: something that ends the writer thread."""
+
+
+def test_a_broken_writer_fails_readiness_and_the_daemon_exits_1(tmp_path: Path) -> None:
+    """In process: the store's writer stops for good (here a commit listener that raises BaseException)."""
+    config_path = tmp_path / "otel-config.yaml"
+    config_path.write_text(json.dumps(base_config(tmp_path)), encoding="utf-8")
+    cfg, _ = load_config(config_path)
+    daemon = Daemon(cfg, out=io.StringIO())
+    result: list[Any] = []
+    runner = threading.Thread(target=lambda: result.append(asyncio.run(daemon.run(StopSignals()))))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not cfg.runtime_file.exists():
+            assert runner.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
+        info = json.loads(cfg.runtime_file.read_text())
+        assert daemon.parts is not None and daemon.parts.store is not None
+        store = daemon.parts.store
+        broken, probed = threading.Event(), threading.Event()
+
+        def crash(committed: Any) -> None:
+            raise Crash("a bug beyond one batch")
+
+        def hold(reason: str) -> None:  # keeps the shutdown from closing the API while the test looks
+            broken.set()
+            probed.wait(60)
+
+        store.on_commit(crash)
+        store.on_broken(hold)
+        assert post(f"http://{info['http']}", "/v1/traces", span_request_bytes(4)[0])[0] == 200  # committed
+        assert broken.wait(30)
+        with pytest.raises(StoreUnavailable):
+            store.submit(store_batch())
+        for path, code in (("/readyz", "store_unavailable"), ("/healthz", "store_broken")):
+            try:
+                urllib.request.urlopen(info["api"] + path, timeout=10)
+                raise AssertionError(f"{path} answered 200")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and json.loads(exc.read())["error"]["code"] == code
+        probed.set()
+        runner.join(timeout=60)
+    finally:
+        probed.set()
+        runner.join(timeout=60)
+    (stopped,) = result
+    assert stopped.status == 1 and "writer stopped (Crash: a bug beyond one batch)" in stopped.message
+    assert not cfg.runtime_file.exists()
+
+
+def store_batch() -> Any:
+    from collector.otlp import parse_traces, span_batch
+
+    return span_batch(parse_traces(span_request_bytes(4, trace_seed=5)[0], False))[0]
+
+
+def test_loopback_is_an_address_or_localhost() -> None:
+    for host in ("127.0.0.1", "127.8.9.1", "localhost", "::1", "[::1]", "::ffff:127.0.0.1"):
+        assert is_loopback(host), host
+    for host in ("127.evil.example", "localhost.evil.example", "0.0.0.0", "::", "10.0.0.1", "example.com", ""):
+        assert not is_loopback(host), host
+
+
+# ------------------------------------------------------------------ damaged DuckDB files
+
+
+@pytest.fixture(scope="module")
+def made_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A real daemon's file closed cleanly, the same daemon's file and WAL after kill -9, another file's WAL."""
+    d = tmp_path_factory.mktemp("made")
+    daemon = DaemonProcess(d, base_config(d)).start()
+    try:
+        for seed in range(1, 9):
+            assert post(daemon.http, "/v1/traces", span_request_bytes(500, trace_seed=seed, attr_bytes=300)[0])[0] == 200
+        wait_conversations(daemon)
+        assert daemon.stop() == 0
+        shutil.copy(daemon.duckdb, d / "clean.duckdb")
+        daemon.start()
+        assert post(daemon.http, "/v1/traces", span_request_bytes(500, trace_seed=20, attr_bytes=300)[0])[0] == 200
+        daemon.kill9()
+    finally:
+        daemon.log.close()
+    shutil.copy(daemon.duckdb, d / "killed.duckdb")
+    shutil.copy(f"{daemon.duckdb}.wal", d / "killed.duckdb.wal")
+    other = d / "other.duckdb"
+    subprocess.run([sys.executable, "-c", "import duckdb, os, sys; c = duckdb.connect(sys.argv[1]); "
+                    "c.execute('CREATE TABLE t AS SELECT range AS x FROM range(1000)'); os._exit(0)", str(other)],
+                   check=True)
+    return {"clean": d / "clean.duckdb", "killed": d / "killed.duckdb", "other_wal": Path(f"{other}.wal")}
+
+
+def _damage(data: bytes, start: int, length: int) -> bytes:
+    out = bytearray(data)
+    out[start:start + length] = random.Random(start).randbytes(length)
+    return bytes(out)
+
+
+def _write(made: dict[str, Path], db: Path, kind: str) -> None:
+    clean = made["clean"].read_bytes()
+    wal = Path(f"{db}.wal")
+    if kind == "empty":
+        db.write_bytes(b"")
+    elif kind == "truncated":
+        db.write_bytes(clean[: len(clean) * 2 // 5])
+    elif kind == "random bytes":
+        db.write_bytes(random.Random(1).randbytes(1 << 20))
+    elif kind == "damaged header":
+        db.write_bytes(_damage(clean, 4096, 8192))  # both database headers, behind the magic bytes
+    elif kind == "damaged blocks":
+        db.write_bytes(_damage(clean, 12288, 262144))  # the first block: the catalog
+    elif kind == "corrupted WAL":
+        db.write_bytes(made["killed"].read_bytes())
+        wal.write_bytes(_damage(Path(f"{made['killed']}.wal").read_bytes(), 100, 4000))
+    elif kind == "WAL of another file":
+        db.write_bytes(clean)
+        wal.write_bytes(made["other_wal"].read_bytes())
+    elif kind == "directory":
+        db.mkdir()
+    elif kind == "SQLite file":
+        with sqlite3.connect(db) as con:
+            con.execute("CREATE TABLE spans (x)")
+    else:
+        raise AssertionError(kind)
+
+
+def _digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("empty", "the file is empty"),
+    ("truncated", "the file is truncated"),
+    ("random bytes", "it is not a DuckDB database file"),
+    ("damaged header", "the file is damaged"),
+    ("damaged blocks", "the file is damaged"),
+    ("corrupted WAL", "tracejudge.duckdb.wal is damaged"),
+    ("WAL of another file", "tracejudge.duckdb.wal belongs to another database file"),
+    ("directory", "it is a directory"),
+    ("SQLite file", "it is not a DuckDB database file"),
+])
+def test_damaged_file_stops_the_start_with_one_line(make_daemon: Any, made_files: dict[str, Path],
+                                                     kind: str, says: str) -> None:
+    daemon = make_daemon(start=False)
+    _write(made_files, daemon.duckdb, kind)
+    wal = Path(f"{daemon.duckdb}.wal")
+    before = (_digest(daemon.duckdb), _digest(wal))
+    res = run_cli("serve", "--config", str(daemon.config_path), timeout=60)
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(f"tracejudge: error: cannot open {daemon.duckdb}: ") and says in line, line
+    assert "restore it from a backup" in line
+    assert (_digest(daemon.duckdb), _digest(wal)) == before  # left as it was, for whoever repairs it
     assert not daemon.runtime_file.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import click
@@ -18,11 +19,15 @@ def serve(config_path: Path | None, log_level: str) -> None:
     """Run the daemon: OTLP receivers (gRPC and HTTP), the DuckDB store and the JSON API.
 
     Prints where it listens and writes <duckdb path>.daemon.json so other
-    subcommands find it. SIGTERM or Ctrl-C stops intake, commits what is in
-    flight and exits 0.
+    subcommands find it. SIGTERM or Ctrl-C stops intake, commits everything
+    queued and exits 0 (also during start-up); it exits 1 when the store could
+    not commit (a supervisor should restart it).
     """
+    from ..shutdown import StopSignals
+
+    signals = StopSignals().install()  # before anything else: a signal during start-up stops it cleanly
     cfg = load(config_path)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..daemon import serve as run
 
-    run(cfg)
+    sys.exit(run(cfg, signals))
