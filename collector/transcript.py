@@ -17,8 +17,13 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def from_unix_nano(ns: int | None) -> datetime | None:
-    """OTLP nanoseconds -> an aware UTC datetime (None for 0: "not set")."""
-    return _EPOCH + timedelta(microseconds=ns // 1000) if ns else None
+    """OTLP nanoseconds -> an aware UTC datetime (None for 0: "not set", and for a time no datetime holds)."""
+    if not ns:
+        return None
+    try:
+        return _EPOCH + timedelta(microseconds=ns // 1000)
+    except OverflowError:  # before year 1 or after 9999: garbage in a column, never a reason to fail a rebuild
+        return None
 
 
 def _rfc3339(dt: datetime | None) -> str | None:

@@ -20,6 +20,13 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+from hypothesis import settings
+
+# Property tests run the same examples every run, so that one never fails one run in eight;
+# HYPOTHESIS_PROFILE=explore draws new ones (and keeps what fails in .hypothesis/) when hunting bugs.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
