@@ -115,8 +115,8 @@ CREATE TABLE IF NOT EXISTS trace_conversations (
 );
 CREATE OR REPLACE VIEW spans AS
 SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kind,
-       make_timestamp_ns(s.start_time_unix_nano::BIGINT) AS start_time,
-       make_timestamp_ns(s.end_time_unix_nano::BIGINT) AS end_time,
+       make_timestamp_ns(TRY_CAST(s.start_time_unix_nano AS BIGINT)) AS start_time,
+       make_timestamp_ns(TRY_CAST(s.end_time_unix_nano AS BIGINT)) AS end_time,
        s.attributes::JSON AS attributes, s.events::JSON AS events, s.links::JSON AS links,
        s.status_code, s.status_message, s.resource::JSON AS resource, s.scope_name, s.scope_version,
        s.service, s.trace_state, s.flags, s.dropped::JSON AS dropped, s.resource_schema_url,
@@ -125,7 +125,7 @@ SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kin
 FROM span_records s LEFT JOIN trace_conversations t USING (trace_id);
 CREATE OR REPLACE VIEW logs AS
 SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
-       make_timestamp_ns(l.time_unix_nano::BIGINT) AS time,
+       make_timestamp_ns(TRY_CAST(l.time_unix_nano AS BIGINT)) AS time,
        l.severity_number, l.severity_text, l.body::JSON AS body, l.attributes::JSON AS attributes,
        l.resource::JSON AS resource,
        l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,

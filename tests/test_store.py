@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 import pytest
 
 from collector.errors import StoreUnavailable
-from collector.otlp import SpanBatch, parse_traces, span_batch
+
+from collector.otlp import SPAN_COLUMNS, SpanBatch, parse_traces, span_batch
 from collector.store import Committed, Store
 
 from .wire import span_request_bytes
@@ -90,3 +91,17 @@ def test_a_writer_that_stops_refuses_everything_and_says_why(store: Store) -> No
     assert store.queue_depth == 0
     store.drain()  # returns: nothing waits on a writer that is gone
     assert stored(store) == 8
+
+
+def test_the_views_read_every_row_whatever_its_time(store: Store) -> None:
+    """2^64-1 ns is a valid OTLP time past what a timestamp holds: its row reads with no time, the others too."""
+    batch = spans(2, seed=12)
+    times = batch.columns[SPAN_COLUMNS.index("start_time_unix_nano")]
+    times[0] = 2**64 - 1
+    assert store.submit(batch).result(timeout=60) == (2, 0)
+    cur = store.cursor()
+    try:
+        rows = cur.execute("SELECT start_time_unix_nano, start_time FROM spans ORDER BY 1").fetchall()
+    finally:
+        cur.close()
+    assert rows[1] == (2**64 - 1, None) and rows[0][1] is not None
