@@ -10,7 +10,6 @@ from typing import Callable, Iterator
 import pytest
 
 from collector.errors import StoreUnavailable
-
 from collector.otlp import SPAN_COLUMNS, SpanBatch, parse_traces, span_batch
 from collector.store import Committed, Store
 
