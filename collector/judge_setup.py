@@ -70,14 +70,15 @@ def daemon_provider(cfg: Config) -> tuple[Provider | None, str | None]:
     """The provider the daemon judges with, and why there is none.
 
     An Anthropic provider with no API key anywhere (config, ``$ANTHROPIC_API_KEY``)
-    and no ``base_url`` of its own is left out rather than failing every call:
+    and no URL of its own (``base_url``, ``$ANTHROPIC_BASE_URL``: a gateway may need
+    no key) is left out rather than failing every call:
     its criteria are then reported as not run, saying which key to set.
     """
     section = cfg.judges.provider
     if section.type is None:
         return None, "no provider configured (judges.provider.type)"
     if section.type == "anthropic" and not (section.api_key or os.environ.get("ANTHROPIC_API_KEY")
-                                            or section.base_url):
+                                            or section.base_url or os.environ.get("ANTHROPIC_BASE_URL")):
         return None, "no API key: set ANTHROPIC_API_KEY (or judges.provider.api_key)"
     return provider_from_config(section, on_unused=lambda key: log.warning(
         "judges.provider.%s is not used by the %s provider", key, section.type)), None

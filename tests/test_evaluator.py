@@ -188,3 +188,22 @@ def test_criteria_not_run_for_want_of_a_provider_are_judged_when_one_comes(store
     assert query(store, "SELECT criterion_id, result FROM verdicts ORDER BY 1") == [
         ("polite", "pass"), ("short", "pass")]
     assert query(store, "SELECT count(*) FROM not_run") == [(0,)]
+
+
+@pytest.mark.parametrize("env, judged", [
+    ({}, False),
+    ({"ANTHROPIC_API_KEY": "k"}, True),
+    ({"ANTHROPIC_BASE_URL": "http://127.0.0.1:9/gateway"}, True),  # a gateway may need no key
+])
+def test_the_daemon_judges_with_anthropic_given_a_key_or_a_url(monkeypatch: pytest.MonkeyPatch,
+                                                              env: dict[str, str], judged: bool) -> None:
+    from collector.judge_setup import daemon_provider
+
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = Config.model_validate({"judges": {"provider": {"type": "anthropic", "model": "claude-test"}}})
+    provider, why = daemon_provider(cfg)
+    assert (provider is not None) == judged and (why is None) == judged
+    assert judged or why is not None and "ANTHROPIC_API_KEY" in why
