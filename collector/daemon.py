@@ -62,6 +62,12 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _address(endpoint: str, port: int) -> str:
+    """``host:port`` of a listener at its actual port, an IPv6 host in brackets (``[::]:8318``)."""
+    host = _split(endpoint)[0]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def _start_site(app: web.Application, listener: Listener, what: str) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``listener``; returns the runner and the actual port (port 0 picks one).
 
@@ -281,16 +287,15 @@ class Daemon:
             except (OSError, RuntimeError) as exc:
                 raise UserError(f"cannot listen on {rcv.protocols.grpc.endpoint} (OTLP/gRPC): {exc}") from None
             await parts.gserver.start()
-            grpc_addr = f"{_split(rcv.protocols.grpc.endpoint)[0]}:{port}"
+            grpc_addr = _address(rcv.protocols.grpc.endpoint, port)
         if rcv.protocols.http is not None:
             h = rcv.protocols.http
             parts.http_runner, port = await _start_site(http_app(intake), h, "OTLP/HTTP")
-            http_addr = f"{_split(h.endpoint)[0]}:{port}"
+            http_addr = _address(h.endpoint, port)
         if signals.requested:
             return False
-        api_host = _split(cfg.api.endpoint)[0]
         scheme = "https" if cfg.api.tls.enabled else "http"
-        api_url = f"{scheme}://{api_host}:{api_port}"
+        api_url = f"{scheme}://{_address(cfg.api.endpoint, api_port)}"
         RuntimeInfo(
             pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
             grpc=grpc_addr, http=http_addr, api=api_url,

@@ -24,14 +24,13 @@ from typing import Any
 
 import pytest
 
-from collector.config import load_config
-from collector.config import is_loopback
+from collector.config import is_loopback, load_config
 from collector.daemon import Daemon
 from collector.errors import StoreUnavailable
 from collector.shutdown import StopSignals
 
 from .conftest import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_conversations
-from .wire import post, span_request_bytes
+from .wire import grpc_export, post, span_request_bytes
 
 
 def test_sigterm_commits_in_flight_and_exits_0(make_daemon: Any) -> None:
@@ -61,6 +60,17 @@ def test_banner_says_where_to_look(daemon: Any) -> None:
     out = daemon.output()
     for word in ("OTLP/gRPC", "OTLP/HTTP", "API", "DuckDB", daemon.info["grpc"]):
         assert word in out
+
+
+def test_ipv6_listeners_are_written_as_addresses_clients_can_use(make_daemon: Any) -> None:
+    d = make_daemon(receivers={"otlp": {"protocols": {"grpc": {"endpoint": "[::1]:0"},
+                                                      "http": {"endpoint": "[::1]:0"}}}},
+                    api={"endpoint": "[::1]:0"})
+    assert d.api.startswith("http://[::1]:") and d.info["http"].startswith("[::1]:")
+    assert d.get("/api/status")[0] == 200  # the runtime file's URL is one a client reaches
+    body, _ = span_request_bytes(3, trace_seed=21)
+    grpc_export(d.grpc, "traces", body)
+    assert post(d.http, "/v1/traces", body)[0] == 200
 
 
 def test_second_daemon_on_same_file_is_refused(make_daemon: Any, tmp_path: Path) -> None:
