@@ -225,10 +225,10 @@ class Daemon:
         m = parts.metrics
         spans, logs, refused = m.spans_stored.value(), m.logs_stored.value(), _refused(m)
         await self._teardown(parts)
-        while_stopping = (f"while stopping {int(m.spans_stored.value() - spans)} spans and "
-                          f"{int(m.logs_stored.value() - logs)} log records were committed, "
+        while_stopping = (f"while stopping {plural(int(m.spans_stored.value() - spans), 'span')} and "
+                          f"{plural(int(m.logs_stored.value() - logs), 'log record')} were committed, "
                           f"{_refused(m) - refused} refused")
-        stored = f"{int(m.spans_stored.value())} spans stored this run"
+        stored = f"{plural(int(m.spans_stored.value()), 'span')} stored this run"
         assert parts.store is not None
         if parts.store.failure is not None:
             return Stopped(1, f"stopped, but the store could not commit ({parts.store.failure}); "

@@ -20,6 +20,7 @@ from ..evals import store_criteria
 from ..queries import parse_since
 from ..runtime import running_daemon
 from ..store import connect
+from ..words import plural
 from .common import config_option, json_option, load
 
 
@@ -125,9 +126,10 @@ def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteri
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(f"judged {result['done']} of {result['total']} sampled conversations: {result['verdicts']} new "
-                   f"verdicts, {result['skipped']} already judged on the same transcript, {result['not_run']} not run, "
-                   f"{result['errors']} errors" + (" (tracejudge verdicts --result error)" if result["errors"] else ""))
+        click.echo(f"judged {result['done']} of {plural(result['total'], 'sampled conversation')}: "
+                   f"{plural(result['verdicts'], 'new verdict')}, {result['skipped']} already judged on the same "
+                   f"transcript, {result['not_run']} not run, {plural(result['errors'], 'error')}"
+                   + (" (tracejudge verdicts --result error)" if result["errors"] else ""))
     if result.get("failure"):
         raise UserError(f"the eval pass stopped: {result['failure']}")
     if result["errors"]:

@@ -38,6 +38,7 @@ from judges import (
 from ..config import Config, parse_duration
 from ..errors import UserError
 from ..judge_setup import provider_from_config
+from ..words import plural
 from .common import config_option, json_option, load, rate_text, table
 
 FAIL_ON = ("fail", "error", "flagged", "not_run")
@@ -92,7 +93,7 @@ def _report(summary: Summary, run: JudgeRun) -> str:
                 notes.append(f"{label}: {p.count} of {p.n}, {_rate(p)}")
         for cid, p in e.omissions.items():
             notes.append(f"omissions {cid}: {p.count} of {p.n}, {_rate(p)}")
-    used = f"tokens: {run.usage.input_tokens} in, {run.usage.output_tokens} out; {run.cached} verdicts from cache"
+    used = f"tokens: {run.usage.input_tokens} in, {run.usage.output_tokens} out; {plural(run.cached, 'verdict')} from cache"
     notes.append(used + (f"; cost {run.cost:.4f}" if run.cost else ""))
     if run.stopped:
         notes.append(f"stopped early: {run.stopped}")

@@ -9,6 +9,7 @@ import click
 
 from ..errors import UserError
 from ..runtime import running_daemon
+from ..words import plural
 from .common import config_option, load
 
 
@@ -51,7 +52,7 @@ def reindex(config_path: Path | None) -> None:
     finally:
         stage.stop()
         store.close()
-    click.echo(f"reindexed: {count} conversations rebuilt in {cfg.storage.duckdb.path}")
+    click.echo(f"reindexed: {plural(count, 'conversation')} rebuilt in {cfg.storage.duckdb.path}")
     if stage.failed:
         click.echo(f"tracejudge: warning: {stage.failed} conversations could not be rebuilt: they are stored "
                    "without messages, with the reason", err=True)
