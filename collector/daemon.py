@@ -38,7 +38,7 @@ from aiohttp.typedefs import Handler, Middleware
 from judges import Criterion, Provider
 
 from .api import API
-from .config import Config, Listener
+from .config import Config, Listener, is_loopback
 from .conversations import Conversations
 from .queries import conversation_counts
 from .errors import StoreUnavailable, UserError
@@ -301,9 +301,14 @@ class Daemon:
             grpc=grpc_addr, http=http_addr, api=api_url,
             started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         ).write(cfg.runtime_file)
-        api.ready = True
         self._banner(grpc_addr, http_addr, api_url)
         self._judging(criteria, provider, no_provider)
+        open_to = [lst.endpoint for lst in (rcv.protocols.grpc, rcv.protocols.http)
+                   if lst is not None and not is_loopback(_split(lst.endpoint)[0])]
+        if open_to and not rcv.auth.bearer_token:
+            log.warning("OTLP receivers listen beyond loopback (%s) without receivers.otlp.auth.bearer_token "
+                        "($TRACEJUDGE_INGEST_TOKEN): anyone who reaches them can write spans", ", ".join(open_to))
+        api.ready = True  # last: whoever waits for /readyz finds the banner and the start-up log written
         return True
 
     async def _serve(self, parts: Parts, signals: StopSignals) -> str:

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
@@ -31,6 +31,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "otlp"
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def base_config(data_dir: Path, **sections: Any) -> dict[str, Any]:
@@ -107,6 +115,19 @@ class DaemonProcess:
 
     def output(self) -> str:
         return (self.data_dir / "daemon.log").read_text(encoding="utf-8", errors="replace")
+
+    def wait_output(self, text: str, timeout: float = 60) -> None:
+        """Until the daemon has logged ``text`` (it fails at once if the daemon exits first)."""
+
+        def logged() -> bool:
+            if text in self.output():
+                return True
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited with {self.proc.returncode} before logging {text!r}:\n{self.output()}")
+            return False
+
+        wait_until(logged, f"{text!r} to be logged", timeout)
 
     @property
     def grpc(self) -> str:

@@ -26,7 +26,7 @@ from collector.otlp import parse_traces, span_batch
 from collector.store import Store
 
 from .conftest import REPO, clean_env, run_cli, wait_conversations
-from .wire import post
+from .wire import add_attributes, post
 
 T0 = 1_764_478_800_000_000_000
 
@@ -59,15 +59,9 @@ def turn_request(turns: list[dict[str, Any]]) -> bytes:
                                  "gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 5}
         if "system" in turn:
             attrs["gen_ai.system_instructions"] = turn["system"]
-        for span, values in ((root, {"gen_ai.operation.name": "invoke_agent",
-                                     "gen_ai.conversation.id": turn["conversation"]}), (chat, attrs)):
-            for key, value in values.items():
-                a = span.attributes.add()
-                a.key = key
-                if isinstance(value, int):
-                    a.value.int_value = value
-                else:
-                    a.value.string_value = value
+        add_attributes(root.attributes, {"gen_ai.operation.name": "invoke_agent",
+                                         "gen_ai.conversation.id": turn["conversation"]})
+        add_attributes(chat.attributes, attrs)
     return req.SerializeToString()
 
 

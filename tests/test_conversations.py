@@ -12,7 +12,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from .conftest import run_cli, wait_conversations
 from .genai_fixtures import case_names
 from .test_normalize import comparable_message
-from .wire import FIXTURES, fixture_requests, replay, wire_body
+from .wire import FIXTURES, add_attributes, fixture_requests, replay, wire_body
 
 HANDOVER = {"conversations": {"end_rules": [{"attribute": "app.handover", "equals": True, "ended_by": "handover"}]}}
 
@@ -228,13 +228,7 @@ def _spans_request(spans: list[tuple[int, int, int | None, str, dict[str, Any]]]
             sp.parent_span_id = parent.to_bytes(8, "big")
         sp.start_time_unix_nano = 1_764_478_800_000_000_000 + i * 1000
         sp.end_time_unix_nano = sp.start_time_unix_nano + 900
-        for key, value in attrs.items():
-            a = sp.attributes.add()
-            a.key = key
-            if isinstance(value, int):
-                a.value.int_value = value
-            else:
-                a.value.string_value = value
+        add_attributes(sp.attributes, attrs)
     return req.SerializeToString()
 
 

@@ -73,6 +73,11 @@ def test_ipv6_listeners_are_written_as_addresses_clients_can_use(make_daemon: An
     assert post(d.http, "/v1/traces", body)[0] == 200
 
 
+def test_receivers_beyond_loopback_without_a_token_are_warned_about(make_daemon: Any) -> None:
+    d = make_daemon(receivers={"otlp": {"protocols": {"http": {"endpoint": "0.0.0.0:0"}}}})
+    d.wait_output("OTLP receivers listen beyond loopback (0.0.0.0:0) without receivers.otlp.auth.bearer_token")
+
+
 def test_second_daemon_on_same_file_is_refused(make_daemon: Any, tmp_path: Path) -> None:
     daemon = make_daemon()
     res = run_cli("serve", "--config", str(daemon.config_path))
@@ -181,16 +186,6 @@ def test_tls_on_every_listener(make_daemon: Any, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ signals
 
 
-def _wait_line(daemon: DaemonProcess, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in daemon.output():
-        assert time.monotonic() < deadline, f"{text!r} not logged:\n{daemon.output()}"
-        assert daemon.proc is not None
-        if daemon.proc.poll() is not None and text not in daemon.output():
-            raise AssertionError(f"exited with {daemon.proc.returncode} before logging {text!r}:\n{daemon.output()}")
-        time.sleep(0.01)
-
-
 def _spawn(daemon: DaemonProcess) -> subprocess.Popen[str]:
     """``tracejudge serve`` without waiting for it to be ready (DaemonProcess.start waits)."""
     daemon.log = open(daemon.data_dir / "daemon.log", "a", encoding="utf-8")
@@ -205,7 +200,7 @@ def test_second_signal_during_shutdown_does_not_cut_it_short(make_daemon: Any) -
     body, _ = span_request_bytes(64)
     post(daemon.http, "/v1/traces", body)
     daemon.proc.send_signal(signal.SIGINT)
-    _wait_line(daemon, "stopping (SIGINT)")  # the second one lands while the first one's shutdown runs
+    daemon.wait_output("stopping (SIGINT)")  # the second one lands while the first one's shutdown runs
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(timeout=60) == 0
     assert "stopped cleanly" in daemon.output()
@@ -216,7 +211,7 @@ def test_a_signal_after_the_shutdown_has_finished_changes_nothing(make_daemon: A
     """The loop has closed and the interpreter is exiting: the exit status stays 0."""
     daemon = make_daemon()
     daemon.proc.send_signal(signal.SIGTERM)
-    _wait_line(daemon, "stopped cleanly")
+    daemon.wait_output("stopped cleanly")
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(timeout=60) == 0
 
@@ -245,7 +240,7 @@ def test_signal_during_start_up_stops_it_cleanly(make_daemon: Any) -> None:
 def test_signal_at_any_point_of_start_up_exits_0_and_leaves_nothing_behind(make_daemon: Any) -> None:
     daemon = make_daemon(start=False, env=clean_env(TRACEJUDGE_LOG_LEVEL="debug"))
     proc = _spawn(daemon)
-    _wait_line(daemon, "starting (pid")
+    daemon.wait_output("starting (pid")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     out = daemon.output()

@@ -4,14 +4,13 @@ and a client that goes away is logged at debug and counted, never as an ERROR tr
 from __future__ import annotations
 
 import socket
-import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
 import pytest
 
-from .conftest import clean_env
+from .conftest import clean_env, wait_until
 from .wire import GRPC_METHODS, span_request_bytes
 
 TIMEOUTS = {"idle_timeout": "1s", "read_timeout": "1s"}
@@ -59,13 +58,6 @@ def _http_openings(host: str, path: str) -> dict[str, bytes]:
     }
 
 
-def _wait_for(condition: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("listener", ["http", "api"])
 def test_http_listeners_close_idle_and_unfinished_requests(daemon: Any, listener: str) -> None:
     base = daemon.http if listener == "http" else daemon.api
@@ -94,8 +86,8 @@ def test_grpc_closes_idle_connections(daemon: Any) -> None:
         channel.subscribe(states.append)
         export = channel.unary_unary(GRPC_METHODS["traces"][0])
         export(span_request_bytes(1, trace_seed=1)[0], timeout=60)
-        _wait_for(lambda: grpc.ChannelConnectivity.READY in states, "the channel to connect")
-        _wait_for(lambda: states[-1] == grpc.ChannelConnectivity.IDLE, "the daemon to close the idle connection")
+        wait_until(lambda: grpc.ChannelConnectivity.READY in states, "the channel to connect")
+        wait_until(lambda: states[-1] == grpc.ChannelConnectivity.IDLE, "the daemon to close the idle connection")
         export(span_request_bytes(1, trace_seed=2)[0], timeout=60)
     assert daemon.counts()["spans"] == 2
     assert " ERROR " not in daemon.output()
@@ -121,8 +113,8 @@ def test_client_gone_mid_request_is_counted_not_an_error(daemon: Any) -> None:
     api = _start_request(daemon.api, "/api/evals", "application/json", 100, b'{"since": ')
     otlp.close()
     api.close()
-    _wait_for(lambda: 'outcome="incomplete"' in daemon.get("/metrics")[1], "the OTLP request to be counted")
-    _wait_for(lambda: "went away during POST /api/evals" in daemon.output(), "the API request to be logged")
+    wait_until(lambda: 'outcome="incomplete"' in daemon.get("/metrics")[1], "the OTLP request to be counted")
+    wait_until(lambda: "went away during POST /api/evals" in daemon.output(), "the API request to be logged")
     assert daemon.metric('tracejudge_requests_total{outcome="incomplete",signal="traces",transport="http"}') == 1
     assert " ERROR " not in daemon.output() and "Traceback" not in daemon.output()
     assert daemon.counts()["spans"] == 0
@@ -145,5 +137,5 @@ def test_malformed_http_is_400_not_an_error(daemon: Any, listener: str) -> None:
         assert sock.recv(1024).startswith(b"HTTP/1.0 400"), request
         sock.close()
     assert daemon.get("/healthz")[0] == 200
-    _wait_for(lambda: daemon.output().count("Error handling request") >= len(MALFORMED), "the 400s to be logged")
+    wait_until(lambda: daemon.output().count("Error handling request") >= len(MALFORMED), "the 400s to be logged")
     assert " ERROR " not in daemon.output()  # (aiohttp gives TLS on a plain port a debug traceback itself)

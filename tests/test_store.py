@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -13,6 +12,7 @@ from collector.errors import StoreUnavailable
 from collector.otlp import SPAN_COLUMNS, SpanBatch, parse_traces, span_batch
 from collector.store import Committed, Store
 
+from .conftest import wait_until
 from .wire import span_request_bytes
 
 
@@ -38,18 +38,11 @@ def stored(store: Store) -> int:
         cur.close()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
-
-
 def test_callers_that_give_up_leave_the_writer_running(store: Store) -> None:
     """What a gRPC deadline does: the receiver's awaited future is cancelled, queued or being committed."""
     big, *small = [spans(n, seed) for seed, n in enumerate((20_000, 64, 64, 64), start=1)]
     taken = store.submit(big)
-    wait_for(taken.running)  # the writer has taken it: cancelling can no longer pull it from under the writer
+    wait_until(taken.running, "the writer to take the request")  # the writer has taken it: cancelling can no longer pull it from under the writer
     behind = [store.submit(b) for b in small]
     assert not taken.cancel()
     assert all(f.cancel() for f in behind)  # still queued: their callers may go, their data is still committed

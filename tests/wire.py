@@ -99,6 +99,17 @@ def replay(req: dict[str, Any], grpc_target: str, http_base: str) -> Any:
     return body
 
 
+def add_attributes(kvs: Any, values: dict[str, Any]) -> None:
+    """Append ``values`` to a repeated KeyValue field (ints as int_value, everything else as text)."""
+    for key, value in values.items():
+        a = kvs.add()
+        a.key = key
+        if isinstance(value, int):
+            a.value.int_value = value
+        else:
+            a.value.string_value = value
+
+
 def span_request_bytes(n_spans: int, trace_seed: int = 1, attr_bytes: int = 1200) -> tuple[bytes, list[tuple[str, str]]]:
     """A protobuf ExportTraceServiceRequest with ``n_spans`` chat-like spans; returns body and (trace, span) ids."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
