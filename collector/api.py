@@ -45,10 +45,11 @@ from collections.abc import Sequence
 from typing import Any, Awaitable, Callable
 from urllib.parse import quote, urlencode, urlsplit
 
+import duckdb
 from aiohttp import web
 
 from . import config, evals, queries, review, review_page
-from .errors import UserError
+from .errors import StoreUnavailable, UserError
 from .evaluator import Evaluator
 from .metrics import Metrics
 from .queries import MAX_LIMIT, parse_since
@@ -239,7 +240,15 @@ class API:
             finally:
                 cur.close()
 
-        return await asyncio.to_thread(run)
+        try:
+            return await asyncio.to_thread(run)
+        except (StoreUnavailable, duckdb.Error) as exc:
+            # While the file cannot be written (a full disk) or is being attached again, reads may fail
+            # too: that is the store's state, retryable, not a bug in the request.
+            failure = self.store.failure
+            if isinstance(exc, duckdb.Error) and failure is None:
+                raise
+            raise APIError(503, "store_unavailable", f"the store cannot be read now: {failure or exc}") from None
 
     async def healthz(self, request: web.Request) -> web.Response:
         """Alive: 503 only once the store's writer has stopped for good (the daemon is exiting)."""

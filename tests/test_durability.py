@@ -241,6 +241,8 @@ def test_disk_full_refuses_retryably_then_recovers_once_space_is_freed(make_daem
         assert status == 503 and headers["retry-after"] == "5", answer
         assert "File too large" in _readyz_refusal(daemon)
         assert daemon.get("/healthz")[0] == 200  # alive: it recovers by itself
+        for path in ("/api/spans/count", "/api/conversations", "/api/status", "/metrics"):
+            assert daemon.get(path, check=False)[0] in (200, 503), path  # never a 500
         assert daemon.metric('tracejudge_spans_rejected_total{reason="storage_error"}') >= 512
         with pytest.raises(grpc.RpcError) as refused:
             grpc_export(daemon.grpc, "traces", _random_spans(seed)[0])
