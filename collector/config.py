@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
+import regex
 import yaml
 from pydantic import (
     AfterValidator,
@@ -323,8 +324,8 @@ Rate = Annotated[float, AfterValidator(_check_rate)]
 
 def _check_regex(value: str) -> str:
     try:
-        re.compile(value)
-    except re.error as exc:
+        regex.compile(value)  # the engine sampling matches with (it has time limits)
+    except regex.error as exc:
         raise ValueError(f"not a valid regular expression: {exc}") from None
     return value
 

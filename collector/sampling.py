@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
+import logging
 import threading
 import time
 from collections import deque
@@ -44,10 +44,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import regex
+
 from .config import AttributeMatch, SamplingSettings, When
+
+log = logging.getLogger("tracejudge.sampling")
 
 HOUR = 3600.0
 DAY = 86400.0
+MATCH_TIMEOUT = 1.0
+"""Seconds a rule's ``matches`` may search one attribute value (traffic writes the values: a pattern
+that backtracks on a long one must not hold up the daemon). Out of time counts as no match."""
 
 SKIPPED_CONVERSATIONS = "budget:conversations_per_hour"
 SKIPPED_TOKENS = "budget:judge_tokens_per_day"
@@ -140,10 +147,20 @@ _Check = Callable[[ConversationFacts], bool]
 def _attribute_check(match: AttributeMatch) -> _Check:
     key = match.key
     if match.matches is not None:
-        search = re.compile(match.matches).search
+        pattern = regex.compile(match.matches)
+        warned = False
 
         def test(value: Any) -> bool:
-            return search(_text(value)) is not None
+            nonlocal warned
+            try:
+                # concurrent: the interpreter lock is released while it searches, so ingestion goes on.
+                return pattern.search(_text(value), timeout=MATCH_TIMEOUT, concurrent=True) is not None
+            except TimeoutError:
+                if not warned:
+                    warned = True
+                    log.warning("sampling rule on %s: /%s/ ran out of time (%gs) on a value; counted as no "
+                                "match (this is logged once)", key, match.matches, MATCH_TIMEOUT)
+                return False
     else:
         wanted = match.equals
         assert wanted is not None

@@ -104,7 +104,7 @@ def test_defaults() -> None:
     ("sampling: {rules: [{when: {ended_by: handoff}, rate: 1}]}", "sampling.rules[0].when.ended_by: Input should be"),
     ("sampling: {rules: [{when: {mdoel: gpt-4o}, rate: 1}]}", "sampling.rules[0].when.mdoel: unknown key"),
     ("sampling: {rules: [{when: {attribute: {key: a, matches: '(x'}}, rate: 1}]}",
-     "sampling.rules[0].when.attribute.matches: not a valid regular expression: missing ), unterminated subpattern"),
+     "sampling.rules[0].when.attribute.matches: not a valid regular expression: missing ) at position 2"),
     ("sampling: {rules: [{when: {attribute: {key: a}}, rate: 1}]}",
      "sampling.rules[0].when.attribute: give exactly one of equals or matches"),
     ("sampling: {rules: [{when: {attribute: {key: a, equals: x, matches: x}}, rate: 1}]}",
@@ -496,3 +496,37 @@ def test_weighted_interval_covers_the_truth_when_failures_are_oversampled() -> N
 
 def test_weighted_interval_covers_the_truth_when_failures_sit_in_default_traffic() -> None:
     assert coverage(FAILURES_IN_DEFAULT_TRAFFIC) >= 0.93
+
+
+def test_a_rule_whose_regex_runs_out_of_time_does_not_match_and_lets_other_threads_run(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A pattern that backtracks on a long attribute value (traffic writes the values) gives up, and while
+    it searches the interpreter lock is free: a thread of pure Python gets on with its work meanwhile."""
+    import threading
+
+    from collector import sampling
+
+    monkeypatch.setattr(sampling, "MATCH_TIMEOUT", 5.0)
+    s = Sampler(settings(rate=0.0, rules=[{"when": {"attribute": {"key": "a", "matches": "(?i)refund.*guarantee"}},
+                                           "rate": 1.0}]))
+    slow = facts(attributes={"a": "refund " * 60_000})
+    searching, decided = threading.Event(), threading.Event()
+    out: list[Decision] = []
+
+    def decide() -> None:
+        searching.set()
+        out.append(s.decide(slow))
+        decided.set()
+
+    thread = threading.Thread(target=decide)
+    thread.start()
+    searching.wait()
+    # About 0.1 s of pure Python in slices: within one switch interval the search has the lock if it wants
+    # it, and a search that held it would keep these slices waiting until it ended.
+    for _ in range(50):
+        sum(range(100_000))
+    assert not decided.is_set()
+    thread.join()
+    assert (out[0].sampled, out[0].rule) == (False, "default")
+    assert "ran out of time" in caplog.text
+    assert s.decide(facts(attributes={"a": "refunds come with a guarantee"})).rule == "rules[0]"
