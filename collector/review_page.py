@@ -70,7 +70,8 @@ def _e(value: object) -> str:
 def _page(title: str, body: str) -> str:
     return ("<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-            "<meta name=\"referrer\" content=\"no-referrer\">\n"
+            # As the header says: under no-referrer the form's own posts would carry "Origin: null".
+            "<meta name=\"referrer\" content=\"same-origin\">\n"
             f"<title>{_e(title)}</title>\n<style>{_STYLE}</style>\n</head>\n"
             f"<body>\n<main>\n{body}\n</main>\n</body>\n</html>\n")
 
