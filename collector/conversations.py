@@ -465,7 +465,9 @@ class Conversations:
         written with the mark it reaches: every trace with a later commit is then
         still after the mark, so a stop here loses nothing and keeps what is done.
         """
-        traces = self._traces_since(self._resume_from)
+        # Only commits made before this stage opened (or resynced): later ones reach it through
+        # ``on_commit``, and reading them here too would rebuild a burst that arrived meanwhile twice.
+        traces = self._traces_since(self._resume_from, upto=self._resume_to)
         if traces:
             log.info("catching up on %d traces committed before the last stop", len(traces))
         for i in range(0, len(traces), CATCH_UP_CHUNK):
@@ -478,14 +480,17 @@ class Conversations:
         # Every commit made before this stage opened is now taken in, traceless logs included.
         self._processed_batch = max(self._processed_batch, self._resume_to)
 
-    def _traces_since(self, batch: int) -> list[tuple[str, float, int]]:
-        """Traces with rows committed after ``batch``: (trace, last arrival, last commit), by last commit."""
+    def _traces_since(self, batch: int, upto: int | None = None) -> list[tuple[str, float, int]]:
+        """Traces with rows committed after ``batch`` (and up to ``upto``): (trace, last arrival, last
+        commit), by last commit."""
         assert self._cur is not None
+        last = 2**63 - 1 if upto is None else upto
         return [(t, at, int(b)) for t, at, b in self._cur.execute(
             "SELECT trace_id, epoch(max(received_at)), max(batch_id) FROM ("
-            " SELECT trace_id, received_at, batch_id FROM span_records WHERE batch_id > ? UNION ALL"
-            " SELECT trace_id, received_at, batch_id FROM log_records WHERE batch_id > ? AND trace_id IS NOT NULL) "
-            "GROUP BY trace_id ORDER BY 3, 2, 1", [batch, batch]).fetchall()]
+            " SELECT trace_id, received_at, batch_id FROM span_records WHERE batch_id BETWEEN ? AND ? UNION ALL"
+            " SELECT trace_id, received_at, batch_id FROM log_records WHERE batch_id BETWEEN ? AND ?"
+            " AND trace_id IS NOT NULL) "
+            "GROUP BY trace_id ORDER BY 3, 2, 1", [batch + 1, last, batch + 1, last]).fetchall()]
 
     def reindex(self, progress: Callable[[int, int], None] | None = None, chunk: int = 500) -> int:
         """Rebuild the trace map, conversations and messages from every stored span and log record.

@@ -10,6 +10,7 @@ conversations, messages and trace map must be identical.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,27 @@ def test_log_records_sharing_a_timestamp_read_back_in_request_order(tmp_path: Pa
     assert got == {c["conversation_key"] or f"trace:{c['trace_ids'][0]}":
                    [(m["role"], m.get("content") or "") for m in c["messages"]] for c in expected}
     assert rebuilt(tmp_path, requests, queued_only=False) == queued
+
+
+def test_commits_made_after_the_stage_opened_are_not_caught_up_again(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The catch-up at start covers commits made before the stage opened; a burst that arrives before
+    its first cycle reaches it through on_commit only (reading it back as well rebuilt it twice)."""
+    caplog.set_level(logging.INFO, logger="tracejudge.conversations")
+    store = Store(tmp_path / "burst.duckdb")
+    store.open()
+    # Ingestion looks busy for the first 2 s (idle_gap), so the first cycle, catch-up included,
+    # runs after the burst below is committed.
+    stage = Conversations(store, SETTINGS, idle_gap=3600.0, max_wait=2.0)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    try:
+        for req in fixture_requests("openai-v2-latest-span-only-grpc"):
+            if req["signal"] == "traces":
+                store.submit(spans=span_batch(parse_traces(wire_body(req), False))[0]).result(30)
+        assert stage.wait_idle(60)
+        assert stage.status()["conversations_batch"] == store.batch_id
+    finally:
+        stage.stop()
+        store.close()
+    assert "catching up" not in caplog.text
