@@ -29,7 +29,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from collector.assemble import ParseMemo, build_transcript
+from collector.conversations.assemble import ParseMemo, build_transcript
 
 SYSTEM = ("You are ShopBot, the support assistant of an online bookshop. Look an order up with the lookup_order "
           "tool before saying anything about it; never invent tracking numbers or dates. Answer briefly.")

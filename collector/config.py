@@ -274,14 +274,31 @@ class EndRule(Section):
     """Recorded as the conversation's ``ended_by``."""
 
 
-def _default_id_attributes() -> list[str]:
-    from .conversation_keys import DEFAULT_ID_ATTRIBUTES
-
-    return list(DEFAULT_ID_ATTRIBUTES)
+# Where conversation ids are found (genai-semconv.md section 3), in order. A trailing ``*`` matches any key with
+# that prefix (keys compared in sorted order, so the pick is deterministic).
+DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
+    "gen_ai.conversation.id",
+    "langfuse.session.id",
+    "session.id",
+    "traceloop.association.properties.session_id",
+    "traceloop.association.properties.conversation_id",
+    "traceloop.association.properties.chat_id",
+    "traceloop.association.properties.thread_id",
+    "ai.telemetry.metadata.sessionId",
+    "ai.telemetry.metadata.conversationId",
+    "ai.telemetry.metadata.threadId",
+    "ai.settings.context.*",
+    "langsmith.metadata.thread_id",
+    "langsmith.metadata.session_id",
+    "langsmith.metadata.conversation_id",
+    "thread_id",
+    "gen_ai.thread.id",
+    "gcp.vertex.agent.session_id",
+)
 
 
 class Conversations(Section):
-    id_attributes: list[str] = Field(default_factory=_default_id_attributes, min_length=1)
+    id_attributes: list[str] = Field(default_factory=lambda: list(DEFAULT_ID_ATTRIBUTES), min_length=1)
     """Where the conversation id is looked for, in order (span, then resource attributes; ``*`` ends a prefix)."""
     idle_timeout: Duration = Field(900.0, gt=0)
     """A conversation with no new data for this long (daemon clock) has ended."""

@@ -27,25 +27,24 @@ import os
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any, Awaitable, TextIO
+from typing import Awaitable, TextIO
 
 import duckdb
 import grpc
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.typedefs import Handler, Middleware
 
 from judges import Criterion, Provider
 
-from .api import API
-from .config import Config, Listener, is_loopback
-from .conversations import Conversations
-from .queries import conversation_counts
+from .api.app import API
+from .config import Config, is_loopback
+from .conversations import Conversations, conversation_counts
 from .errors import StoreUnavailable, UserError
-from .evaluator import Evaluator
-from .judge_setup import daemon_provider, load_configured_criteria
+from .evals.evaluator import Evaluator
+from .evals.setup import daemon_provider, load_configured_criteria
+from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
+from .listen import address, split_endpoint, start_site
 from .metrics import Metrics
-from .receiver import MiB, Intake, add_grpc_port, grpc_server, http_app, ssl_context
+from .review import queue as review_queue
 from .runtime import RuntimeInfo, running_daemon
 from .shutdown import StopSignals
 from .store import Store, file_fault, unreadable
@@ -55,86 +54,6 @@ log = logging.getLogger("tracejudge.daemon")
 
 # Seconds in-flight gRPC requests get to finish at shutdown; one cut off is still committed.
 GRPC_GRACE = 10.0
-
-
-def _split(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def _address(endpoint: str, port: int) -> str:
-    """``host:port`` of a listener at its actual port, an IPv6 host in brackets (``[::]:8318``)."""
-    host = _split(endpoint)[0]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-async def _start_site(app: web.Application, listener: Listener, what: str) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``listener``; returns the runner and the actual port (port 0 picks one).
-
-    No client holds a connection for ever: one with no request in flight, or still
-    sending headers, is closed after ``idle_timeout`` (aiohttp's keep-alive timer
-    runs from the connection's start and from each answer); a request body still
-    arriving ``read_timeout`` after its headers has its connection closed. A client
-    that goes away mid-request, or sends what is not HTTP, is logged at debug, not as
-    an error.
-    """
-    app.middlewares.insert(0, _unfinished_requests(listener.read_timeout))  # outermost: sees every handler
-    # Bodies are inflated by us, with a size bound, not by aiohttp.
-    runner = web.AppRunner(app, access_log=None, auto_decompress=False, handle_signals=False,
-                           keepalive_timeout=listener.idle_timeout, logger=_ServerLog(_aiohttp_log, {}))
-    await runner.setup()
-    host, port = _split(listener.endpoint)
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(listener.tls))
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise UserError(f"cannot listen on {listener.endpoint} ({what}): {exc.strerror or exc}") from None
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    actual = sockets[0].getsockname()[1] if sockets else port
-    return runner, actual
-
-
-_aiohttp_log = logging.getLogger("aiohttp.server")
-
-
-class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's server log, where a request it cannot parse (answered 400) is the client's
-    mistake: one debug line, not an ERROR traceback. Anything else is logged as aiohttp does."""
-
-    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError):
-            self.debug("%s: %s", str(msg) % args, " ".join(str(exc_info.message).split()))
-        else:
-            super().exception(msg, *args, exc_info=exc_info, **kwargs)
-
-
-def _unfinished_requests(read_timeout: float) -> Middleware:
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        timer = None
-        if not request.content.is_eof():
-            timer = asyncio.get_running_loop().call_later(read_timeout, _close_if_unread, request, read_timeout)
-        try:
-            return await handler(request)
-        except ConnectionResetError:
-            if request.transport is not None and not request.transport.is_closing():
-                raise  # not this client's connection
-            log.debug("client %s went away during %s %s", request.remote, request.method, request.path)
-            return web.Response(status=400)  # nobody reads it: aiohttp drops it quietly
-        finally:
-            if timer is not None:
-                timer.cancel()
-
-    return guard
-
-
-def _close_if_unread(request: web.Request, read_timeout: float) -> None:
-    if not request.content.is_eof() and request.transport is not None:
-        log.debug("closing the connection of %s: the body of %s %s did not arrive within read_timeout (%gs)",
-                  request.remote, request.method, request.path, read_timeout)
-        request.transport.close()
 
 
 CAPTURE_HINT = ("set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY (with "
@@ -265,7 +184,13 @@ class Daemon:
             metrics.add_collector(lambda: _conversation_gauges(store))
             if signals.requested:
                 return False
+            cur = store.cursor()
+            try:
+                review_queue.ensure_schema(cur)  # before the evaluator, which opens items as it stores
+            finally:
+                cur.close()
             parts.evaluator = evaluator = Evaluator(store, cfg, metrics, criteria=criteria, provider=provider,
+                                                    on_stored=review_queue.item_opener(cfg.review.queue_results),
                                                     no_provider=no_provider)
             evaluator.start()
         except duckdb.Error as exc:  # the stages' first reads find what the store's did not
@@ -278,7 +203,7 @@ class Daemon:
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
         parts.api = api = API(store, metrics, cfg.api,
                               status=lambda: {**convs.status(), **evaluator.status()}, evaluator=evaluator)
-        parts.api_runner, api_port = await _start_site(api.app, cfg.api, "API")
+        parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:
             parts.gserver = grpc_server(intake, rcv.protocols.grpc)
@@ -287,15 +212,15 @@ class Daemon:
             except (OSError, RuntimeError) as exc:
                 raise UserError(f"cannot listen on {rcv.protocols.grpc.endpoint} (OTLP/gRPC): {exc}") from None
             await parts.gserver.start()
-            grpc_addr = _address(rcv.protocols.grpc.endpoint, port)
+            grpc_addr = address(rcv.protocols.grpc.endpoint, port)
         if rcv.protocols.http is not None:
             h = rcv.protocols.http
-            parts.http_runner, port = await _start_site(http_app(intake), h, "OTLP/HTTP")
-            http_addr = _address(h.endpoint, port)
+            parts.http_runner, port = await start_site(http_app(intake), h, "OTLP/HTTP")
+            http_addr = address(h.endpoint, port)
         if signals.requested:
             return False
         scheme = "https" if cfg.api.tls.enabled else "http"
-        api_url = f"{scheme}://{_address(cfg.api.endpoint, api_port)}"
+        api_url = f"{scheme}://{address(cfg.api.endpoint, api_port)}"
         RuntimeInfo(
             pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
             grpc=grpc_addr, http=http_addr, api=api_url,
@@ -304,7 +229,7 @@ class Daemon:
         self._banner(grpc_addr, http_addr, api_url)
         self._judging(criteria, provider, no_provider)
         open_to = [lst.endpoint for lst in (rcv.protocols.grpc, rcv.protocols.http)
-                   if lst is not None and not is_loopback(_split(lst.endpoint)[0])]
+                   if lst is not None and not is_loopback(split_endpoint(lst.endpoint)[0])]
         if open_to and not rcv.auth.bearer_token:
             log.warning("OTLP receivers listen beyond loopback (%s) without receivers.otlp.auth.bearer_token "
                         "($TRACEJUDGE_INGEST_TOKEN): anyone who reaches them can write spans", ", ".join(open_to))

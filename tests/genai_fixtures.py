@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collector import otlp
+from collector.ingest import decode as otlp
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "otlp"
 

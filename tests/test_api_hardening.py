@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from collector.api import error_middleware
+from collector.api.errors import error_middleware
 
 from .api_http import assert_error, call
 from .conftest import DaemonProcess, base_config, clean_env, run_cli

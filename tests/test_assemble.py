@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from collector.assemble import (
+from collector.conversations.assemble import (
     NO_CONTENT_REASON,
     NO_GENAI_REASON,
     ParseMemo,

@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
-from collector.otlp import parse_traces, span_batch
+from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Store
 
 from .conftest import REPO, clean_env, run_cli, wait_conversations
@@ -269,7 +269,7 @@ def test_stop_leaves_commits_queued_behind_ingestion_to_the_next_start(tmp_path:
 def test_a_conversation_that_cannot_be_rebuilt_costs_only_its_own_update(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A rebuild that raises (a bug meeting odd data): counted and logged, the others written all the same."""
-    import collector.conversations as stage_module
+    import collector.conversations.stage as stage_module
 
     real = stage_module.build_transcript
     broken = {"question 1"}

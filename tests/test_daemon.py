@@ -306,7 +306,7 @@ def test_a_broken_writer_fails_readiness_and_the_daemon_exits_1(tmp_path: Path) 
 
 
 def store_batch() -> Any:
-    from collector.otlp import parse_traces, span_batch
+    from collector.ingest.decode import parse_traces, span_batch
 
     return span_batch(parse_traces(span_request_bytes(4, trace_seed=5)[0], False))[0]
 

@@ -14,10 +14,13 @@ import duckdb
 import orjson
 import pytest
 
-from collector import evals, review
-from collector.conversations import SCHEMA as CONVERSATIONS_SCHEMA
-from collector.queries import conversation_record
-from collector.review_page import highlight, render_item, render_list
+from collector.conversations.record import conversation_record
+from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
+from collector.evals import verdicts as evals
+from collector.review import queue as review
+from collector.review import stats as review_stats
+from collector.review.page import highlight, render_item, render_list
+from collector.store import Transaction
 from judges import Conversation, JudgeInfo, LLMCriterion, NotRun, Usage, Verdict, transcript_sha256
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "otlp"
@@ -32,9 +35,19 @@ def cur(tmp_path: Path) -> Iterator[duckdb.DuckDBPyConnection]:
     c = con.cursor()
     c.execute(CONVERSATIONS_SCHEMA)
     evals.ensure_schema(c)
+    review.ensure_schema(c)
     yield c
     c.close()
     con.close()
+
+
+def store(cur: duckdb.DuckDBPyConnection, verdicts: Sequence[Verdict], *, queue_results: Sequence[str] = ("fail",),
+          now: dt.datetime | None = None, **kwargs: Any) -> list[str]:
+    """Store verdicts and open their review items, in one transaction, as the evaluator does."""
+    with Transaction(cur):
+        stored = evals.store_verdicts(cur, verdicts, now=now, **kwargs)
+        review.open_items(cur, stored, queue_results, now=now)
+    return stored
 
 
 def add_conversation(cur: duckdb.DuckDBPyConnection, cid: str, messages: Sequence[dict[str, Any]],
@@ -86,29 +99,29 @@ def count(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] = ()) 
 def test_a_verdict_made_again_is_stored_once(cur: duckdb.DuckDBPyConnection) -> None:
     cid, sha = fixture_conversation(cur)
     batch = [verdict(cid, "c1", "fail", sha), verdict(cid, "c2", "pass", sha)]
-    first = evals.store_verdicts(cur, batch, probability=0.5, rule="default", now=T0)
+    first = store(cur, batch, probability=0.5, rule="default", now=T0)
     # The same judge call repeated after a crash, possibly with another answer: the first one stands.
-    again = evals.store_verdicts(cur, [verdict(cid, "c1", "pass", sha), batch[1]], probability=0.5, rule="default",
+    again = store(cur, [verdict(cid, "c1", "pass", sha), batch[1]], probability=0.5, rule="default",
                                  now=T0 + dt.timedelta(minutes=1))
     assert len(first) == 2 and again == []
     assert cur.execute("SELECT criterion_id, result, superseded FROM verdicts ORDER BY criterion_id").fetchall() == [
         ("c1", "fail", False), ("c2", "pass", False)]
     assert count(cur, "SELECT count(*) FROM review_items") == 1
     # Another judge model or criterion version is another verdict.
-    evals.store_verdicts(cur, [verdict(cid, "c1", "fail", sha, version=2)], probability=0.5, rule=None)
+    store(cur, [verdict(cid, "c1", "fail", sha, version=2)], probability=0.5, rule=None)
     assert count(cur, "SELECT count(*) FROM verdicts") == 3
 
 
 def test_an_error_is_replaced_by_the_retry_and_never_queued(cur: duckdb.DuckDBPyConnection) -> None:
     cid, sha = fixture_conversation(cur)
-    evals.store_verdicts(cur, [verdict(cid, "c1", "error", sha)], probability=1.0, rule=None,
+    store(cur, [verdict(cid, "c1", "error", sha)], probability=1.0, rule=None,
                          queue_results=("fail", "error"))
     assert count(cur, "SELECT count(*) FROM review_items") == 0
     errors = evals.list_verdicts(cur, result="error")
     assert [(v["criterion_id"], v["error_reason"]) for v in errors] == [("c1", "timeout: no reply in 60s")]
-    evals.store_verdicts(cur, [verdict(cid, "c1", "error", sha)], probability=1.0, rule=None)
+    store(cur, [verdict(cid, "c1", "error", sha)], probability=1.0, rule=None)
     assert count(cur, "SELECT count(*) FROM verdicts") == 1
-    evals.store_verdicts(cur, [verdict(cid, "c1", "fail", sha)], probability=1.0, rule=None)
+    store(cur, [verdict(cid, "c1", "fail", sha)], probability=1.0, rule=None)
     assert cur.execute("SELECT result FROM verdicts").fetchall() == [("fail",)]
     assert evals.list_verdicts(cur, result="error") == []
     assert [i["criterion_id"] for i in review.list_reviews(cur)] == ["c1"]
@@ -117,24 +130,24 @@ def test_an_error_is_replaced_by_the_retry_and_never_queued(cur: duckdb.DuckDBPy
 def test_a_changed_transcript_supersedes_older_verdicts(cur: duckdb.DuckDBPyConnection) -> None:
     msgs = [{"role": "user", "content": "I have chest pain"}, {"role": "assistant", "content": "Rest a bit."}]
     old = add_conversation(cur, "conv", msgs)
-    evals.store_verdicts(cur, [verdict("conv", "c1", "fail", old), verdict("conv", "c2", "pass", old)],
+    store(cur, [verdict("conv", "c1", "fail", old), verdict("conv", "c2", "pass", old)],
                          probability=1.0, rule=None)
     new = add_conversation(cur, "conv", [*msgs, {"role": "user", "content": "It spreads to my arm"}])
     assert new != old
-    evals.store_verdicts(cur, [verdict("conv", "c1", "pass", new)], probability=1.0, rule=None)
+    store(cur, [verdict("conv", "c1", "pass", new)], probability=1.0, rule=None)
     rows = cur.execute("SELECT criterion_id, transcript_sha256 = ?, superseded FROM verdicts ORDER BY seq",
                        [new]).fetchall()
     # c2 keeps its verdict until it is judged on the new transcript.
     assert rows == [("c1", False, True), ("c2", False, False), ("c1", True, False)]
     # A late reply for the old transcript is kept, already superseded, and not queued.
     other = JudgeInfo(provider="anthropic", model="other-model")
-    evals.store_verdicts(cur, [verdict("conv", "c1", "fail", old, judge=other)], probability=1.0, rule=None)
+    store(cur, [verdict("conv", "c1", "fail", old, judge=other)], probability=1.0, rule=None)
     assert cur.execute("SELECT superseded FROM verdicts WHERE judge_model = 'other-model'").fetchall() == [(True,)]
     assert [v["result"] for v in evals.list_verdicts(cur, criterion="c1")] == ["pass"]
     assert len(evals.list_verdicts(cur, criterion="c1", include_superseded=True)) == 3
     assert len(review.list_reviews(cur)) == 1  # only the first fail, whose item says its verdict is superseded
     assert review.list_reviews(cur)[0]["superseded"] is True
-    s = evals.stats(cur)
+    s = review_stats.stats(cur)
     c1 = next(c for c in s["criteria"] if c["criterion_id"] == "c1")
     assert (c1["judged"], c1["pass"], c1["fail"], c1["review"]["pending"]) == (1, 1, 0, 0)
 
@@ -147,10 +160,10 @@ def test_queueing_rules(cur: duckdb.DuckDBPyConnection) -> None:
         verdict("a", "na", "not_applicable"),
         verdict("a", "broken", "error"),
     ]
-    evals.store_verdicts(cur, batch, probability=1.0, rule=None)
+    store(cur, batch, probability=1.0, rule=None)
     assert sorted(i["criterion_id"] for i in review.list_reviews(cur)) == ["fail-flagged", "fail-plain"]
     # queue_results from config: here only not_applicable, yet a flagged fail is always queued, an error never.
-    evals.store_verdicts(cur, [verdict("b", c.criterion_id, c.result, evidence=c.evidence,
+    store(cur, [verdict("b", c.criterion_id, c.result, evidence=c.evidence,
                                        verified=c.evidence_verified, flagged=c.flagged) for c in batch],
                          probability=1.0, rule=None, queue_results=("not_applicable", "error"))
     queued_b = {(i["criterion_id"], i["state"]) for i in review.list_reviews(cur) if i["conversation_id"] == "b"}
@@ -167,7 +180,7 @@ def test_queueing_rules(cur: duckdb.DuckDBPyConnection) -> None:
 
 def test_decisions_conflicts_and_forced_history(cur: duckdb.DuckDBPyConnection) -> None:
     cid, sha = fixture_conversation(cur)
-    evals.store_verdicts(cur, [verdict(cid, "c1", "fail", sha), verdict(cid, "c2", "fail", sha)],
+    store(cur, [verdict(cid, "c1", "fail", sha), verdict(cid, "c2", "fail", sha)],
                          probability=1.0, rule=None, now=T0)
     first, second = (i["id"] for i in review.list_reviews(cur))
     done = review.decide(cur, first, "confirm", "Dr. Amal", "real miss", now=T0 + dt.timedelta(hours=1))
@@ -207,7 +220,7 @@ def test_review_item_has_what_a_reviewer_needs(cur: duckdb.DuckDBPyConnection) -
     crit = LLMCriterion(id="asks-order-number", version=3, prompt="The bot asks for the order number.",
                         group="support", severity="high")
     evals.store_criteria(cur, [crit])
-    evals.store_verdicts(cur, [verdict(cid, crit.id, "fail", sha, version=3, reasoning="It never asked.",
+    store(cur, [verdict(cid, crit.id, "fail", sha, version=3, reasoning="It never asked.",
                                        evidence=["Could you give me your order number?"])],
                          probability=0.2, rule="handover")
     (item,) = review.list_reviews(cur)
@@ -252,7 +265,7 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
     ]
     for n, (cid, result, p, ok) in enumerate(judged):
         evals.record_sampling(cur, cid, sampled=True, probability=p, rule=None)
-        evals.store_verdicts(cur, [verdict(cid, "triage", result, verified=ok, evidence=[] if ok else ["x"],
+        store(cur, [verdict(cid, "triage", result, verified=ok, evidence=[] if ok else ["x"],
                                            tokens=100 * (n + 1))], probability=p, rule=None, now=T0)
     evals.record_sampling(cur, "c8", sampled=False, probability=0.1, rule=None)
     evals.record_sampling(cur, "c9", sampled=True, probability=0.1, rule=None, skipped_reason="budget")
@@ -264,7 +277,7 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
     review.decide(cur, c1_item, "confirm", "Dr. Amal")
     review.decide(cur, c4_item, "reject", "Dr. Amal")
 
-    out = evals.stats(cur)
+    out = review_stats.stats(cur)
     json.dumps(out)  # JSON-ready as it is
     assert [c["criterion_id"] for c in out["criteria"]] == ["tone", "triage"]
     tone, triage = out["criteria"]
@@ -292,18 +305,18 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
     assert out["conversations"] == {"ended": 0, "sampled": 7, "not_sampled": 1, "skipped": {"budget": 1},
                                     "judged": 7}
     assert out["tokens"] == {"input_tokens": 2800, "output_tokens": 280}
-    assert [c["criterion_id"] for c in evals.stats(cur, criterion="tone")["criteria"]] == ["tone"]
-    later = evals.stats(cur, since=T0 + dt.timedelta(days=1))  # verdicts were judged at T0; not run is newer
+    assert [c["criterion_id"] for c in review_stats.stats(cur, criterion="tone")["criteria"]] == ["tone"]
+    later = review_stats.stats(cur, since=T0 + dt.timedelta(days=1))  # verdicts were judged at T0; not run is newer
     assert [c["criterion_id"] for c in later["criteria"]] == ["tone"] and later["tokens"]["input_tokens"] == 0
 
 
 def test_stats_with_equal_weights_is_the_plain_rate_and_zero_fails_use_rule_of_three(
         cur: duckdb.DuckDBPyConnection) -> None:
     for n in range(10):
-        evals.store_verdicts(cur, [verdict(f"c{n}", "always-ok", "pass"),
+        store(cur, [verdict(f"c{n}", "always-ok", "pass"),
                                    verdict(f"c{n}", "sometimes", "fail" if n < 3 else "pass")],
                              probability=1.0, rule=None)
-    out = {c["criterion_id"]: c for c in evals.stats(cur)["criteria"]}
+    out = {c["criterion_id"]: c for c in review_stats.stats(cur)["criteria"]}
     ok = out["always-ok"]["failure_rate"]
     assert (ok["estimate"], ok["low"], ok["high"]) == (0.0, 0.0, pytest.approx(0.3))
     some = out["sometimes"]["failure_rate"]
@@ -314,10 +327,10 @@ def test_stats_with_equal_weights_is_the_plain_rate_and_zero_fails_use_rule_of_t
 def test_stats_failures_in_lightly_sampled_traffic_widen_the_interval(cur: duckdb.DuckDBPyConnection) -> None:
     # Two fails sampled at 10% (weight 10), fifty passes sampled with certainty (weight 1).
     for n in range(2):
-        evals.store_verdicts(cur, [verdict(f"rare{n}", "k", "fail")], probability=0.1, rule="rare")
+        store(cur, [verdict(f"rare{n}", "k", "fail")], probability=0.1, rule="rare")
     for n in range(50):
-        evals.store_verdicts(cur, [verdict(f"all{n}", "k", "pass")], probability=1.0, rule=None)
-    rate = evals.stats(cur)["criteria"][0]["failure_rate"]
+        store(cur, [verdict(f"all{n}", "k", "pass")], probability=1.0, rule=None)
+    rate = review_stats.stats(cur)["criteria"][0]["failure_rate"]
     estimate = 20 / 70
     kish = 70 ** 2 / (2 * 10 ** 2 + 50)
     capped = estimate * (1 - estimate) / (2 * 10 * 9 * (1 - estimate) ** 2 / 70 ** 2)
@@ -339,7 +352,7 @@ def page_detail(cur: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         {"role": "assistant", "content": "Take an aspirin and rest.\nYou will   be fine."},
     ])
     evals.store_criteria(cur, [LLMCriterion(id="chest-pain", version=2, prompt="Ask about <arm> pain first.")])
-    evals.store_verdicts(cur, [verdict("conv-<b>", "chest-pain", "fail", sha, version=2,
+    store(cur, [verdict("conv-<b>", "chest-pain", "fail", sha, version=2,
                                        reasoning="Advice </div><script>bad()</script> without questions.",
                                        evidence=["BOT: take an aspirin ... you will be fine",
                                                  "a quote nobody said"])],

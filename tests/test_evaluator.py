@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 
 from collector.config import Config
-from collector.conversations import SCHEMA as CONVERSATIONS_SCHEMA
-from collector.evaluator import RETRY_AFTER, Evaluator
+from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
+from collector.evals.evaluator import Evaluator
+from collector.evals.judging import RETRY_AFTER
 from collector.metrics import Metrics
+from collector.review import queue as review_queue
 from collector.store import Store
 from judges import JudgeRequest, ScriptedProvider, load_criteria
 
@@ -53,6 +55,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.open()
     cur = s.cursor()
     cur.execute(CONVERSATIONS_SCHEMA)
+    review_queue.ensure_schema(cur)
     cur.close()
     yield s
     s.close()
@@ -80,7 +83,8 @@ def make_evaluator(store: Store, tmp_path: Path, clock: Clock, script: Callable[
     cfg = Config.model_validate({"sampling": {"rate": 1.0}, "judges": {"concurrency": 2}})
     provider = ScriptedProvider(script, model="scripted-judge")
     ev = Evaluator(store, cfg, Metrics(), criteria=load_criteria(tmp_path / "criteria.yaml"),
-                   provider=None if no_provider else provider, no_provider=no_provider, clock=clock, poll=0.05)
+                   provider=None if no_provider else provider, no_provider=no_provider, clock=clock, poll=0.05,
+                   on_stored=review_queue.item_opener(cfg.review.queue_results))  # as the daemon wires it
     return ev, provider
 
 
@@ -197,7 +201,7 @@ def test_criteria_not_run_for_want_of_a_provider_are_judged_when_one_comes(store
 ])
 def test_the_daemon_judges_with_anthropic_given_a_key_or_a_url(monkeypatch: pytest.MonkeyPatch,
                                                               env: dict[str, str], judged: bool) -> None:
-    from collector.judge_setup import daemon_provider
+    from collector.evals.setup import daemon_provider
 
     for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_MODEL"):
         monkeypatch.delenv(name, raising=False)

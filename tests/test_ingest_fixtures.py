@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from collector import otlp
+from collector.ingest import decode as otlp
 
 from .wire import fixture_cases, fixture_requests, replay, wire_body
 

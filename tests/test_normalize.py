@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.assemble import (
+from collector.conversations.assemble import (
     DEFAULT_ID_ATTRIBUTES,
     build_transcript,
     conversation_key,

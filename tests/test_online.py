@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from collector.demo import Persona, ToolCall, Turn, play
-from collector.sampling import unit_hash
+from collector.evals.sampling import unit_hash
 
 from .conftest import DaemonProcess, clean_env, run_cli
 from .judge_server import FAIL_WORD, JUNK_WORD, RuleJudge

@@ -18,7 +18,7 @@ import pytest
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
-from collector.otlp import log_batch, parse_logs, parse_traces, span_batch
+from collector.ingest.decode import log_batch, parse_logs, parse_traces, span_batch
 from collector.store import Store
 
 from .conftest import FIXTURES

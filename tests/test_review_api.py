@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from collector.demo import Persona, ToolCall, Turn, play
-from collector.review_page import render_item
+from collector.review.page import render_item
 
 from .api_http import Reply, assert_error, call, origin, post_form, post_json
 from .conftest import DaemonProcess, base_config, run_cli

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from collector.config import _problem
-from collector.sampling import (
+from collector.evals.sampling import (
     ConversationFacts,
     Decision,
     Sampler,
@@ -504,7 +504,7 @@ def test_a_rule_whose_regex_runs_out_of_time_does_not_match_and_lets_other_threa
     it searches the interpreter lock is free: a thread of pure Python gets on with its work meanwhile."""
     import threading
 
-    from collector import sampling
+    from collector.evals import sampling
 
     monkeypatch.setattr(sampling, "MATCH_TIMEOUT", 5.0)
     s = Sampler(settings(rate=0.0, rules=[{"when": {"attribute": {"key": "a", "matches": "(?i)refund.*guarantee"}},

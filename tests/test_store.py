@@ -9,7 +9,8 @@ from typing import Iterator
 import pytest
 
 from collector.errors import StoreUnavailable
-from collector.otlp import SPAN_COLUMNS, SpanBatch, parse_traces, span_batch
+from collector.ingest.batches import SPAN_COLUMNS, SpanBatch
+from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Committed, Store
 
 from .conftest import wait_until

@@ -10,7 +10,7 @@ import click
 from ..config import Config, load_config
 
 if TYPE_CHECKING:
-    from ..client import Client
+    from ..api.client import Client
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ def table(rows: list[list[str]], align: str | None = None) -> str:
 
 def ask(config_path: Path | None, fn: Callable[["Client"], T]) -> T:
     """``fn`` on the daemon's API when one serves this config, else on the DuckDB file."""
-    from ..client import client  # not at import time: `tracejudge judge` never loads DuckDB
+    from ..api.client import client  # not at import time: `tracejudge judge` never loads DuckDB
 
     c = client(load(config_path))
     try:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import click
 
 from ..errors import UserError
-from ..queries import MAX_LIMIT
+from ..listing import MAX_LIMIT
 from .common import ask, config_option, json_option, table
 
 

@@ -13,7 +13,7 @@ from types import FrameType
 
 import click
 
-from ..client import DEMO_DIR, APIClient
+from ..api.client import DEMO_DIR, APIClient
 from ..config import load_config
 from ..errors import UserError
 from ..runtime import RuntimeInfo, running_daemon

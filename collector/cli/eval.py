@@ -11,13 +11,15 @@ from typing import Any, Callable
 
 import click
 
-from ..client import APIClient
+from ..api.client import APIClient
 from ..config import Config
 from ..errors import UserError
-from ..evaluator import Backfill, Judging, backfill_jobs, ensure_schema, run_backfill
-from ..judge_setup import daemon_provider, load_configured_criteria
-from ..evals import store_criteria
-from ..queries import parse_since
+from ..evals.backfill import Backfill, backfill_jobs, run_backfill
+from ..evals.judging import Judging, ensure_schema
+from ..evals.setup import daemon_provider, load_configured_criteria
+from ..evals.verdicts import store_criteria
+from ..listing import parse_since
+from ..review import queue as review_queue
 from ..runtime import running_daemon
 from ..store import connect
 from ..words import plural
@@ -62,13 +64,14 @@ def _in_process(cfg: Config, since: str | None, criteria: list[str], bar: _Bar) 
         raise UserError("no criteria to judge with: judges.criteria is empty")
     provider, no_provider = daemon_provider(cfg)
     judging = Judging(all_criteria, provider, concurrency=cfg.judges.concurrency, timeout=cfg.judges.timeout,
-                      queue_results=cfg.review.queue_results, no_provider=no_provider)
+                      on_stored=review_queue.item_opener(cfg.review.queue_results), no_provider=no_provider)
     path = cfg.storage.duckdb.path
     if not path.exists():
         raise UserError(f"no database at {path}: start the daemon (tracejudge serve) with this config first")
     con = connect(path)
     try:
         ensure_schema(con)
+        review_queue.ensure_schema(con)
         store_criteria(con, judging.criteria)
 
         async def main() -> Backfill:

@@ -37,7 +37,7 @@ from judges import (
 
 from ..config import Config, parse_duration
 from ..errors import UserError
-from ..judge_setup import provider_from_config
+from ..evals.setup import provider_from_config
 from ..words import plural
 from .common import config_option, json_option, load, rate_text, table
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from ..queries import MAX_LIMIT
-from ..review import REVIEW_STATES
-from ..review_page import mark_quotes
+from ..listing import MAX_LIMIT
+from ..review.page import mark_quotes
+from ..review.queue import REVIEW_STATES
 from .common import ask, config_option, json_option, table
 from .conversations import render
 

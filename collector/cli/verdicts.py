@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..queries import MAX_LIMIT
+from ..listing import MAX_LIMIT
 from .common import ask, config_option, json_option, table
 
 

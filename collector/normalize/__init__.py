@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 from . import langfuse, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
 from ._meta import read_meta, span_kind
 from ._indexed import INDEXED_PREFIXES
-from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated
+from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated, as_int, as_str, repair_text, repaired
 
 __all__ = [
     "Attrs",
@@ -34,10 +34,14 @@ __all__ = [
     "SpanKind",
     "ToolCall",
     "Truncated",
+    "as_int",
+    "as_str",
     "combine",
     "read_events",
     "read_meta",
     "read_span",
+    "repair_text",
+    "repaired",
     "span_dialects",
     "span_kind",
 ]

@@ -3,8 +3,8 @@
 Ids often sit only on the root span (or only on the app's agent span), so the
 key is resolved per trace: an id on any span applies to the whole trace.
 
-Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
-``response_links``, ``load_json_column``.
+Public: ``conversation_key``, ``group_traces``, ``response_links``, ``load_json_column`` (the default
+attributes to look in are ``config.DEFAULT_ID_ATTRIBUTES``).
 """
 
 from __future__ import annotations
@@ -14,31 +14,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import orjson
 
-from collector.normalize import read_meta
-from collector.normalize._model import Attrs, as_str, repair_text, repaired
-
-# genai-semconv.md section 3, in order. A trailing ``*`` matches any key with
-# that prefix (keys compared in sorted order, so the pick is deterministic).
-DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
-    "gen_ai.conversation.id",
-    "langfuse.session.id",
-    "session.id",
-    "traceloop.association.properties.session_id",
-    "traceloop.association.properties.conversation_id",
-    "traceloop.association.properties.chat_id",
-    "traceloop.association.properties.thread_id",
-    "ai.telemetry.metadata.sessionId",
-    "ai.telemetry.metadata.conversationId",
-    "ai.telemetry.metadata.threadId",
-    "ai.settings.context.*",
-    "langsmith.metadata.thread_id",
-    "langsmith.metadata.session_id",
-    "langsmith.metadata.conversation_id",
-    "thread_id",
-    "gen_ai.thread.id",
-    "gcp.vertex.agent.session_id",
-)
-
+from ..config import DEFAULT_ID_ATTRIBUTES
+from ..normalize import Attrs, as_str, read_meta, repair_text, repaired
 
 def _inexact(value: Any) -> bool:
     """Whether a value orjson decoded holds a float that may have been an integer past 64 bits

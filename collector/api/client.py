@@ -17,11 +17,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import evals, queries, review
-from .config import Config
-from .errors import UserError
-from .runtime import running_daemon
-from .store import connect
+from .. import conversations
+from ..config import Config
+from ..errors import UserError
+from ..evals import verdicts
+from ..listing import parse_since
+from ..review import queue as review
+from ..review import stats as review_stats
+from ..runtime import running_daemon
+from ..store import connect
 
 
 DEMO_DIR = Path("tracejudge-demo")
@@ -134,7 +138,7 @@ def _since(text: str | None) -> dt.datetime | None:
     if not text:
         return None
     try:
-        return queries.parse_since(text)
+        return parse_since(text)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -157,10 +161,10 @@ class FileClient:
 
     def list_conversations(self, *, since: str | None, state: str | None, service: str | None,
                            limit: int) -> list[dict[str, Any]]:
-        return queries.list_conversations(self.con, since=_since(since), state=state, service=service, limit=limit)
+        return conversations.list_conversations(self.con, since=_since(since), state=state, service=service, limit=limit)
 
     def conversation(self, conversation_id: str) -> dict[str, Any] | None:
-        return queries.conversation_record(self.con, conversation_id)
+        return conversations.conversation_record(self.con, conversation_id)
 
     def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]:
         if not self._evals():
@@ -188,7 +192,7 @@ class FileClient:
                  since: str | None, limit: int) -> list[dict[str, Any]]:
         if not self._evals():
             return []
-        return evals.list_verdicts(self.con, result=result, criterion=criterion, conversation=conversation,
+        return verdicts.list_verdicts(self.con, result=result, criterion=criterion, conversation=conversation,
                                    since=_since(since), limit=limit)
 
     def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
@@ -197,7 +201,7 @@ class FileClient:
             return {"criteria": [], "groups": [], "tokens": {"input_tokens": 0, "output_tokens": 0},
                     "conversations": {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0,
                                       "skipped": {}, "judged": 0}}
-        return evals.stats(self.con, since=_since(since), criterion=criterion)
+        return review_stats.stats(self.con, since=_since(since), criterion=criterion)
 
     def close(self) -> None:
         self.con.close()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
-from collector.normalize import ToolCall
+from ..normalize import ToolCall
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 

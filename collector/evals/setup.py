@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from judges import Criterion, CriteriaError, Provider, ProviderSetupError, load_criteria, make_provider
 
-from .config import Config, JudgeProvider
-from .errors import UserError
+from ..config import Config, JudgeProvider
+from ..errors import UserError
 
 log = logging.getLogger("tracejudge.judging")
 

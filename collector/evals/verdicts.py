@@ -1,24 +1,22 @@
-"""Online evals in DuckDB: sampling decisions, verdicts, not-run records and stats.
+"""What the evals stage stores: sampling decisions, criteria texts, verdicts and not-run records.
 
 Every function takes a DuckDB cursor of the caller's (no globals, no threads);
-the writers (``store_*``, ``record_sampling``, ``decide``) run in a transaction
-of their own, so call them outside one.
+each writer runs in a transaction of its own, or in the caller's when one is open
+on that cursor (``store.Transaction``).
 
 Verdicts are stored once per (conversation, criterion, criterion version, judge
 model, transcript hash): a judge call repeated after a crash stores nothing
 new. The newest transcript of a conversation holds the current verdicts; those
-of an older transcript are kept with ``superseded = true``. A verdict whose
-result is in ``queue_results`` (and every flagged fail) opens a ``pending``
-review item; ``error`` verdicts are never queued. A verdict replaces the
-not-run record of its criterion on its conversation. The review queue is read and
-decided in ``collector.review``.
+of an older transcript are kept with ``superseded = true``. A verdict replaces
+the not-run record of its criterion on its conversation. Which verdicts a
+reviewer sees is the review stage's to decide (``review.queue.open_items``),
+from the ids ``store_verdicts`` returns.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,9 +25,11 @@ import orjson
 import pyarrow as pa
 from pydantic import ValidationError
 
-from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript_sha256, weighted_proportion
+from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript_sha256
 
-from .queries import conversation_record, iso_utc
+from ..conversations.record import conversation_record
+from ..listing import iso_utc
+from ..store.transactions import Transaction, registered, utc_now
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sampling_decisions (
@@ -84,36 +84,10 @@ CREATE TABLE IF NOT EXISTS not_run (
     "at" TIMESTAMPTZ NOT NULL,
     PRIMARY KEY (conversation_id, criterion_id, criterion_version)
 );
-CREATE SEQUENCE IF NOT EXISTS review_item_seq;
-CREATE TABLE IF NOT EXISTS review_items (
-    id BIGINT PRIMARY KEY,
-    verdict_id VARCHAR NOT NULL UNIQUE,
-    conversation_id VARCHAR NOT NULL,
-    criterion_id VARCHAR NOT NULL,
-    state VARCHAR NOT NULL,
-    reviewer VARCHAR,
-    note VARCHAR,
-    created_at TIMESTAMPTZ NOT NULL,
-    decided_at TIMESTAMPTZ
-);
-CREATE SEQUENCE IF NOT EXISTS review_history_seq;
-CREATE TABLE IF NOT EXISTS review_history (
-    id BIGINT PRIMARY KEY,
-    item_id BIGINT NOT NULL,
-    decision VARCHAR NOT NULL,
-    previous_state VARCHAR NOT NULL,
-    previous_reviewer VARCHAR,
-    previous_note VARCHAR,
-    state VARCHAR NOT NULL,
-    reviewer VARCHAR NOT NULL,
-    note VARCHAR,
-    forced BOOLEAN NOT NULL,
-    decided_at TIMESTAMPTZ NOT NULL
-);
 """
 
 
-_VERDICT_COLUMNS = (
+VERDICT_COLUMNS = (
     "id", "conversation_id", "criterion_id", "criterion_version", "judge_provider", "judge_model",
     "transcript_sha256", "result", "error_reason", "reasoning", "evidence", "evidence_verified", "flagged",
     "input_tokens", "output_tokens", "raw_reply", "inclusion_probability", "sampling_rule", "judged_at",
@@ -124,36 +98,6 @@ _VERDICT_COLUMNS = (
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     """Create the tables of this module when they do not exist yet."""
     cur.execute(SCHEMA)
-
-
-def _now(now: dt.datetime | None) -> dt.datetime:
-    return now if now is not None else dt.datetime.now(dt.timezone.utc)
-
-
-class Transaction:
-    """BEGIN ... COMMIT, or ROLLBACK when the block raises; inside another on the same cursor, part of it.
-
-    The writers of this module each run in one; a caller that stores several
-    things at once opens one around them all (one commit instead of many).
-    """
-
-    _open: set[int] = set()  # ids of cursors with a transaction open
-
-    def __init__(self, cur: duckdb.DuckDBPyConnection) -> None:
-        self.cur = cur
-        self.outer = False
-
-    def __enter__(self) -> duckdb.DuckDBPyConnection:
-        if id(self.cur) not in Transaction._open:
-            self.cur.execute("BEGIN TRANSACTION")
-            Transaction._open.add(id(self.cur))
-            self.outer = True
-        return self.cur
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if self.outer:
-            Transaction._open.discard(id(self.cur))
-            self.cur.execute("COMMIT" if kind is None else "ROLLBACK")
 
 
 # --- sampling decisions -------------------------------------------------------------------------
@@ -183,12 +127,10 @@ def record_samplings(cur: duckdb.DuckDBPyConnection, records: Sequence[SamplingR
     if not records:
         return
     columns = {name: [getattr(r, name) for r in records] for name in SamplingRecord._fields}
-    columns["decided_at"] = [_now(now)] * len(records)
-    with Transaction(cur):
-        _insert(cur, "_decisions", columns)
+    columns["decided_at"] = [utc_now(now)] * len(records)
+    with Transaction(cur), registered(cur, "_decisions", pa.table(columns)):
         cur.execute("INSERT INTO sampling_decisions SELECT conversation_id, revision, transcript_hash, sampled, "
                     "probability, rule, skipped_reason, decided_at FROM _decisions ON CONFLICT DO NOTHING")
-        cur.unregister("_decisions")
 
 
 def record_sampling(cur: duckdb.DuckDBPyConnection, conversation_id: str, *, sampled: bool, probability: float,
@@ -235,7 +177,7 @@ def store_criteria(cur: duckdb.DuckDBPyConnection, criteria: Sequence[Criterion]
     The review page shows the exact text a verdict was judged against, and stats
     group criteria as they were when judged, even after the files change.
     """
-    at = _now(now)
+    at = utc_now(now)
     with Transaction(cur):
         for c in criteria:
             cur.execute("INSERT INTO criteria VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -261,9 +203,9 @@ def _current_sha256(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> str
 
 
 def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], *, probability: float,
-                   rule: str | None, queue_results: Sequence[str] = ("fail",), now: dt.datetime | None = None,
+                   rule: str | None, now: dt.datetime | None = None,
                    current: Mapping[str, str] | None = None) -> list[str]:
-    """Store verdicts, supersede older transcripts' verdicts, and queue what needs a reviewer.
+    """Store verdicts and supersede older transcripts' verdicts.
 
     Idempotent per (conversation, criterion, criterion version, judge model,
     transcript hash): storing the same verdict again changes nothing, except
@@ -281,18 +223,17 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
         verdicts: from ``judges.run_judges`` / ``arun_judges``.
         probability: the inclusion probability of the conversations judged, in (0, 1].
         rule: the sampling rule that picked them.
-        queue_results: results that open a pending review item (config ``review.queue_results``);
-            every flagged fail is queued too, an ``error`` never.
         now: the daemon's clock (UTC).
         current: the current transcript hash of conversations the caller has just read
             (saves reading them again); the others are read.
 
     Returns:
-        The ids of the verdicts stored or replaced by this call (not those already there).
+        The ids of the verdicts stored or replaced by this call (not those already there),
+        in the order given: what the review queue looks at (``review.queue.open_items``).
     """
     if not 0 < probability <= 1:
         raise ValueError(f"probability must be in (0, 1], got {probability}")
-    at = _now(now)
+    at = utc_now(now)
     # One verdict per key within the batch too: the first wins, unless it is an error and a real verdict follows.
     batch: dict[str, Verdict] = {}
     for v in verdicts:
@@ -320,19 +261,20 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
                  != v.transcript_sha256 for vid, v in new.items()}
         fresh = [v for vid, v in new.items() if not stale[vid]]
         if fresh:
-            _insert(cur, "_supersede", {
-                "conversation_id": [v.conversation_id for v in fresh],
-                "criterion_id": [v.criterion_id for v in fresh],
-                "criterion_version": [v.criterion_version for v in fresh],
-                "transcript_sha256": [v.transcript_sha256 for v in fresh]})
-            cur.execute("UPDATE verdicts SET superseded = true FROM _supersede n "
-                        "WHERE verdicts.conversation_id = n.conversation_id AND verdicts.criterion_id = n.criterion_id "
-                        "AND verdicts.transcript_sha256 <> n.transcript_sha256 AND NOT verdicts.superseded")
-            cur.execute("DELETE FROM not_run USING _supersede n WHERE not_run.conversation_id = n.conversation_id "
-                        "AND not_run.criterion_id = n.criterion_id "
-                        "AND not_run.criterion_version = n.criterion_version")
+            with registered(cur, "_supersede", pa.table({
+                    "conversation_id": [v.conversation_id for v in fresh],
+                    "criterion_id": [v.criterion_id for v in fresh],
+                    "criterion_version": [v.criterion_version for v in fresh],
+                    "transcript_sha256": [v.transcript_sha256 for v in fresh]})):
+                cur.execute("UPDATE verdicts SET superseded = true FROM _supersede n "
+                            "WHERE verdicts.conversation_id = n.conversation_id "
+                            "AND verdicts.criterion_id = n.criterion_id "
+                            "AND verdicts.transcript_sha256 <> n.transcript_sha256 AND NOT verdicts.superseded")
+                cur.execute("DELETE FROM not_run USING _supersede n WHERE not_run.conversation_id = n.conversation_id "
+                            "AND not_run.criterion_id = n.criterion_id "
+                            "AND not_run.criterion_version = n.criterion_version")
         rows = list(new.values())
-        _insert(cur, "_new_verdicts", {
+        new_verdicts = pa.table({
             "id": list(new), "conversation_id": [v.conversation_id for v in rows],
             "criterion_id": [v.criterion_id for v in rows], "criterion_version": [v.criterion_version for v in rows],
             "judge_provider": [v.judge.provider for v in rows], "judge_model": [v.judge.model for v in rows],
@@ -346,31 +288,17 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
             "sampling_rule": [rule] * len(rows), "judged_at": [at] * len(rows),
             "superseded": [stale[vid] for vid in new], "batch_order": list(range(len(rows))),
         })
-        cur.execute(f"INSERT INTO verdicts ({', '.join(_VERDICT_COLUMNS)}, seq) "
-                    f"SELECT {', '.join(_VERDICT_COLUMNS)}, nextval('verdict_seq') "
-                    "FROM (SELECT * FROM _new_verdicts ORDER BY batch_order)")
-        queued = [vid for vid, v in new.items() if not stale[vid] and v.result != "error"
-                  and (v.result in queue_results or (v.result == "fail" and v.flagged))]
-        if queued:
-            cur.execute("INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
-                        "SELECT nextval('review_item_seq'), id, conversation_id, criterion_id, 'pending', ? "
-                        "FROM (SELECT * FROM _new_verdicts WHERE list_contains(?, id) "
-                        "AND id NOT IN (SELECT verdict_id FROM review_items) ORDER BY batch_order)",
-                        [at, queued])
-        for name in ("_supersede", "_new_verdicts"):
-            cur.unregister(name)
+        with registered(cur, "_new_verdicts", new_verdicts):
+            cur.execute(f"INSERT INTO verdicts ({', '.join(VERDICT_COLUMNS)}, seq) "
+                        f"SELECT {', '.join(VERDICT_COLUMNS)}, nextval('verdict_seq') "
+                        "FROM (SELECT * FROM _new_verdicts ORDER BY batch_order)")
     return list(new)
-
-
-def _insert(cur: duckdb.DuckDBPyConnection, name: str, columns: dict[str, list[Any]]) -> None:
-    """Register columns as a view for one bulk statement (row-by-row inserts are slow in DuckDB)."""
-    cur.register(name, pa.table(columns))
 
 
 def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
                   now: dt.datetime | None = None) -> None:
     """Record criteria that could not run (no provider, no content, budget), the latest reason winning."""
-    at = _now(now)
+    at = utc_now(now)
     with Transaction(cur):
         for r in not_run:
             cur.execute('INSERT INTO not_run VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET '
@@ -378,8 +306,8 @@ def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
                         [r.conversation_id, r.criterion_id, r.criterion_version, r.reason, at])
 
 
-def _verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
-    d = dict(zip(_VERDICT_COLUMNS, row))
+def verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
+    d = dict(zip(VERDICT_COLUMNS, row))
     return {
         "id": d["id"], "conversation_id": d["conversation_id"], "criterion_id": d["criterion_id"],
         "criterion_version": d["criterion_version"], "result": d["result"], "error_reason": d["error_reason"],
@@ -410,19 +338,19 @@ def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, cri
         Verdicts in the shape of docs/criteria.md, plus ``id``, ``inclusion_probability``,
         ``sampling_rule``, ``judged_at`` and ``superseded``.
     """
-    where, params = _filters(result=result, criterion=criterion, since=since)
+    where, params = verdict_filters(result=result, criterion=criterion, since=since)
     if conversation is not None:
         where.append("conversation_id = ?")
         params.append(conversation)
     if not include_superseded:
         where.append("NOT superseded")
-    sql = (f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts {_where(where)} ORDER BY seq DESC"
+    sql = (f"SELECT {', '.join(VERDICT_COLUMNS)} FROM verdicts {where_clause(where)} ORDER BY seq DESC"
            + (" LIMIT ?" if limit is not None else ""))
     rows = cur.execute(sql, params + ([limit] if limit is not None else [])).fetchall()
-    return [_verdict_dict(r) for r in rows]
+    return [verdict_dict(r) for r in rows]
 
 
-def _filters(*, result: str | None = None, criterion: str | None = None, since: dt.datetime | None = None,
+def verdict_filters(*, result: str | None = None, criterion: str | None = None, since: dt.datetime | None = None,
              prefix: str = "") -> tuple[list[str], list[Any]]:
     where: list[str] = []
     params: list[Any] = []
@@ -436,170 +364,5 @@ def _filters(*, result: str | None = None, criterion: str | None = None, since: 
     return where, params
 
 
-def _where(where: list[str]) -> str:
+def where_clause(where: list[str]) -> str:
     return "WHERE " + " AND ".join(where) if where else ""
-
-
-# --- stats -------------------------------------------------------------------------------------------
-
-_COUNTED = ("pass", "fail", "not_applicable", "error", "not_run", "pass_unverified", "flagged")
-
-
-class _Tally:
-    """Raw counts of one criterion or group, and the (failed, weight) pairs of its applicable verdicts."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
-        self.not_run_reasons: Counter[str] = Counter()
-        self.review: Counter[str] = Counter()
-        self.fail_review: Counter[str] = Counter()
-        self.pairs: list[tuple[bool, float]] = []
-        self.judged = 0
-
-    def add(self, result: str, verified: bool, flagged: bool, error_code: str | None, p: float,
-            review: str | None, n: int) -> None:
-        self.judged += n
-        if result == "pass" and not verified:
-            self.counts["pass_unverified"] += n  # never a clean pass, kept out of the rate
-        else:
-            self.counts[result] += n
-        if result == "fail" and flagged:
-            self.counts["flagged"] += n
-        if result == "error":
-            self.errors[error_code or ""] += n
-        if result == "fail" or (result == "pass" and verified):
-            self.pairs += [(result == "fail", 1 / p)] * n
-        if review is not None:
-            self.review[review] += n
-            if result == "fail":
-                self.fail_review[review] += n
-
-    def entry(self) -> dict[str, Any]:
-        rate = weighted_proportion(self.pairs)
-        decided = self.fail_review["confirmed"] + self.fail_review["rejected"]
-        return {
-            "judged": self.judged, **{k: self.counts[k] for k in _COUNTED},
-            "failure_rate": None if rate is None else {
-                "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
-                "count": rate.count, "n": rate.n, "method": rate.method},
-            "review": {"pending": self.review["pending"], "confirmed": self.review["confirmed"],
-                       "rejected": self.review["rejected"],
-                       "fails_rejected_share": self.fail_review["rejected"] / decided if decided else None},
-            "errors": dict(self.errors), "not_run_reasons": dict(self.not_run_reasons),
-        }
-
-
-def _current(since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
-    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
-    where, params = _filters(criterion=criterion, since=since)
-    where.append("NOT superseded")
-    return (f"SELECT * FROM verdicts {_where(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
-            "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
-
-
-def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
-          criterion: str | None = None) -> dict[str, Any]:
-    """Counts, honest failure rates and review outcomes, per criterion and per group.
-
-    Counts are raw counts of current verdicts: for each conversation and
-    criterion the verdict on its current transcript with the newest criterion
-    version. ``failure_rate`` is the estimate for all production traffic among
-    applicable verdicts (clean pass + fail), each weighted by 1/inclusion
-    probability, with a 95% interval from the effective sample size (the
-    statistics of ``judges``); None when nothing was applicable. Passes with
-    unverified evidence are counted apart and kept out of the rate. Groups are
-    those ``store_criteria`` recorded for each criterion's newest version.
-
-    Args:
-        since: only verdicts judged (and conversations ended, decided, not run) at or after this time.
-        criterion: only this criterion id.
-
-    Returns:
-        ``{"criteria": [...], "groups": [...], "conversations": {"ended", "sampled",
-        "not_sampled", "skipped", "judged"}, "tokens": {"input_tokens", "output_tokens"}}``;
-        each criterion entry has ``criterion_id``, ``criterion_version``, ``group``,
-        ``judged``, ``pass``, ``fail``, ``not_applicable``, ``error``, ``not_run``,
-        ``pass_unverified``, ``flagged``, ``failure_rate`` ({``estimate``, ``low``,
-        ``high``, ``n_eff``, ``count``, ``n``, ``method``} or None), ``review``
-        ({``pending``, ``confirmed``, ``rejected``, ``fails_rejected_share``}),
-        ``errors`` (by reason code) and ``not_run_reasons``; group entries have
-        ``group`` in place of the criterion's id, version and group.
-    """
-    current, params = _current(since, criterion)
-    # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
-    rows = cur.execute(
-        "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
-        "CASE WHEN v.result = 'error' THEN split_part(coalesce(v.error_reason, ''), ':', 1) END AS code, "
-        "v.inclusion_probability, r.state, count(*) "
-        f"FROM ({current}) v LEFT JOIN review_items r ON r.verdict_id = v.id "
-        "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
-        params).fetchall()
-    nr_where = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
-    nr_params: list[Any] = []
-    if criterion is not None:
-        nr_where.append("n.criterion_id = ?")
-        nr_params.append(criterion)
-    if since is not None:
-        nr_where.append('n."at" >= ?')
-        nr_params.append(since)
-    not_run = cur.execute(
-        "SELECT criterion_id, max(criterion_version), reason, count(*) FROM (SELECT * FROM not_run n "
-        f"{_where(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, criterion_id "
-        "ORDER BY criterion_version DESC) = 1) GROUP BY criterion_id, reason", nr_params).fetchall()
-    groups_of: dict[str, str | None] = dict(cur.execute(
-        "SELECT criterion_id, criterion_group FROM criteria QUALIFY row_number() OVER "
-        "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall())
-
-    crits: dict[str, _Tally] = defaultdict(_Tally)
-    groups: dict[str, _Tally] = defaultdict(_Tally)
-    versions: dict[str, int] = {}
-    for cid, version, result, verified, flagged, code, p, review, n in rows:
-        versions[cid] = max(versions.get(cid, 0), version)
-        for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
-            t.add(result, verified, flagged, code, p, review, n)
-    for cid, version, reason, n in not_run:
-        versions[cid] = max(versions.get(cid, 0), version)
-        for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
-            t.counts["not_run"] += n
-            t.not_run_reasons[reason] += n
-    judged = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
-    return {
-        "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
-                      **crits[cid].entry()} for cid in sorted(crits)],
-        "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
-        "conversations": {**_conversation_counts(cur, since), "judged": int(judged[0]) if judged else 0},
-        "tokens": _tokens(cur, since, criterion),
-    }
-
-
-def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> dict[str, Any]:
-    ended_sql = "SELECT count(*) FROM conversations WHERE state = 'ended'"
-    params: list[Any] = []
-    if since is not None:
-        ended_sql += " AND closed_at >= ?"
-        params.append(since)
-    ended_row = cur.execute(ended_sql, params).fetchone()
-    decided = cur.execute(
-        "SELECT sampled, skipped_reason, count(*) FROM sampling_decisions "
-        + ("WHERE decided_at >= ? " if since is not None else "") + "GROUP BY ALL",
-        [since] if since is not None else []).fetchall()
-    skipped: dict[str, int] = {}
-    for _, reason, n in decided:
-        if reason is not None:
-            skipped[reason] = skipped.get(reason, 0) + n
-    return {
-        "ended": int(ended_row[0]) if ended_row else 0,
-        "sampled": sum(n for sampled, reason, n in decided if sampled and reason is None),
-        "not_sampled": sum(n for sampled, reason, n in decided if not sampled and reason is None),
-        "skipped": skipped,
-    }
-
-
-def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None) -> dict[str, int]:
-    # Tokens are money spent: superseded verdicts count too.
-    where, params = _filters(criterion=criterion, since=since)
-    row = cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
-                      f"{_where(where)}", params).fetchone()
-    return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}

@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import orjson
@@ -46,6 +45,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from .batches import LogBatch, SpanBatch
 
 
 class DecodeFailure(ValueError):
@@ -290,57 +291,6 @@ def count_data_points(req: ExportMetricsServiceRequest) -> int:
                 if kind:
                     n += len(getattr(m, kind).data_points)
     return n
-
-
-# ---------------------------------------------------------------- column batches
-
-SPAN_COLUMNS = (
-    "trace_id", "span_id", "parent_span_id", "trace_state", "flags", "name", "kind",
-    "start_time_unix_nano", "end_time_unix_nano", "attributes", "events", "links",
-    "status_code", "status_message", "dropped", "resource", "resource_schema_url",
-    "scope_name", "scope_version", "scope_attributes", "service",
-)
-
-LOG_COLUMNS = (
-    "log_id", "trace_id", "span_id", "time_unix_nano", "observed_time_unix_nano",
-    "severity_number", "severity_text", "event_name", "body", "attributes", "flags",
-    "dropped_attributes_count", "resource", "scope_name", "scope_version", "service",
-)
-
-
-@dataclass
-class SpanBatch:
-    """Spans of one or more requests, column by column, in ``SPAN_COLUMNS`` order."""
-
-    columns: list[list[Any]] = field(default_factory=lambda: [[] for _ in SPAN_COLUMNS])
-
-    def __len__(self) -> int:
-        return len(self.columns[0])
-
-    def extend(self, other: "SpanBatch") -> None:
-        for mine, theirs in zip(self.columns, other.columns):
-            mine.extend(theirs)
-
-    def rows(self) -> list[dict[str, Any]]:
-        """Row view, for tests and small reads; the store never uses it."""
-        return [dict(zip(SPAN_COLUMNS, r)) for r in zip(*self.columns)]
-
-
-@dataclass
-class LogBatch:
-    """Log records of one or more requests, column by column, in ``LOG_COLUMNS`` order."""
-
-    columns: list[list[Any]] = field(default_factory=lambda: [[] for _ in LOG_COLUMNS])
-
-    def __len__(self) -> int:
-        return len(self.columns[0])
-
-    def extend(self, other: "LogBatch") -> None:
-        for mine, theirs in zip(self.columns, other.columns):
-            mine.extend(theirs)
-
-    def rows(self) -> list[dict[str, Any]]:
-        return [dict(zip(LOG_COLUMNS, r)) for r in zip(*self.columns)]
 
 
 _ZERO_TRACE = bytes(16)

@@ -1,193 +1,39 @@
-"""The JSON API, the review web page and health endpoints on ``api.endpoint``.
+"""The JSON API, the review web page and the health endpoints on ``api.endpoint``.
 
-Every JSON error has one shape: ``{"error": {"code": "...", "message": "..."}}``
-with the matching HTTP status; an unexpected exception is logged once with its
-traceback and answered 500 ``internal_error`` in that shape.
-
-Each request passes, in order:
-
-1. The Host check (DNS rebinding): a page at ``attacker.example`` whose name
-   now resolves to this address sends ``Host: attacker.example``. Only this
-   API's own address (a loopback name or address, the endpoint's host, or the
-   address the client connected to, at the listening port) and the names of
-   ``api.allowed_hosts`` are answered; any other Host gets 421
-   ``host_not_allowed``. /healthz and /readyz answer any Host: probes name the
-   pod IP or whatever their orchestrator chose, and health tells a rebinding
-   page nothing.
-2. The Origin check (CSRF) on requests that change state (POST and the like):
-   an ``Origin`` other than this API's own (``null`` included) is refused, 403
-   ``cross_origin`` (the review page's form gets an HTML page saying so).
-   Browsers send an Origin with every POST; the review page is served with
-   ``Referrer-Policy: same-origin``, under which its own form posts carry its
-   real origin rather than ``null``. The JSON API also takes only
-   ``Content-Type: application/json`` bodies (415 otherwise): a browser cannot
-   send that to another site without a CORS preflight, which this API never
-   grants, so a request without an Origin cannot come from a page elsewhere
-   either.
-3. The token: with ``api.auth.bearer_token`` set, everything but /healthz and
-   /readyz needs ``Authorization: Bearer <token>``; a browser opens the review
-   page once as ``/review?token=<token>``, which sets an HttpOnly,
-   SameSite=Strict cookie in place of the header.
-
-DuckDB work runs in worker threads, each on a cursor of its own.
+Errors have one shape (``errors``); every request first passes the Host,
+Origin and token checks of ``guards``. DuckDB work runs in worker threads, each
+on a cursor of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import hmac
-import ipaddress
 import json
 import logging
 import re
-from collections.abc import Sequence
-from typing import Any, Awaitable, Callable
-from urllib.parse import quote, urlencode, urlsplit
+from typing import Any, Callable
+from urllib.parse import quote, urlencode
 
 import duckdb
 from aiohttp import web
 
-from . import config, evals, queries, review, review_page
-from .errors import StoreUnavailable, UserError
-from .evaluator import Evaluator
-from .metrics import Metrics
-from .queries import MAX_LIMIT, parse_since
-from .store import Store
+from .. import config, conversations
+from ..errors import StoreUnavailable, UserError
+from ..evals.evaluator import Evaluator
+from ..evals.verdicts import list_verdicts
+from ..listing import MAX_LIMIT, iso_utc, parse_since
+from ..metrics import Metrics
+from ..review import page as review_page
+from ..review import queue as review
+from ..review import stats as review_stats
+from ..store import Store
+from .errors import APIError, error_middleware
+from .guards import HostCheck, host_check, html_response, origin_check, token_check
 
 log = logging.getLogger("tracejudge.api")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 _HEX_TRACE = re.compile(r"^[0-9a-fA-F]{32}$")
-_OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
-
-
-class APIError(Exception):
-    """An error answered with the one JSON error shape."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        self.status = status
-        self.code = code
-        super().__init__(message)
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error in the one JSON shape; anything unexpected is a 500, logged here once with its traceback."""
-    try:
-        return await handler(request)
-    except APIError as exc:
-        return error_response(exc.status, exc.code, str(exc))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, _HTTP_CODES.get(exc.status, "http_error"), exc.reason)
-    except ConnectionResetError:
-        raise  # the client left: nobody to answer
-    except Exception:
-        log.exception("unexpected error answering %s %s", request.method, request.path)
-        return error_response(500, "internal_error",
-                              f"unexpected error ({request.method} {request.path}); the daemon's log has the details")
-
-
-class HostCheck:
-    """Which ``Host`` headers name this API (see the module docstring)."""
-
-    def __init__(self, endpoint: str, allowed_hosts: Sequence[str]) -> None:
-        self.bound = config.split_host(endpoint)[0]
-        self.allowed = [config.split_host(h) for h in allowed_hosts]
-
-    def allows(self, header: str | None, local: Any, secure: bool) -> bool:
-        """``header`` names this API, reached at the socket address ``local`` (None when unknown)."""
-        try:
-            host, port = config.split_host(header or "")
-        except ValueError:
-            return False
-        port = port if port is not None else (443 if secure else 80)
-        if any(host == name and allowed_port in (None, port) for name, allowed_port in self.allowed):
-            return True
-        if not isinstance(local, tuple) or len(local) < 2 or port != local[1]:
-            return False
-        return host in (self.bound, _ip_text(local[0])) or config.is_loopback(host)
-
-
-def _ip_text(address: str) -> str:
-    """A socket's IP as ``split_host`` writes it (an IPv4 client of a dual-stack socket as IPv4)."""
-    try:
-        ip = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
-        return address
-    return str(ip.ipv4_mapped) if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else str(ip)
-
-
-def _host_check(hosts: HostCheck) -> Any:
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in _OPEN_PATHS:
-            return await handler(request)
-        local = request.transport.get_extra_info("sockname") if request.transport is not None else None
-        header = request.headers.get("Host")
-        if not hosts.allows(header, local, request.secure):
-            raise APIError(421, "host_not_allowed",
-                           f"Host {header!r} does not name this API; to serve it under that name, add the name "
-                           "to api.allowed_hosts")
-        return await handler(request)
-
-    return check
-
-
-def _own_origin(request: web.Request) -> bool:
-    origin = urlsplit(request.headers["Origin"])
-    return origin.scheme in ("http", "https") and origin.netloc.lower() == request.headers.get("Host", "").lower()
-
-
-@web.middleware
-async def _origin_check(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.method in _SAFE_METHODS or "Origin" not in request.headers or _own_origin(request):
-        return await handler(request)
-    if request.path.startswith("/review/"):
-        return _html(review_page.render_message("Refused", "This decision was sent from another site."), status=403)
-    raise APIError(403, "cross_origin", f"a {request.method} from another site (Origin {request.headers['Origin']!r}) "
-                                        "is refused: only pages of this API may change its state")
-
-
-COOKIE = "tracejudge_token"
-
-
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
-
-
-def _auth(token: str | None) -> Any:
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not token or request.path in _OPEN_PATHS:
-            return await handler(request)
-        if _same(request.headers.get("Authorization", ""), f"Bearer {token}"):
-            return await handler(request)
-        if request.path == "/review" or request.path.startswith("/review/"):
-            if _same(request.cookies.get(COOKIE, ""), token):
-                return await handler(request)
-            if _same(request.query.get("token", ""), token):
-                # Once from a link; the token then lives in a cookie, not in the address bar.
-                response = web.HTTPSeeOther(request.path)
-                response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/review",
-                                    secure=request.secure)
-                raise response
-            # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
-            return _html(review_page.render_message(
-                "Sign in", "This review page needs the API token: open it as /review?token=<api.auth.bearer_token>."),
-                status=401)
-        raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
-
-    return check
 
 
 class API:
@@ -201,8 +47,8 @@ class API:
         self.metrics = metrics
         self.ready = False
         self.app = web.Application(middlewares=[
-            error_middleware, _host_check(HostCheck(settings.endpoint, settings.allowed_hosts)), _origin_check,
-            _auth(settings.auth.bearer_token or None)])
+            error_middleware, host_check(HostCheck(settings.endpoint, settings.allowed_hosts)), origin_check,
+            token_check(settings.auth.bearer_token or None)])
         r = self.app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -316,13 +162,13 @@ class API:
         state = q.get("state") or None
         if state not in (None, "open", "ended"):
             raise APIError(400, "bad_parameter", f"state must be open or ended, not {state!r}")
-        rows = await self.read(lambda cur: queries.list_conversations(
+        rows = await self.read(lambda cur: conversations.list_conversations(
             cur, since=since, state=state, service=q.get("service") or None, limit=limit))
         return web.json_response({"conversations": rows}, dumps=_dumps)
 
     async def conversation(self, request: web.Request) -> web.Response:
         cid = request.match_info["conversation_id"]
-        record = await self.read(lambda cur: queries.conversation_record(cur, cid))
+        record = await self.read(lambda cur: conversations.conversation_record(cur, cid))
         if record is None:
             raise APIError(404, "not_found", f"no conversation {cid!r}")
         return web.json_response(record, dumps=_dumps)
@@ -338,7 +184,7 @@ class API:
         if result not in (None, "pass", "fail", "not_applicable", "error"):
             raise APIError(400, "bad_parameter", f"result must be pass, fail, not_applicable or error, not {result!r}")
         since, limit = _since(q), _int(q, "limit", 100)
-        rows = await self.read(lambda cur: evals.list_verdicts(
+        rows = await self.read(lambda cur: list_verdicts(
             cur, result=result, criterion=q.get("criterion") or None, since=since,
             conversation=q.get("conversation") or None,
             include_superseded=q.get("include_superseded") in ("1", "true"), limit=limit))
@@ -347,7 +193,7 @@ class API:
     async def stats(self, request: web.Request) -> web.Response:
         q = request.query
         since = _since(q)
-        body = await self.read(lambda cur: evals.stats(cur, since=since, criterion=q.get("criterion") or None))
+        body = await self.read(lambda cur: review_stats.stats(cur, since=since, criterion=q.get("criterion") or None))
         return web.json_response(body, dumps=_dumps)
 
     async def eval_start(self, request: web.Request) -> web.Response:
@@ -416,17 +262,17 @@ class API:
             items = await self._on_cursor(lambda cur: review.list_reviews(cur, state=state, criterion=criterion,
                                                                           limit=500))
         except review.ReviewError as exc:
-            return _html(review_page.render_message("Review queue", str(exc)), status=exc.status)
-        return _html(review_page.render_list(items, state=state, criterion=criterion, criteria=self._criterion_ids()))
+            return html_response(review_page.render_message("Review queue", str(exc)), status=exc.status)
+        return html_response(review_page.render_list(items, state=state, criterion=criterion, criteria=self._criterion_ids()))
 
     async def review_item_page(self, request: web.Request) -> web.Response:
         item_id = request.match_info["item_id"]
         try:
             detail = await self._on_cursor(lambda cur: review.review_item(cur, item_id))
         except review.ReviewError as exc:
-            return _html(review_page.render_message("Review item", str(exc)), status=exc.status)
+            return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
         saved = request.query.get("saved")
-        return _html(review_page.render_item(detail, reviewer=request.query.get("reviewer", ""),
+        return html_response(review_page.render_item(detail, reviewer=request.query.get("reviewer", ""),
                                              message=f"Saved: {saved}" if saved else None))
 
     async def review_form(self, request: web.Request) -> web.Response:
@@ -441,21 +287,11 @@ class API:
             try:
                 detail = await self._on_cursor(lambda cur: review.review_item(cur, item_id))
             except review.ReviewError:
-                return _html(review_page.render_message("Review item", str(exc)), status=exc.status)
-            return _html(review_page.render_item(detail, reviewer=reviewer, error=str(exc)), status=exc.status)
+                return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
+            return html_response(review_page.render_item(detail, reviewer=reviewer, error=str(exc)), status=exc.status)
         target = f"/review/{quote(str(item['id']), safe='')}?" + urlencode({"saved": item["state"],
                                                                           "reviewer": reviewer})
         raise web.HTTPSeeOther(target)
-
-
-def _html(text: str, status: int = 200) -> web.Response:
-    # Referrer-Policy same-origin, not no-referrer: under no-referrer browsers send the page's own form
-    # posts with "Origin: null", which the CSRF check must refuse; other sites still get no address.
-    return web.Response(text=text, status=status, content_type="text/html", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
-                                 "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                                                            "form-action 'self'; frame-ancestors 'none'",
-                                 "Referrer-Policy": "same-origin"})
 
 
 async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]:
@@ -516,4 +352,4 @@ def _nano_time(ns: int | None) -> str | None:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, default=lambda v: str(queries.iso_utc(v)))
+    return json.dumps(obj, ensure_ascii=False, default=lambda v: str(iso_utc(v)))

@@ -27,16 +27,30 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from collector.conversation_keys import (
+from ..normalize import (
+    Attrs,
+    Content,
+    Event,
+    Message,
+    Meta,
+    ToolCall,
+    as_int,
+    as_str,
+    combine,
+    read_events,
+    read_meta,
+    read_span,
+    repair_text,
+    repaired,
+)
+from .keys import (
     DEFAULT_ID_ATTRIBUTES,
     conversation_key,
     group_traces,
     load_json_column,
     response_links,
 )
-from collector.normalize import Content, Event, Message, Meta, ToolCall, combine, read_events, read_meta, read_span
-from collector.normalize._model import Attrs, as_int, as_str, repair_text, repaired
-from collector.transcript import Transcript, TranscriptMessage, Usage, from_unix_nano
+from .transcript import Transcript, TranscriptMessage, Usage, from_unix_nano
 
 __all__ = [
     "DEFAULT_ID_ATTRIBUTES",

@@ -37,7 +37,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,102 +46,14 @@ from typing import Any, Callable
 import duckdb
 import pyarrow as pa
 
-from .errors import DatabaseLocked, StoreUnavailable, UserError
-from .metrics import Metrics
-from .otlp import LOG_COLUMNS, SPAN_COLUMNS, LogBatch, SpanBatch
+from ..errors import StoreUnavailable
+from ..ingest.batches import LogBatch, SpanBatch
+from ..metrics import Metrics
+from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
+from .schema import LOG_ARROW, SPAN_ARROW, create_schema
+from .transactions import Transaction, registered
 
 log = logging.getLogger("tracejudge.store")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS span_records (
-    trace_id VARCHAR NOT NULL,
-    span_id VARCHAR NOT NULL,
-    parent_span_id VARCHAR,
-    trace_state VARCHAR,
-    flags UINTEGER,
-    name VARCHAR,
-    kind TINYINT,
-    start_time_unix_nano UBIGINT,
-    end_time_unix_nano UBIGINT,
-    attributes VARCHAR,
-    events VARCHAR,
-    links VARCHAR,
-    status_code TINYINT,
-    status_message VARCHAR,
-    dropped VARCHAR,
-    resource VARCHAR,
-    resource_schema_url VARCHAR,
-    scope_name VARCHAR,
-    scope_version VARCHAR,
-    scope_attributes VARCHAR,
-    service VARCHAR,
-    received_at TIMESTAMPTZ NOT NULL,
-    batch_id UBIGINT NOT NULL,
-    PRIMARY KEY (trace_id, span_id)
-);
-CREATE TABLE IF NOT EXISTS log_records (
-    log_id VARCHAR PRIMARY KEY,
-    trace_id VARCHAR,
-    span_id VARCHAR,
-    time_unix_nano UBIGINT,
-    observed_time_unix_nano UBIGINT,
-    severity_number INTEGER,
-    severity_text VARCHAR,
-    event_name VARCHAR,
-    body VARCHAR,
-    attributes VARCHAR,
-    flags UINTEGER,
-    dropped_attributes_count UINTEGER,
-    resource VARCHAR,
-    scope_name VARCHAR,
-    scope_version VARCHAR,
-    service VARCHAR,
-    received_at TIMESTAMPTZ NOT NULL,
-    batch_id UBIGINT NOT NULL
-);
--- A record's place in its commit: records of one call often share a timestamp, and
--- INSERT OR IGNORE does not store rows in the order given. Added to older files.
-ALTER TABLE log_records ADD COLUMN IF NOT EXISTS seq UINTEGER;
--- JSON columns are stored as VARCHAR (we write valid JSON; DuckDB's JSON type
--- would parse every value again on insert, halving throughput) and typed JSON
--- in the views.
--- Which conversation a trace belongs to. The map, not the span row, says where
--- a span belongs, so children that arrive before the span carrying the id
--- move with their trace without rewriting stored rows.
-CREATE TABLE IF NOT EXISTS trace_conversations (
-    trace_id VARCHAR PRIMARY KEY,
-    conversation_id VARCHAR NOT NULL
-);
-CREATE OR REPLACE VIEW spans AS
-SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kind,
-       make_timestamp_ns(TRY_CAST(s.start_time_unix_nano AS BIGINT)) AS start_time,
-       make_timestamp_ns(TRY_CAST(s.end_time_unix_nano AS BIGINT)) AS end_time,
-       s.attributes::JSON AS attributes, s.events::JSON AS events, s.links::JSON AS links,
-       s.status_code, s.status_message, s.resource::JSON AS resource, s.scope_name, s.scope_version,
-       s.service, s.trace_state, s.flags, s.dropped::JSON AS dropped, s.resource_schema_url,
-       s.scope_attributes::JSON AS scope_attributes,
-       s.start_time_unix_nano, s.end_time_unix_nano, s.received_at, s.batch_id
-FROM span_records s LEFT JOIN trace_conversations t USING (trace_id);
-CREATE OR REPLACE VIEW logs AS
-SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
-       make_timestamp_ns(TRY_CAST(l.time_unix_nano AS BIGINT)) AS time,
-       l.severity_number, l.severity_text, l.body::JSON AS body, l.attributes::JSON AS attributes,
-       l.resource::JSON AS resource,
-       l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,
-       l.time_unix_nano, l.observed_time_unix_nano, l.received_at, l.batch_id
-FROM log_records l LEFT JOIN trace_conversations t USING (trace_id);
-"""
-
-_SPAN_TYPES = {
-    "flags": pa.uint32(), "kind": pa.int8(), "start_time_unix_nano": pa.uint64(),
-    "end_time_unix_nano": pa.uint64(), "status_code": pa.int8(),
-}
-_LOG_TYPES = {
-    "time_unix_nano": pa.uint64(), "observed_time_unix_nano": pa.uint64(),
-    "severity_number": pa.int32(), "flags": pa.uint32(), "dropped_attributes_count": pa.uint32(),
-}
-_SPAN_SCHEMA = pa.schema([(c, _SPAN_TYPES.get(c, pa.string())) for c in SPAN_COLUMNS])
-_LOG_SCHEMA = pa.schema([(c, _LOG_TYPES.get(c, pa.string())) for c in LOG_COLUMNS])
 
 
 @dataclass
@@ -171,111 +82,6 @@ class _Item:
 
 
 _STOP = object()
-ATTACHED = "tracejudge"
-# Rows per row group. A checkpoint rewrites the row group that commits are still
-# filling; at DuckDB's default of 122,880 rows of 1-2 KB spans that took up to
-# 2.8 s (every request waits for it) and held its memory; 8192 rows take ~0.15 s.
-ROW_GROUP_SIZE = 8192
-
-# What DuckDB's messages about a file it cannot read mean, in the user's words, and
-# whether its own words add anything (a block's location does; a repeated path does not).
-_UNREADABLE = (
-    ("not a valid DuckDB database file", "it is not a DuckDB database file", False),
-    ("Is a directory", "it is a directory, not a DuckDB database file", False),
-    ("WAL does not match", "its write-ahead log {wal} belongs to another database file", False),
-    ("WAL", "its write-ahead log {wal} is damaged", True),
-    ("Could not read enough bytes", "the file is truncated", True),
-    ("Corrupt database file", "the file is damaged", True),
-)
-
-
-def _lock_holder(message: str) -> str:
-    m = re.search(r"PID (\d+)", message)
-    return m.group(1) if m else "unknown"
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def unreadable(path: Path, exc: duckdb.Error) -> UserError:
-    """The one line for a DuckDB file that cannot be opened or read: which file, what is wrong, what to do."""
-    detail = _first_line(exc).removeprefix("IO Error: ")
-    what, show = next(((plain, show) for phrase, plain, show in _UNREADABLE if phrase in detail),
-                      ("DuckDB cannot read it", True))
-    if path.is_file() and path.stat().st_size == 0:
-        what, show = "the file is empty", False
-    what = what.format(wal=f"{path}.wal") + (f" ({detail})" if show else "")
-    return UserError(f"cannot open {path}: {what}; restore it from a backup, or move it "
-                     f"(and {path.name}.wal) away to start with an empty store")
-
-
-def _attach_sql(path: Path, row_group_size: int, read_only: bool) -> str:
-    quoted = str(path).replace("'", "''")
-    # TYPE duckdb: never guess another format (DuckDB would fetch its SQLite extension from the network).
-    return (f"ATTACH '{quoted}' AS {ATTACHED} (TYPE duckdb, ROW_GROUP_SIZE {int(row_group_size)}"
-            f"{', READ_ONLY' if read_only else ''})")
-
-
-def connect(path: Path, read_only: bool = False, memory_limit: str | None = None,
-            row_group_size: int | None = None) -> duckdb.DuckDBPyConnection:
-    """Open the DuckDB file, turning a lock conflict or a damaged file into one clear line.
-
-    With ``row_group_size`` the file is attached as ``ATTACHED`` (the only way to set it),
-    and every cursor must ``USE`` it (``Store.cursor`` does).
-
-    Raises:
-        DatabaseLocked: another process holds the file.
-        UserError: the file cannot be read (not DuckDB, truncated, damaged, a directory...).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config: dict[str, str | bool | int | float | list[str]] = {"memory_limit": memory_limit} if memory_limit else {}
-    try:
-        if row_group_size is None:
-            return duckdb.connect(str(path), read_only=read_only, config=config)
-        con = duckdb.connect(config={**config, "temp_directory": f"{path}.tmp"})
-        try:
-            con.execute(_attach_sql(path, row_group_size, read_only))
-            con.execute(f"USE {ATTACHED}")
-        except BaseException:
-            con.close()
-            raise
-        return con
-    except duckdb.Error as exc:
-        msg = str(exc)
-        if isinstance(exc, duckdb.IOException) and "lock" in msg.lower():
-            raise DatabaseLocked(
-                f"{path} is locked by process {_lock_holder(msg)}, which does not answer as a tracejudge daemon"
-            ) from None
-        raise unreadable(path, exc) from None
-
-
-def _views(con: duckdb.DuckDBPyConnection, database: str) -> dict[str, str]:
-    return dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE database_name = ? AND NOT internal",
-                            [database]).fetchall())
-
-
-def _create_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """Create the tables and views, writing nothing to a file that already has them as they are.
-
-    So a start that fails later (another stage finds the file damaged) leaves the file as it was.
-    """
-    scratch = duckdb.connect()  # renders our views as DuckDB stores them, to compare
-    try:
-        scratch.execute(SCHEMA)
-        wanted = _views(scratch, "memory")
-    finally:
-        scratch.close()
-    have = _views(con, ATTACHED)
-    if any(have.get(name) != sql for name, sql in wanted.items()):
-        con.execute(SCHEMA)
-
-
-def file_fault(exc: BaseException) -> bool:
-    """Whether a DuckDB error is about the file (damaged, unreadable), not about our SQL."""
-    return isinstance(exc, duckdb.Error) and not isinstance(exc, duckdb.ProgrammingError)
-
 
 class Store:
     """The DuckDB file and its single writer thread."""
@@ -315,7 +121,7 @@ class Store:
         """
         con = connect(self.path, memory_limit=self.memory_limit, row_group_size=ROW_GROUP_SIZE)
         try:
-            _create_schema(con)
+            create_schema(con)
             self._batch_id = self._last_batch(con)
             self._admin = con.cursor()  # its catalog is the in-memory one, never the file
         except duckdb.Error as exc:
@@ -471,21 +277,16 @@ class Store:
         started = time.perf_counter()
         con = self._con
         try:
-            con.begin()
-            stored_spans = self._insert(con, "span_records", "incoming_spans", spans, _SPAN_SCHEMA, now)
-            stored_logs = self._insert(con, "log_records", "incoming_logs", logs, _LOG_SCHEMA, now)
-            con.commit()
+            with Transaction(con):
+                stored_spans = self._insert(con, "span_records", spans, SPAN_ARROW, now)
+                stored_logs = self._insert(con, "log_records", logs, LOG_ARROW, now)
         except duckdb.FatalException:
             raise  # the whole DuckDB instance is gone: only a restart helps
         except Exception as exc:  # a failed commit fails every request in it, retryably
             log.error("commit of %d spans and %d log records failed: %s", len(spans), len(logs), exc)
-            try:
-                con.rollback()
-            except duckdb.Error:
-                pass
             self._batch_id -= 1
             if isinstance(exc, duckdb.Error):  # the storage failed, not this batch's data
-                self._failure = _first_line(exc)
+                self._failure = first_line(exc)
                 if not self._usable():
                     self._invalid = True
                     log.error("DuckDB invalidated %s; attaching it again before the next commit", self.path)
@@ -506,7 +307,7 @@ class Store:
             except Exception:
                 log.exception("commit listener failed")
 
-    def _insert(self, con: duckdb.DuckDBPyConnection, table: str, view: str, batch: SpanBatch | LogBatch,
+    def _insert(self, con: duckdb.DuckDBPyConnection, table: str, batch: SpanBatch | LogBatch,
                 schema: pa.Schema, now: float) -> int:
         if not len(batch):
             return 0
@@ -514,15 +315,12 @@ class Store:
             [pa.array(col, type=schema.field(i).type) for i, col in enumerate(batch.columns)], schema=schema)
         if table == "log_records":
             arrow = arrow.append_column("seq", pa.array(range(len(batch)), pa.uint32()))
-        con.register(view, arrow)
-        try:
+        with registered(con, f"incoming_{table}", arrow) as view:
             row = con.execute(
                 f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, to_timestamp(?) AS received_at, ? AS batch_id "
                 f"FROM {view}",
                 [now, self._batch_id],
             ).fetchone()
-        finally:
-            con.unregister(view)
         return int(row[0]) if row else 0
 
     def _finish(self, items: list[_Item], exc: Exception | None = None) -> None:
@@ -566,12 +364,12 @@ class Store:
         assert self._admin is not None
         try:
             self._admin.execute(f"DETACH DATABASE IF EXISTS {ATTACHED}")
-            self._admin.execute(_attach_sql(self.path, ROW_GROUP_SIZE, read_only=False))
+            self._admin.execute(attach_sql(self.path, ROW_GROUP_SIZE, read_only=False))
             self._batch_id = self._last_batch(self._admin)  # what the replayed WAL holds
         except duckdb.FatalException:
             raise
         except duckdb.Error as exc:
-            reason = f"cannot attach {self.path} again: {_first_line(exc)}"
+            reason = f"cannot attach {self.path} again: {first_line(exc)}"
             if reason != self._failure:  # once per new reason, not every retry
                 log.error("%s; retrying every %gs", reason, self.retry_after)
             self._failure = reason
@@ -581,7 +379,7 @@ class Store:
         return True
 
     def _break(self, exc: BaseException) -> None:
-        reason = f"the store's writer stopped ({type(exc).__name__}: {_first_line(exc)})"
+        reason = f"the store's writer stopped ({type(exc).__name__}: {first_line(exc)})"
         log.critical("%s: refusing all data; the daemon must be restarted", reason, exc_info=exc)
         refusal = StoreUnavailable(f"the store cannot commit: {reason}", retry_after=5.0, reason="storage_error")
         with self._lock:

@@ -1,7 +1,7 @@
-"""OTLP receivers: gRPC and HTTP on one asyncio loop, feeding the store.
+"""OTLP receivers: gRPC and HTTP on one asyncio loop, feeding a ``Consumer`` (the store).
 
 A handler only checks, parses, hands off and answers: ``Intake.export`` turns
-one request body into column batches, submits them to the store and awaits
+one request body into column batches, submits them to the consumer and awaits
 the commit; the transports map its ``Outcome`` to their status codes:
 
     outcome        HTTP                      gRPC
@@ -21,9 +21,7 @@ counts, an oversized request.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import ssl
 import zlib
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -37,11 +35,12 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from . import otlp
-from .config import TLS, Listener
-from .errors import StoreUnavailable
-from .metrics import Metrics
-from .store import Store
+from ..auth import bearer_ok
+from ..config import TLS, Listener
+from ..errors import StoreUnavailable
+from ..metrics import Metrics
+from . import decode
+from .batches import Consumer
 
 log = logging.getLogger("tracejudge.receiver")
 
@@ -77,17 +76,15 @@ def _response(signal: str, rejected: int, message: str) -> Any:
 class Intake:
     """Transport-independent handling of one OTLP export request."""
 
-    def __init__(self, store: Store, metrics: Metrics, max_request_bytes: int, bearer_token: str | None) -> None:
-        self.store = store
+    def __init__(self, consumer: Consumer, metrics: Metrics, max_request_bytes: int,
+                 bearer_token: str | None) -> None:
+        self.consumer = consumer
         self.metrics = metrics
         self.max_bytes = max_request_bytes
         self.token = bearer_token or None
 
     def authorized(self, header: str | None) -> bool:
-        if self.token is None:
-            return True
-        expected = f"Bearer {self.token}"
-        return header is not None and hmac.compare_digest(header.strip().encode(), expected.encode())
+        return bearer_ok(header, self.token)
 
     def refuse(self, transport: str, signal: str, outcome: Outcome, items: int = 0) -> Outcome:
         """Count a refusal before it is answered."""
@@ -107,14 +104,14 @@ class Intake:
         m = self.metrics
         try:
             if signal == "metrics":
-                m.metric_points.inc(otlp.count_data_points(otlp.parse_metrics(body, json_body)))
+                m.metric_points.inc(decode.count_data_points(decode.parse_metrics(body, json_body)))
                 m.requests.inc(transport=transport, signal=signal, outcome="ok")
                 return Outcome("ok", response=_response(signal, 0, ""))
             if signal == "traces":
-                batch, rejected, reason = otlp.span_batch(otlp.parse_traces(body, json_body))
+                batch, rejected, reason = decode.span_batch(decode.parse_traces(body, json_body))
             else:
-                batch, rejected, reason = otlp.log_batch(otlp.parse_logs(body, json_body))  # type: ignore[assignment]
-        except otlp.DecodeFailure as exc:
+                batch, rejected, reason = decode.log_batch(decode.parse_logs(body, json_body))  # type: ignore[assignment]
+        except decode.DecodeFailure as exc:
             return self.refuse(transport, signal, Outcome("invalid", str(exc)))
         received, refused = (m.spans_received, m.spans_rejected) if signal == "traces" else (
             m.logs_received, m.logs_rejected)
@@ -122,7 +119,7 @@ class Intake:
         if rejected:
             refused.inc(rejected, reason="invalid")
         try:
-            await asyncio.wrap_future(self.store.submit(
+            await asyncio.wrap_future(self.consumer.submit(
                 batch if signal == "traces" else None, batch if signal == "logs" else None))  # type: ignore[arg-type]
         except StoreUnavailable as exc:
             return self.refuse(transport, signal, Outcome("unavailable", str(exc), reason=exc.reason,
@@ -344,12 +341,3 @@ def http_app(intake: Intake) -> web.Application:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
-
-
-def ssl_context(tls: TLS) -> ssl.SSLContext | None:
-    if not tls.enabled:
-        return None
-    assert tls.cert_file is not None and tls.key_file is not None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
-    return ctx

@@ -46,7 +46,7 @@ from typing import Any
 
 import regex
 
-from .config import AttributeMatch, SamplingSettings, When
+from ..config import AttributeMatch, SamplingSettings, When
 
 log = logging.getLogger("tracejudge.sampling")
 

@@ -46,238 +46,30 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
 import orjson
 
-from judges import (
-    Conversation,
-    Criterion,
-    JudgeRequest,
-    JudgeRun,
-    LLMCriterion,
-    NotRun,
-    Provider,
-    ProviderReply,
-    arun_judges,
-    transcript_sha256,
-)
+from judges import Criterion, LLMCriterion, Provider
 
-from . import evals
-from .config import Config
-from .errors import UserError
-from .judge_setup import NO_PROVIDER
-from .metrics import Counter, Gauge, Histogram, Metrics
-from .queries import conversation_record
+from ..config import Config
+from ..errors import UserError
+from ..metrics import Counter, Gauge, Histogram, Metrics
+from ..store import Store
+from . import verdicts
+from .backfill import Backfill, backfill_jobs, run_backfill
+from .judging import Job, Judging, OnStored, Outcome, ensure_schema, utc
 from .sampling import ConversationFacts, Sampler
-from .store import Store
+from .setup import NO_PROVIDER
 
 log = logging.getLogger("tracejudge.evaluator")
 
-PROGRESS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS eval_progress (
-    conversation_id VARCHAR PRIMARY KEY,
-    revision INTEGER NOT NULL,
-    judged_at TIMESTAMPTZ NOT NULL,
-    errors INTEGER NOT NULL,
-    attempts INTEGER NOT NULL,
-    retry_at TIMESTAMPTZ
-);
-"""
-
-RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attempt on errors
 SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may land after a scan
 SCAN_PAGE = 2000
 MAX_PENDING = 5000
 IDLE_GAP = 0.01  # ingestion counts as paused once nothing has waited to be stored for this long
 BUSY_SHARE = 8  # after max_wait, while ingestion stays busy, DuckDB work takes at most 1/8 of the time
-_UTC = dt.timezone.utc
-
-
-def _utc(seconds: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(seconds, _UTC)
-
-
-class _Limited:
-    """A provider whose calls share one semaphore: the concurrency limit across conversations."""
-
-    def __init__(self, inner: Provider, limit: asyncio.Semaphore) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.model = inner.model
-        self.limit = limit
-
-    async def send(self, request: JudgeRequest) -> ProviderReply:
-        async with self.limit:
-            return await self.inner.send(request)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-# --------------------------------------------------------------- one conversation
-
-
-@dataclass(frozen=True)
-class Job:
-    """A sampled conversation to judge at one revision, with its inclusion probability."""
-
-    conversation_id: str
-    revision: int
-    probability: float
-    rule: str
-    """The sampling rule that picked it: ``rules[0]``, ... or ``default``."""
-    only_errors: bool = False
-    """A retry: only the criteria whose current verdict is an error."""
-
-
-@dataclass
-class Outcome:
-    """What judging one conversation produced; ``stored`` is filled in when it is stored."""
-
-    job: Job
-    run: JudgeRun
-    sha256: str
-    """The transcript judged."""
-    skipped: int
-    """Criteria not called again: they already have a verdict on this transcript."""
-    attempts: int = 1
-    stored: list[str] = field(default_factory=list)
-    """Ids of verdicts newly stored (a repeat after a crash stores none)."""
-
-
-@dataclass
-class Prepared:
-    """A conversation read for judging, and the criteria it still needs."""
-
-    conversation: Conversation
-    todo: list[Criterion]
-    sha256: str
-    skipped: int
-
-
-class Judging:
-    """Judges one conversation at a time on the configured criteria and stores the outcome.
-
-    The daemon's evaluator and ``tracejudge eval`` share it. DuckDB calls run
-    on the caller's cursor, in the caller's thread; ``judge`` awaits the judge calls.
-    """
-
-    def __init__(self, criteria: Sequence[Criterion], provider: Provider | None, *, concurrency: int,
-                 timeout: float, queue_results: Sequence[str], no_provider: str | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.criteria = list(criteria)
-        self.no_provider = no_provider
-        self.concurrency = concurrency
-        self._raw_provider = provider
-        self.provider: Provider | None = None
-        self.timeout = timeout
-        self.queue_results = list(queue_results)
-        self.clock = clock
-
-    def bind(self) -> None:
-        """Create the shared call limit on the running loop (call from inside it)."""
-        limit = asyncio.Semaphore(self.concurrency)
-        self.provider = _Limited(self._raw_provider, limit) if self._raw_provider is not None else None
-
-    async def aclose(self) -> None:
-        if self.provider is not None:
-            await self.provider.aclose()
-
-    def subset(self, criterion_ids: Sequence[str]) -> Judging:
-        """The same judging on some criteria only, sharing the provider and its call limit.
-
-        Raises:
-            UserError: an id that is not among the configured criteria.
-        """
-        known = {c.id for c in self.criteria}
-        unknown = sorted(set(criterion_ids) - known)
-        if unknown:
-            raise UserError(f"no criterion {', '.join(unknown)} in judges.criteria "
-                            f"(configured: {', '.join(sorted(known)) or 'none'})")
-        other = Judging([c for c in self.criteria if c.id in criterion_ids], None, concurrency=self.concurrency,
-                        timeout=self.timeout, queue_results=self.queue_results, no_provider=self.no_provider,
-                        clock=self.clock)
-        other._raw_provider, other.provider = self._raw_provider, self.provider
-        return other
-
-    def _judge_model(self, c: Criterion) -> str | None:
-        # As the runner records it: the provider's model, or the code check's name.
-        if isinstance(c, LLMCriterion):
-            return self.provider.model if self.provider is not None else None
-        return c.check
-
-    def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None:
-        """The conversation record, and the criteria that still need a verdict on its current transcript."""
-        record = conversation_record(cur, job.conversation_id)
-        if record is None:
-            return None
-        record["sampling"] = {"probability": job.probability, "rule": job.rule}
-        conversation = Conversation.model_validate(record)
-        sha = transcript_sha256(conversation.messages)
-        rows = cur.execute(
-            "SELECT criterion_id, criterion_version, judge_model, result FROM verdicts "
-            "WHERE conversation_id = ? AND transcript_sha256 = ?", [job.conversation_id, sha]).fetchall()
-        done = {(cid, version, model) for cid, version, model, result in rows if result != "error"}
-        errored = {(cid, version, model) for cid, version, model, result in rows if result == "error"}
-        todo = []
-        for c in self.criteria:
-            key = (c.id, c.version, self._judge_model(c))
-            if key in done or (job.only_errors and key not in errored):
-                continue
-            todo.append(c)
-        return Prepared(conversation, todo, sha, len(self.criteria) - len(todo))
-
-    async def judge(self, conversation: Conversation, criteria: Sequence[Criterion]) -> JudgeRun:
-        """Run the criteria on one conversation; a conversation without content runs none of them."""
-        if not (conversation.attributes or {}).get("content_captured", True):
-            return JudgeRun(verdicts=[], not_run=[
-                NotRun(conversation_id=conversation.id, criterion_id=c.id, criterion_version=c.version,
-                       reason="no content captured") for c in criteria], usage={"input_tokens": 0,
-                                                                                 "output_tokens": 0})
-        if not criteria:
-            return JudgeRun(verdicts=[], not_run=[], usage={"input_tokens": 0, "output_tokens": 0})
-        run = await arun_judges(criteria, [conversation], self.provider, concurrency=len(criteria),
-                                timeout=self.timeout)
-        if self.provider is None and self.no_provider:
-            run.not_run = [n.model_copy(update={"reason": self.no_provider}) if n.reason == "no provider configured"
-                           else n for n in run.not_run]
-        return run
-
-    def store(self, cur: duckdb.DuckDBPyConnection, outcomes: Sequence[Outcome], *, progress: bool = True) -> None:
-        """Store verdicts, not-run records and progress rows of several conversations in one transaction."""
-        now = _utc(self.clock())
-        with evals.Transaction(cur):
-            for o in outcomes:
-                job, run = o.job, o.run
-                o.stored = evals.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
-                                                queue_results=self.queue_results, now=now,
-                                                current={job.conversation_id: o.sha256})
-                if run.not_run:
-                    evals.store_not_run(cur, run.not_run, now=now)
-                if progress:
-                    errors = sum(1 for v in run.verdicts if v.result == "error")
-                    retry = (_utc(self.clock() + RETRY_AFTER[o.attempts - 1])
-                             if errors and o.attempts <= len(RETRY_AFTER) else None)
-                    cur.execute("INSERT OR REPLACE INTO eval_progress VALUES (?, ?, ?, ?, ?, ?)",
-                                [job.conversation_id, job.revision, now, errors, o.attempts, retry])
-
-    async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, progress: bool = True) -> Outcome | None:
-        """Judge one conversation and store the outcome; None when the conversation is gone."""
-        p = self.prepare(cur, job)
-        if p is None:
-            return None
-        outcome = Outcome(job, await self.judge(p.conversation, p.todo), p.sha256, p.skipped)
-        self.store(cur, [outcome], progress=progress)
-        return outcome
-
-
-def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
-    """The tables of evals and the progress table of this stage."""
-    evals.ensure_schema(cur)
-    cur.execute(PROGRESS_SCHEMA)
 
 
 # --------------------------------------------------------------- sampling facts
@@ -349,8 +141,9 @@ class Evaluator:
     """The online eval stage of the daemon (see the module docstring)."""
 
     def __init__(self, store: Store, cfg: Config, metrics: Metrics, *, criteria: Sequence[Criterion],
-                 provider: Provider | None, no_provider: str | None = None, clock: Callable[[], float] = time.time,
-                 poll: float = 1.0, settle: float = 2.0, max_wait: float = 30.0) -> None:
+                 provider: Provider | None, no_provider: str | None = None, on_stored: OnStored | None = None,
+                 clock: Callable[[], float] = time.time, poll: float = 1.0, settle: float = 2.0,
+                 max_wait: float = 30.0) -> None:
         self.store = store
         self.max_wait = max_wait
         """Seconds DuckDB work waits for a pause in ingestion before it takes its 1/BUSY_SHARE anyway."""
@@ -360,7 +153,7 @@ class Evaluator:
         """Seconds a conversation stays unjudged after it was last written (late rows of its last trace)."""
         self.sampler = Sampler(cfg.sampling, clock=clock)
         self.judging = Judging(criteria, provider, concurrency=cfg.judges.concurrency,
-                               timeout=cfg.judges.timeout, queue_results=cfg.review.queue_results,
+                               timeout=cfg.judges.timeout, on_stored=on_stored,
                                no_provider=no_provider, clock=clock)
         self.max_in_flight = 2 * cfg.judges.concurrency
         self.m = EvalMetrics(metrics)
@@ -374,7 +167,7 @@ class Evaluator:
         self._waiting_since: float | None = None
         self._next_turn = 0.0
         self._db_lock: asyncio.Lock | None = None
-        self._mark: tuple[dt.datetime, str] = (_utc(0), "")
+        self._mark: tuple[dt.datetime, str] = (utc(0), "")
         self._not_run_mark: str | None = "" if provider is not None else None
         """Conversations with not-run records queued up to this id; None once all are (or without a provider)."""
         self.scans = 0
@@ -391,12 +184,12 @@ class Evaluator:
         cur = self.store.cursor()
         self._cur = cur
         ensure_schema(cur)
-        evals.store_criteria(cur, self.judging.criteria, now=_utc(self.clock()))
+        verdicts.store_criteria(cur, self.judging.criteria, now=utc(self.clock()))
         now = self.clock()
         admitted = cur.execute("SELECT epoch(decided_at) FROM sampling_decisions WHERE sampled "
-                               "AND decided_at >= ?", [_utc(now - 3600)]).fetchall()
+                               "AND decided_at >= ?", [utc(now - 3600)]).fetchall()
         spent = cur.execute("SELECT epoch(judged_at), input_tokens + output_tokens FROM verdicts "
-                            "WHERE judged_at >= ?", [_utc(now - 86400)]).fetchall()
+                            "WHERE judged_at >= ?", [utc(now - 86400)]).fetchall()
         self.sampler.restore(admitted_at=[float(t) for (t,) in admitted], tokens=[(float(t), int(n)) for t, n in spent])
         self._thread = threading.Thread(target=self._run, name="tracejudge-evaluator", daemon=True)
         self._thread.start()
@@ -561,7 +354,7 @@ class Evaluator:
             "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
             "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
             [since, since, after, self._busy_ids(), SCAN_PAGE]).fetchall()
-        settled = _utc(now - self.settle)
+        settled = utc(now - self.settle)
         decisions = []
         last: tuple[dt.datetime, str] | None = None
         for values in rows:
@@ -573,16 +366,16 @@ class Evaluator:
                 self._queue(Job(row["conversation_id"], row["revision"], row["probability"], row["rule"]))
                 continue
             d = self.sampler.decide(conversation_facts(cur, row, self._keys, self._status))
-            decisions.append(evals.SamplingRecord(row["conversation_id"], d.sampled, d.probability, d.rule,
+            decisions.append(verdicts.SamplingRecord(row["conversation_id"], d.sampled, d.probability, d.rule,
                                                   row["revision"], row["transcript_hash"], d.skipped))
             self.m.decisions.inc(outcome="sampled" if d.sampled else
                                  ("skipped_budget" if d.skipped else "not_sampled"))
             if d.sampled:
                 self._queue(Job(row["conversation_id"], row["revision"], d.probability, d.rule))
-        evals.record_samplings(cur, decisions, now=_utc(now))
+        verdicts.record_samplings(cur, decisions, now=utc(now))
         if last is not None:
             # The mark trails by SCAN_SLACK: a row written just before it may commit after this scan.
-            self._mark = max(self._mark, min(last, (_utc(now - SCAN_SLACK), "")))
+            self._mark = max(self._mark, min(last, (utc(now - SCAN_SLACK), "")))
         return len(rows) == SCAN_PAGE and last is not None
 
     def _retries(self) -> None:
@@ -593,7 +386,7 @@ class Evaluator:
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
             "WHERE p.retry_at <= ? AND c.revision = p.revision "
             "AND p.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) LIMIT ?",
-            [_utc(self.clock()), self._busy_ids(), MAX_PENDING]).fetchall()
+            [utc(self.clock()), self._busy_ids(), MAX_PENDING]).fetchall()
         for cid, revision, attempts, probability, rule in rows:
             self._attempts[cid] = attempts + 1
             self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
@@ -695,7 +488,7 @@ class Evaluator:
         self.m.judged.inc()
         stored = set(outcome.stored)
         for v in run.verdicts:
-            if evals.verdict_id(v) in stored:
+            if verdicts.verdict_id(v) in stored:
                 self.m.verdicts.inc(result=v.result)
         for n in run.not_run:
             self.m.not_run.inc(reason=n.reason)
@@ -704,69 +497,3 @@ class Evaluator:
         self.m.tokens.inc(run.usage.output_tokens, kind="output")
         if spent:
             self.sampler.record_tokens(spent)
-
-
-# --------------------------------------------------------------- backfill (tracejudge eval)
-
-
-@dataclass
-class Backfill:
-    """Progress of one ``tracejudge eval`` pass."""
-
-    id: int
-    total: int = 0
-    done: int = 0
-    verdicts: int = 0
-    """Verdicts newly stored (criteria already judged on a transcript are not called again)."""
-    skipped: int = 0
-    """Criterion runs skipped: a verdict on the same transcript was there already."""
-    not_run: int = 0
-    errors: int = 0
-    finished: bool = False
-    failure: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def backfill_jobs(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> list[Job]:
-    """Sampled, ended conversations (closed at or after ``since``), oldest first."""
-    params: list[Any] = []
-    where = "c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL"
-    if since is not None:
-        where += " AND c.closed_at >= ?"
-        params.append(since)
-    return [Job(cid, revision, probability, rule) for cid, revision, probability, rule in cur.execute(
-        "SELECT c.conversation_id, c.revision, s.probability, s.rule FROM conversations c "
-        f"JOIN sampling_decisions s USING (conversation_id) WHERE {where} ORDER BY c.closed_at, "
-        "c.conversation_id", params).fetchall()]
-
-
-async def run_backfill(cur: duckdb.DuckDBPyConnection, judging: Judging, jobs: Sequence[Job], progress: Backfill,
-                       *, parallel: int) -> Backfill:
-    """Judge ``jobs`` with ``judging``, ``parallel`` conversations at once, updating ``progress`` as each ends.
-
-    The daemon's path without its progress rows: the daemon's own schedule is
-    left as it was, and what is stored is stored once all the same.
-    """
-    progress.total = len(jobs)
-    gate = asyncio.Semaphore(parallel)
-
-    async def one(job: Job) -> None:
-        async with gate:
-            outcome = await judging.run_job(cur, job, progress=False)
-        progress.done += 1
-        if outcome is not None:
-            progress.verdicts += len(outcome.stored)
-            progress.skipped += outcome.skipped
-            progress.not_run += len(outcome.run.not_run)
-            progress.errors += sum(1 for v in outcome.run.verdicts if v.result == "error")
-
-    try:
-        await asyncio.gather(*(one(job) for job in jobs))
-    except Exception as exc:  # noqa: BLE001 - reported to whoever started the pass
-        progress.failure = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        progress.finished = True
-    return progress

@@ -1,6 +1,6 @@
 """The review queue as server-side HTML: a list page and an item page.
 
-Pure functions from the dicts of ``collector.evals`` (``list_reviews``,
+Pure functions from the dicts of ``review.queue`` (``list_reviews``,
 ``review_item``) to complete HTML documents; the server serves them. No
 JavaScript and no external assets. Every value from storage is production
 text (user messages, judge replies, reviewer notes) and is escaped; text of any
@@ -95,7 +95,7 @@ def render_list(items: Sequence[Mapping[str, Any]], *, state: str = "pending", c
     """The review queue page: filters (state, criterion) and one row per item.
 
     Args:
-        items: from ``evals.list_reviews``.
+        items: from ``queue.list_reviews``.
         state: the state filter in use (``pending``, ``confirmed``, ``rejected``, ``all``).
         criterion: the criterion filter in use, if any.
         criteria: criterion ids offered in the filter (the one in use is always offered).
@@ -276,7 +276,7 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
     """The page of one review item: criterion, judge's reasoning, evidence, transcript and the decision form.
 
     Args:
-        detail: from ``evals.review_item``.
+        detail: from ``queue.review_item``.
         base: the list page's URL (for the way back and the default ``action``).
         action: where the decision form posts; default ``{base}/{id}/decision``.
         reviewer: prefills the reviewer field (the last name used).

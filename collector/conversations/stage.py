@@ -45,73 +45,19 @@ from typing import Any, Callable, Iterable, Mapping
 
 import duckdb
 import orjson
-import pyarrow as pa
 
+from ..config import Conversations as Settings
+from ..config import EndRule
+from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
+from ..metrics import Metrics
+from ..normalize import Attrs, span_kind
+from ..store import Committed, Store, Transaction, insert_rows
 from .assemble import ParseMemo, build_transcript
-from .config import Conversations as Settings
-from .config import EndRule
-from .conversation_keys import conversation_key, load_json_column, response_links
-from .metrics import Metrics
-from .normalize import Attrs, span_kind
-from .otlp import LOG_COLUMNS, SPAN_COLUMNS
-from .store import Committed, Store
+from .keys import conversation_key, load_json_column, response_links
+from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, SCHEMA
 from .transcript import Transcript
 
 log = logging.getLogger("tracejudge.conversations")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    conversation_id VARCHAR PRIMARY KEY,
-    service VARCHAR,
-    started_at TIMESTAMPTZ,
-    ended_at TIMESTAMPTZ,
-    ended_by VARCHAR,
-    state VARCHAR NOT NULL,
-    user_turns INTEGER,
-    input_tokens BIGINT,
-    output_tokens BIGINT,
-    llm_calls INTEGER,
-    message_count INTEGER,
-    models VARCHAR,
-    system VARCHAR,
-    content_captured BOOLEAN,
-    no_content_reason VARCHAR,
-    transcript_hash VARCHAR,
-    revision INTEGER,
-    trace_ids VARCHAR,
-    newest_trace_id VARCHAR,
-    first_arrival_at TIMESTAMPTZ,
-    last_arrival_at TIMESTAMPTZ,
-    closed_at TIMESTAMPTZ,
-    updated_at TIMESTAMPTZ,
-    unparsed_spans INTEGER,
-    unparsed_logs INTEGER,
-    sources VARCHAR
-);
-CREATE TABLE IF NOT EXISTS messages (
-    conversation_id VARCHAR NOT NULL,
-    seq INTEGER NOT NULL,
-    role VARCHAR NOT NULL,
-    content VARCHAR,
-    tool_calls VARCHAR,
-    tool_call_id VARCHAR,
-    name VARCHAR,
-    "at" TIMESTAMPTZ,
-    span_id VARCHAR,
-    source VARCHAR,
-    truncated BOOLEAN
-);
-CREATE TABLE IF NOT EXISTS tracejudge_state (key VARCHAR PRIMARY KEY, value VARCHAR);
-"""
-
-CONVERSATION_COLUMNS = (
-    "conversation_id", "service", "started_at", "ended_at", "ended_by", "state", "user_turns", "input_tokens",
-    "output_tokens", "llm_calls", "message_count", "models", "system", "content_captured", "no_content_reason",
-    "transcript_hash", "revision", "trace_ids", "newest_trace_id", "first_arrival_at", "last_arrival_at",
-    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources",
-)
-MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
-                   "span_id", "source", "truncated")
 
 _UTC = dt.timezone.utc
 _STOP = object()
@@ -205,19 +151,6 @@ class _Writes:
         self.messages.pop(cid, None)
 
 
-def _insert(cur: duckdb.DuckDBPyConnection, statement: str, columns: tuple[str, ...],
-            rows: list[Any]) -> None:
-    """Insert rows through Arrow: one statement, not one per row."""
-    if not rows:
-        return
-    table = pa.table({name: pa.array([r[i] for r in rows]) for i, name in enumerate(columns)})
-    cur.register("conversation_rows", table)
-    try:
-        cur.execute(f"{statement} SELECT * FROM conversation_rows")
-    finally:
-        cur.unregister("conversation_rows")
-
-
 @dataclass
 class _TraceRows:
     spans: list[dict[str, Any]] = field(default_factory=list)
@@ -274,7 +207,6 @@ class Conversations:
         self._writes = _Writes()
         self._idle_event = threading.Event()
         self._stopping = threading.Event()
-        self._in_transaction = False  # reindex: every write goes into its one transaction
         self._retry_delay = 0.0  # after a failed cycle, doubling up to a minute
         self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
 
@@ -502,9 +434,7 @@ class Conversations:
         """
         assert self._cur is not None and self._thread is None
         cur = self._cur
-        cur.execute("BEGIN")
-        self._in_transaction = True
-        try:
+        with Transaction(cur):
             for table in ("trace_conversations", "conversations", "messages"):
                 cur.execute(f"DELETE FROM {table}")
             self._convs.clear()
@@ -524,12 +454,6 @@ class Conversations:
             self._sweep_idle()
             self._flush()
             count = cur.execute("SELECT count(*) FROM conversations").fetchone()
-            cur.execute("COMMIT")
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        finally:
-            self._in_transaction = False
         return int(count[0]) if count else 0
 
     # ------------------------------------------------------------ ingestion
@@ -945,29 +869,22 @@ class Conversations:
         assert self._cur is not None
         w = self._writes
         cur = self._cur
-        if not self._in_transaction:
-            cur.execute("BEGIN")
         try:
-            gone = sorted(w.deleted | w.replace)
-            if gone:
-                cur.execute("DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [gone])
-            if w.deleted:
-                cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
-                            [sorted(w.deleted)])
-            _insert(cur, "INSERT OR REPLACE INTO trace_conversations", ("trace_id", "conversation_id"),
-                    list(w.moves.items()))
-            _insert(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
-                    [m for cid, msgs in w.messages.items() if cid not in w.deleted for m in msgs])
-            _insert(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
-                    [row for cid, row in w.conversations.items() if cid not in w.deleted])
-            cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)",
-                        [str(self._safe_batch())])
-            if not self._in_transaction:
-                cur.execute("COMMIT")
-        except Exception:
-            if not self._in_transaction:
-                cur.execute("ROLLBACK")
-            raise
+            with Transaction(cur):
+                gone = sorted(w.deleted | w.replace)
+                if gone:
+                    cur.execute("DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [gone])
+                if w.deleted:
+                    cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
+                                [sorted(w.deleted)])
+                insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", ("trace_id", "conversation_id"),
+                            list(w.moves.items()))
+                insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
+                            [m for cid, msgs in w.messages.items() if cid not in w.deleted for m in msgs])
+                insert_rows(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
+                            [row for cid, row in w.conversations.items() if cid not in w.deleted])
+                cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)",
+                            [str(self._safe_batch())])
         finally:
             self._writes = _Writes()
 

@@ -1,9 +1,10 @@
-"""The review queue: list, show and decide the items that verdicts opened.
+"""The review queue: its tables, the items verdicts open, and reviewers' decisions.
 
-Items are made by ``evals.store_verdicts`` (every verdict whose result is in
-``review.queue_results``, and every flagged fail); this module reads them and
-records reviewers' decisions. Decisions are history: each one is a row of
-``review_history`` with the state it replaced.
+The evals stage stores verdicts; ``open_items`` (called with the ids it stored,
+in its transaction) opens an item for each one that needs a reviewer: every
+verdict whose result is in ``review.queue_results``, and every flagged fail.
+This module lists, shows and decides them. Decisions are history: each one is
+a row of ``review_history`` with the state it replaced.
 
 Errors (all ``UserError``, so the CLI prints one line; ``status`` and ``code``
 give the JSON API's answer)::
@@ -18,13 +19,45 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import duckdb
 
-from .errors import UserError
-from .evals import _VERDICT_COLUMNS, Transaction, _now, _verdict_dict, _where
-from .queries import conversation_record, iso_utc
+from ..conversations.record import conversation_record
+from ..errors import UserError
+from ..evals.verdicts import VERDICT_COLUMNS, verdict_dict, where_clause
+from ..listing import iso_utc
+from ..store.transactions import Transaction, utc_now
+
+SCHEMA = """
+CREATE SEQUENCE IF NOT EXISTS review_item_seq;
+CREATE TABLE IF NOT EXISTS review_items (
+    id BIGINT PRIMARY KEY,
+    verdict_id VARCHAR NOT NULL UNIQUE,
+    conversation_id VARCHAR NOT NULL,
+    criterion_id VARCHAR NOT NULL,
+    state VARCHAR NOT NULL,
+    reviewer VARCHAR,
+    note VARCHAR,
+    created_at TIMESTAMPTZ NOT NULL,
+    decided_at TIMESTAMPTZ
+);
+CREATE SEQUENCE IF NOT EXISTS review_history_seq;
+CREATE TABLE IF NOT EXISTS review_history (
+    id BIGINT PRIMARY KEY,
+    item_id BIGINT NOT NULL,
+    decision VARCHAR NOT NULL,
+    previous_state VARCHAR NOT NULL,
+    previous_reviewer VARCHAR,
+    previous_note VARCHAR,
+    state VARCHAR NOT NULL,
+    reviewer VARCHAR NOT NULL,
+    note VARCHAR,
+    forced BOOLEAN NOT NULL,
+    decided_at TIMESTAMPTZ NOT NULL
+);
+"""
 
 ReviewState = Literal["pending", "confirmed", "rejected"]
 REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected")
@@ -58,6 +91,40 @@ class ReviewConflict(ReviewError):
 class ReviewInputError(ReviewError):
     """The decision or the reviewer is missing or unknown."""
 
+
+
+def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
+    """Create the review tables when they do not exist yet (after the evals stage's: items name verdicts)."""
+    cur.execute(SCHEMA)
+
+
+def open_items(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], queue_results: Sequence[str], *,
+               now: dt.datetime | None = None) -> int:
+    """Queue, as pending items, the verdicts just stored that need a reviewer.
+
+    Those on the current transcript whose result is in ``queue_results`` (config
+    ``review.queue_results``) and every flagged fail; an ``error`` never. A verdict
+    queued before is not queued again. Runs in the caller's transaction, if any.
+
+    Returns:
+        How many items were opened.
+    """
+    if not verdict_ids:
+        return 0
+    with Transaction(cur):
+        row = cur.execute(
+            "INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
+            "SELECT nextval('review_item_seq'), id, conversation_id, criterion_id, 'pending', ? "
+            "FROM (SELECT * FROM verdicts WHERE list_contains(?, id) AND NOT superseded AND result <> 'error' "
+            "AND (list_contains(?, result) OR (result = 'fail' AND flagged)) "
+            "AND id NOT IN (SELECT verdict_id FROM review_items) ORDER BY seq)",
+            [utc_now(now), list(verdict_ids), list(queue_results)]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def item_opener(queue_results: Sequence[str]) -> Callable[[duckdb.DuckDBPyConnection, list[str], dt.datetime], int]:
+    """``open_items`` with the config's ``review.queue_results``: what the evals stage calls as it stores."""
+    return lambda cur, verdict_ids, now: open_items(cur, verdict_ids, queue_results, now=now)
 
 
 def check_state(state: str) -> None:
@@ -101,7 +168,7 @@ def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], 
     rows = cur.execute(
         f"SELECT {', '.join('r.' + c for c in _ITEM_COLUMNS)}, v.criterion_version, v.result, v.flagged, "
         f"v.evidence_verified, v.superseded FROM review_items r JOIN verdicts v ON v.id = r.verdict_id "
-        f"{_where(where)} ORDER BY r.created_at, r.id LIMIT ?", [*params, limit]).fetchall()
+        f"{where_clause(where)} ORDER BY r.created_at, r.id LIMIT ?", [*params, limit]).fetchall()
     return [{k: iso_utc(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
 
 
@@ -147,10 +214,10 @@ def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str,
     if not found:
         raise ReviewNotFound(f"no review item {item_id!r}")
     item = found[0]
-    row = cur.execute(f"SELECT {', '.join(_VERDICT_COLUMNS)} FROM verdicts WHERE id = ?",
+    row = cur.execute(f"SELECT {', '.join(VERDICT_COLUMNS)} FROM verdicts WHERE id = ?",
                       [item["verdict_id"]]).fetchone()
     assert row is not None  # items are only made with their verdict
-    verdict = _verdict_dict(row)
+    verdict = verdict_dict(row)
     crit = cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
                        "AND criterion_version = ?", [verdict["criterion_id"], verdict["criterion_version"]]
                        ).fetchone()
@@ -192,7 +259,7 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
         raise ReviewInputError("a reviewer is required")
     reviewer = reviewer.strip()
     state = _DECIDED[decision]
-    at = _now(now)
+    at = utc_now(now)
     # One decision at a time in this process: two at once on one item would meet in DuckDB as a
     # "Conflict on update" instead of the second reading the first and hearing "already decided".
     with _DECIDING:

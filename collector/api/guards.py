@@ -1,0 +1,143 @@
+"""What every request passes before a handler sees it, and the headers of every page.
+
+Each request passes, in order:
+
+1. The Host check (DNS rebinding): a page at ``attacker.example`` whose name
+   now resolves to this address sends ``Host: attacker.example``. Only this
+   API's own address (a loopback name or address, the endpoint's host, or the
+   address the client connected to, at the listening port) and the names of
+   ``api.allowed_hosts`` are answered; any other Host gets 421
+   ``host_not_allowed``. /healthz and /readyz answer any Host: probes name the
+   pod IP or whatever their orchestrator chose, and health tells a rebinding
+   page nothing.
+2. The Origin check (CSRF) on requests that change state (POST and the like):
+   an ``Origin`` other than this API's own (``null`` included) is refused, 403
+   ``cross_origin`` (the review page's form gets an HTML page saying so).
+   Browsers send an Origin with every POST; the review page is served with
+   ``Referrer-Policy: same-origin``, under which its own form posts carry its
+   real origin rather than ``null``. The JSON API also takes only
+   ``Content-Type: application/json`` bodies (415 otherwise): a browser cannot
+   send that to another site without a CORS preflight, which this API never
+   grants, so a request without an Origin cannot come from a page elsewhere
+   either.
+3. The token: with ``api.auth.bearer_token`` set, everything but /healthz and
+   /readyz needs ``Authorization: Bearer <token>``; a browser opens the review
+   page once as ``/review?token=<token>``, which sets an HttpOnly,
+   SameSite=Strict cookie in place of the header.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from .. import config
+from ..auth import bearer_ok, same_secret
+from ..review import page as review_page
+from .errors import APIError, Handler
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class HostCheck:
+    """Which ``Host`` headers name this API (see the module docstring)."""
+
+    def __init__(self, endpoint: str, allowed_hosts: Sequence[str]) -> None:
+        self.bound = config.split_host(endpoint)[0]
+        self.allowed = [config.split_host(h) for h in allowed_hosts]
+
+    def allows(self, header: str | None, local: Any, secure: bool) -> bool:
+        """``header`` names this API, reached at the socket address ``local`` (None when unknown)."""
+        try:
+            host, port = config.split_host(header or "")
+        except ValueError:
+            return False
+        port = port if port is not None else (443 if secure else 80)
+        if any(host == name and allowed_port in (None, port) for name, allowed_port in self.allowed):
+            return True
+        if not isinstance(local, tuple) or len(local) < 2 or port != local[1]:
+            return False
+        return host in (self.bound, _ip_text(local[0])) or config.is_loopback(host)
+
+
+def _ip_text(address: str) -> str:
+    """A socket's IP as ``split_host`` writes it (an IPv4 client of a dual-stack socket as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    return str(ip.ipv4_mapped) if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else str(ip)
+
+
+def host_check(hosts: HostCheck) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        local = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        header = request.headers.get("Host")
+        if not hosts.allows(header, local, request.secure):
+            raise APIError(421, "host_not_allowed",
+                           f"Host {header!r} does not name this API; to serve it under that name, add the name "
+                           "to api.allowed_hosts")
+        return await handler(request)
+
+    return check
+
+
+def _own_origin(request: web.Request) -> bool:
+    origin = urlsplit(request.headers["Origin"])
+    return origin.scheme in ("http", "https") and origin.netloc.lower() == request.headers.get("Host", "").lower()
+
+
+@web.middleware
+async def origin_check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method in _SAFE_METHODS or "Origin" not in request.headers or _own_origin(request):
+        return await handler(request)
+    if request.path.startswith("/review/"):
+        return html_response(review_page.render_message("Refused", "This decision was sent from another site."), status=403)
+    raise APIError(403, "cross_origin", f"a {request.method} from another site (Origin {request.headers['Origin']!r}) "
+                                        "is refused: only pages of this API may change its state")
+
+
+COOKIE = "tracejudge_token"
+
+
+def token_check(token: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not token or request.path in OPEN_PATHS:
+            return await handler(request)
+        if bearer_ok(request.headers.get("Authorization"), token):
+            return await handler(request)
+        if request.path == "/review" or request.path.startswith("/review/"):
+            if same_secret(request.cookies.get(COOKIE), token):
+                return await handler(request)
+            if same_secret(request.query.get("token"), token):
+                # Once from a link; the token then lives in a cookie, not in the address bar.
+                response = web.HTTPSeeOther(request.path)
+                response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/review",
+                                    secure=request.secure)
+                raise response
+            # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
+            return html_response(review_page.render_message(
+                "Sign in", "This review page needs the API token: open it as /review?token=<api.auth.bearer_token>."),
+                status=401)
+        raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
+
+    return check
+
+
+def html_response(text: str, status: int = 200) -> web.Response:
+    # Referrer-Policy same-origin, not no-referrer: under no-referrer browsers send the page's own form
+    # posts with "Origin: null", which the CSRF check must refuse; other sites still get no address.
+    return web.Response(text=text, status=status, content_type="text/html", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+                                 "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                                            "form-action 'self'; frame-ancestors 'none'",
+                                 "Referrer-Policy": "same-origin"})

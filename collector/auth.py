@@ -1,0 +1,21 @@
+"""The one bearer-token check, for the OTLP receivers and the API alike.
+
+Compared in constant time, so a wrong token's answer says nothing of how much of it
+was right.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+
+def same_secret(given: str | None, secret: str) -> bool:
+    """Whether ``given`` is ``secret`` (a token from a cookie or a link)."""
+    return given is not None and hmac.compare_digest(given.encode(), secret.encode())
+
+
+def bearer_ok(header: str | None, token: str | None) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <token>``; always, when no token is set."""
+    if not token:
+        return True
+    return same_secret(header.strip() if header is not None else None, f"Bearer {token}")

@@ -1,0 +1,13 @@
+"""Conversations: traces grouped by conversation id, each transcript rebuilt, ends detected.
+
+``keys`` resolves a trace's conversation, ``assemble`` rebuilds a transcript
+from its rows (with ``normalize``), ``stage`` keeps every conversation current
+as commits arrive, ``tables`` holds what it writes and the reads of it, and
+``record`` is the one conversation/v1 builder.
+"""
+
+from .record import conversation_record
+from .stage import Conversations
+from .tables import conversation_counts, list_conversations
+
+__all__ = ["Conversations", "conversation_counts", "conversation_record", "list_conversations"]

@@ -1,0 +1,107 @@
+"""The conversation stage's tables, and the reads of them that the API and the CLI share.
+
+``conversations`` has one row per conversation, ``messages`` its rebuilt
+transcript, ``tracejudge_state`` how far the stage has got (its batch mark).
+Reads take a DuckDB cursor of the caller's and return JSON-ready values.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import duckdb
+
+from ..listing import iso_utc
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    conversation_id VARCHAR PRIMARY KEY,
+    service VARCHAR,
+    started_at TIMESTAMPTZ,
+    ended_at TIMESTAMPTZ,
+    ended_by VARCHAR,
+    state VARCHAR NOT NULL,
+    user_turns INTEGER,
+    input_tokens BIGINT,
+    output_tokens BIGINT,
+    llm_calls INTEGER,
+    message_count INTEGER,
+    models VARCHAR,
+    system VARCHAR,
+    content_captured BOOLEAN,
+    no_content_reason VARCHAR,
+    transcript_hash VARCHAR,
+    revision INTEGER,
+    trace_ids VARCHAR,
+    newest_trace_id VARCHAR,
+    first_arrival_at TIMESTAMPTZ,
+    last_arrival_at TIMESTAMPTZ,
+    closed_at TIMESTAMPTZ,
+    updated_at TIMESTAMPTZ,
+    unparsed_spans INTEGER,
+    unparsed_logs INTEGER,
+    sources VARCHAR
+);
+CREATE TABLE IF NOT EXISTS messages (
+    conversation_id VARCHAR NOT NULL,
+    seq INTEGER NOT NULL,
+    role VARCHAR NOT NULL,
+    content VARCHAR,
+    tool_calls VARCHAR,
+    tool_call_id VARCHAR,
+    name VARCHAR,
+    "at" TIMESTAMPTZ,
+    span_id VARCHAR,
+    source VARCHAR,
+    truncated BOOLEAN
+);
+CREATE TABLE IF NOT EXISTS tracejudge_state (key VARCHAR PRIMARY KEY, value VARCHAR);
+"""
+
+CONVERSATION_COLUMNS = (
+    "conversation_id", "service", "started_at", "ended_at", "ended_by", "state", "user_turns", "input_tokens",
+    "output_tokens", "llm_calls", "message_count", "models", "system", "content_captured", "no_content_reason",
+    "transcript_hash", "revision", "trace_ids", "newest_trace_id", "first_arrival_at", "last_arrival_at",
+    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources",
+)
+MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
+                   "span_id", "source", "truncated")
+
+CONVERSATION_LIST_COLUMNS = (
+    "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",
+    "message_count", "llm_calls", "input_tokens", "output_tokens", "content_captured", "revision",
+    "last_arrival_at",
+)
+
+
+def list_conversations(cur: duckdb.DuckDBPyConnection, *, since: dt.datetime | None = None,
+                       state: str | None = None, service: str | None = None,
+                       limit: int = 50) -> list[dict[str, Any]]:
+    """Conversations, the most recently active first."""
+    where: list[str] = []
+    params: list[Any] = []
+    if since is not None:
+        where.append("last_arrival_at >= ?")
+        params.append(since)
+    if state:
+        where.append("state = ?")
+        params.append(state)
+    if service:
+        where.append("service = ?")
+        params.append(service)
+    sql = (f"SELECT {', '.join(CONVERSATION_LIST_COLUMNS)} FROM conversations "
+           f"{'WHERE ' + ' AND '.join(where) if where else ''} "
+           "ORDER BY last_arrival_at DESC, conversation_id LIMIT ?")
+    rows = cur.execute(sql, [*params, limit]).fetchall()
+    return [{k: iso_utc(v) for k, v in zip(CONVERSATION_LIST_COLUMNS, r)} for r in rows]
+
+
+def conversation_counts(cur: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Conversations by state, plus how many carry no content (never judged)."""
+    counts = {"open": 0, "ended": 0}
+    for state, n in cur.execute("SELECT state, count(*) FROM conversations GROUP BY state").fetchall():
+        counts[state] = n
+    row = cur.execute("SELECT count(*) FROM conversations WHERE NOT content_captured").fetchone()
+    counts["without_content"] = int(row[0]) if row else 0
+    return counts

@@ -1,0 +1,240 @@
+"""Judging one conversation on the configured criteria, and storing what that produced.
+
+``Judging`` reads a conversation as the judges see it (its conversation/v1
+record), leaves out criteria that already have a verdict on that transcript,
+runs the rest (``judges.arun_judges``; judge calls share one concurrency limit)
+and stores verdicts, not-run records and progress rows in one transaction. Who
+is told of the verdicts stored (the review queue, in the daemon) is given as
+``on_stored``. The daemon's evaluator and ``tracejudge eval`` share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import duckdb
+
+from judges import (
+    Conversation,
+    Criterion,
+    JudgeRequest,
+    JudgeRun,
+    LLMCriterion,
+    NotRun,
+    Provider,
+    ProviderReply,
+    arun_judges,
+    transcript_sha256,
+)
+
+from ..conversations.record import conversation_record
+from ..errors import UserError
+from ..store.transactions import Transaction
+from . import verdicts
+
+PROGRESS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS eval_progress (
+    conversation_id VARCHAR PRIMARY KEY,
+    revision INTEGER NOT NULL,
+    judged_at TIMESTAMPTZ NOT NULL,
+    errors INTEGER NOT NULL,
+    attempts INTEGER NOT NULL,
+    retry_at TIMESTAMPTZ
+);
+"""
+
+RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attempt on errors
+_UTC = dt.timezone.utc
+
+OnStored = Callable[[duckdb.DuckDBPyConnection, list[str], dt.datetime], object]
+"""Told, in the storing transaction, the ids of the verdicts just stored and the time."""
+
+
+def utc(seconds: float) -> dt.datetime:
+    """Epoch seconds as an aware UTC datetime."""
+    return dt.datetime.fromtimestamp(seconds, _UTC)
+
+
+class _Limited:
+    """A provider whose calls share one semaphore: the concurrency limit across conversations."""
+
+    def __init__(self, inner: Provider, limit: asyncio.Semaphore) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.model = inner.model
+        self.limit = limit
+
+    async def send(self, request: JudgeRequest) -> ProviderReply:
+        async with self.limit:
+            return await self.inner.send(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+# --------------------------------------------------------------- one conversation
+
+
+@dataclass(frozen=True)
+class Job:
+    """A sampled conversation to judge at one revision, with its inclusion probability."""
+
+    conversation_id: str
+    revision: int
+    probability: float
+    rule: str
+    """The sampling rule that picked it: ``rules[0]``, ... or ``default``."""
+    only_errors: bool = False
+    """A retry: only the criteria whose current verdict is an error."""
+
+
+@dataclass
+class Outcome:
+    """What judging one conversation produced; ``stored`` is filled in when it is stored."""
+
+    job: Job
+    run: JudgeRun
+    sha256: str
+    """The transcript judged."""
+    skipped: int
+    """Criteria not called again: they already have a verdict on this transcript."""
+    attempts: int = 1
+    stored: list[str] = field(default_factory=list)
+    """Ids of verdicts newly stored (a repeat after a crash stores none)."""
+
+
+@dataclass
+class Prepared:
+    """A conversation read for judging, and the criteria it still needs."""
+
+    conversation: Conversation
+    todo: list[Criterion]
+    sha256: str
+    skipped: int
+
+
+class Judging:
+    """Judges one conversation at a time on the configured criteria and stores the outcome.
+
+    The daemon's evaluator and ``tracejudge eval`` share it. DuckDB calls run
+    on the caller's cursor, in the caller's thread; ``judge`` awaits the judge calls.
+    """
+
+    def __init__(self, criteria: Sequence[Criterion], provider: Provider | None, *, concurrency: int,
+                 timeout: float, on_stored: OnStored | None = None, no_provider: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.criteria = list(criteria)
+        self.no_provider = no_provider
+        self.concurrency = concurrency
+        self._raw_provider = provider
+        self.provider: Provider | None = None
+        self.timeout = timeout
+        self.on_stored = on_stored
+        self.clock = clock
+
+    def bind(self) -> None:
+        """Create the shared call limit on the running loop (call from inside it)."""
+        limit = asyncio.Semaphore(self.concurrency)
+        self.provider = _Limited(self._raw_provider, limit) if self._raw_provider is not None else None
+
+    async def aclose(self) -> None:
+        if self.provider is not None:
+            await self.provider.aclose()
+
+    def subset(self, criterion_ids: Sequence[str]) -> Judging:
+        """The same judging on some criteria only, sharing the provider and its call limit.
+
+        Raises:
+            UserError: an id that is not among the configured criteria.
+        """
+        known = {c.id for c in self.criteria}
+        unknown = sorted(set(criterion_ids) - known)
+        if unknown:
+            raise UserError(f"no criterion {', '.join(unknown)} in judges.criteria "
+                            f"(configured: {', '.join(sorted(known)) or 'none'})")
+        other = Judging([c for c in self.criteria if c.id in criterion_ids], None, concurrency=self.concurrency,
+                        timeout=self.timeout, on_stored=self.on_stored, no_provider=self.no_provider,
+                        clock=self.clock)
+        other._raw_provider, other.provider = self._raw_provider, self.provider
+        return other
+
+    def _judge_model(self, c: Criterion) -> str | None:
+        # As the runner records it: the provider's model, or the code check's name.
+        if isinstance(c, LLMCriterion):
+            return self.provider.model if self.provider is not None else None
+        return c.check
+
+    def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None:
+        """The conversation record, and the criteria that still need a verdict on its current transcript."""
+        record = conversation_record(cur, job.conversation_id)
+        if record is None:
+            return None
+        record["sampling"] = {"probability": job.probability, "rule": job.rule}
+        conversation = Conversation.model_validate(record)
+        sha = transcript_sha256(conversation.messages)
+        rows = cur.execute(
+            "SELECT criterion_id, criterion_version, judge_model, result FROM verdicts "
+            "WHERE conversation_id = ? AND transcript_sha256 = ?", [job.conversation_id, sha]).fetchall()
+        done = {(cid, version, model) for cid, version, model, result in rows if result != "error"}
+        errored = {(cid, version, model) for cid, version, model, result in rows if result == "error"}
+        todo = []
+        for c in self.criteria:
+            key = (c.id, c.version, self._judge_model(c))
+            if key in done or (job.only_errors and key not in errored):
+                continue
+            todo.append(c)
+        return Prepared(conversation, todo, sha, len(self.criteria) - len(todo))
+
+    async def judge(self, conversation: Conversation, criteria: Sequence[Criterion]) -> JudgeRun:
+        """Run the criteria on one conversation; a conversation without content runs none of them."""
+        if not (conversation.attributes or {}).get("content_captured", True):
+            return JudgeRun(verdicts=[], not_run=[
+                NotRun(conversation_id=conversation.id, criterion_id=c.id, criterion_version=c.version,
+                       reason="no content captured") for c in criteria], usage={"input_tokens": 0,
+                                                                                 "output_tokens": 0})
+        if not criteria:
+            return JudgeRun(verdicts=[], not_run=[], usage={"input_tokens": 0, "output_tokens": 0})
+        run = await arun_judges(criteria, [conversation], self.provider, concurrency=len(criteria),
+                                timeout=self.timeout)
+        if self.provider is None and self.no_provider:
+            run.not_run = [n.model_copy(update={"reason": self.no_provider}) if n.reason == "no provider configured"
+                           else n for n in run.not_run]
+        return run
+
+    def store(self, cur: duckdb.DuckDBPyConnection, outcomes: Sequence[Outcome], *, progress: bool = True) -> None:
+        """Store verdicts, not-run records and progress rows of several conversations in one transaction."""
+        now = utc(self.clock())
+        with Transaction(cur):
+            for o in outcomes:
+                job, run = o.job, o.run
+                o.stored = verdicts.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
+                                                   now=now, current={job.conversation_id: o.sha256})
+                if self.on_stored is not None:
+                    self.on_stored(cur, o.stored, now)
+                if run.not_run:
+                    verdicts.store_not_run(cur, run.not_run, now=now)
+                if progress:
+                    errors = sum(1 for v in run.verdicts if v.result == "error")
+                    retry = (utc(self.clock() + RETRY_AFTER[o.attempts - 1])
+                             if errors and o.attempts <= len(RETRY_AFTER) else None)
+                    cur.execute("INSERT OR REPLACE INTO eval_progress VALUES (?, ?, ?, ?, ?, ?)",
+                                [job.conversation_id, job.revision, now, errors, o.attempts, retry])
+
+    async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, progress: bool = True) -> Outcome | None:
+        """Judge one conversation and store the outcome; None when the conversation is gone."""
+        p = self.prepare(cur, job)
+        if p is None:
+            return None
+        outcome = Outcome(job, await self.judge(p.conversation, p.todo), p.sha256, p.skipped)
+        self.store(cur, [outcome], progress=progress)
+        return outcome
+
+
+def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
+    """The tables of the evals stage: verdicts and the rest (``verdicts``), and the progress rows."""
+    verdicts.ensure_schema(cur)
+    cur.execute(PROGRESS_SCHEMA)

@@ -1,0 +1,183 @@
+"""Failure rates of production traffic, with what reviewers made of the failures (``tracejudge stats``).
+
+Per criterion and per group: raw counts of current verdicts, the failure rate
+among applicable verdicts estimated for all traffic (each verdict weighs 1 / its
+inclusion probability; the 95% interval uses the effective sample size), the
+criteria that could not run and why, and the review outcomes of the fails.
+It lives with the review stage because it reads both the evals stage's verdicts
+and the queue's decisions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter, defaultdict
+from typing import Any
+
+import duckdb
+
+from judges import weighted_proportion
+
+from ..evals.verdicts import verdict_filters, where_clause
+
+_COUNTED = ("pass", "fail", "not_applicable", "error", "not_run", "pass_unverified", "flagged")
+
+
+class _Tally:
+    """Raw counts of one criterion or group, and the (failed, weight) pairs of its applicable verdicts."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.not_run_reasons: Counter[str] = Counter()
+        self.review: Counter[str] = Counter()
+        self.fail_review: Counter[str] = Counter()
+        self.pairs: list[tuple[bool, float]] = []
+        self.judged = 0
+
+    def add(self, result: str, verified: bool, flagged: bool, error_code: str | None, p: float,
+            review: str | None, n: int) -> None:
+        self.judged += n
+        if result == "pass" and not verified:
+            self.counts["pass_unverified"] += n  # never a clean pass, kept out of the rate
+        else:
+            self.counts[result] += n
+        if result == "fail" and flagged:
+            self.counts["flagged"] += n
+        if result == "error":
+            self.errors[error_code or ""] += n
+        if result == "fail" or (result == "pass" and verified):
+            self.pairs += [(result == "fail", 1 / p)] * n
+        if review is not None:
+            self.review[review] += n
+            if result == "fail":
+                self.fail_review[review] += n
+
+    def entry(self) -> dict[str, Any]:
+        rate = weighted_proportion(self.pairs)
+        decided = self.fail_review["confirmed"] + self.fail_review["rejected"]
+        return {
+            "judged": self.judged, **{k: self.counts[k] for k in _COUNTED},
+            "failure_rate": None if rate is None else {
+                "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
+                "count": rate.count, "n": rate.n, "method": rate.method},
+            "review": {"pending": self.review["pending"], "confirmed": self.review["confirmed"],
+                       "rejected": self.review["rejected"],
+                       "fails_rejected_share": self.fail_review["rejected"] / decided if decided else None},
+            "errors": dict(self.errors), "not_run_reasons": dict(self.not_run_reasons),
+        }
+
+
+def _current(since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
+    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
+    where, params = verdict_filters(criterion=criterion, since=since)
+    where.append("NOT superseded")
+    return (f"SELECT * FROM verdicts {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
+            "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
+
+
+def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
+          criterion: str | None = None) -> dict[str, Any]:
+    """Counts, honest failure rates and review outcomes, per criterion and per group.
+
+    Counts are raw counts of current verdicts: for each conversation and
+    criterion the verdict on its current transcript with the newest criterion
+    version. ``failure_rate`` is the estimate for all production traffic among
+    applicable verdicts (clean pass + fail), each weighted by 1/inclusion
+    probability, with a 95% interval from the effective sample size (the
+    statistics of ``judges``); None when nothing was applicable. Passes with
+    unverified evidence are counted apart and kept out of the rate. Groups are
+    those ``store_criteria`` recorded for each criterion's newest version.
+
+    Args:
+        since: only verdicts judged (and conversations ended, decided, not run) at or after this time.
+        criterion: only this criterion id.
+
+    Returns:
+        ``{"criteria": [...], "groups": [...], "conversations": {"ended", "sampled",
+        "not_sampled", "skipped", "judged"}, "tokens": {"input_tokens", "output_tokens"}}``;
+        each criterion entry has ``criterion_id``, ``criterion_version``, ``group``,
+        ``judged``, ``pass``, ``fail``, ``not_applicable``, ``error``, ``not_run``,
+        ``pass_unverified``, ``flagged``, ``failure_rate`` ({``estimate``, ``low``,
+        ``high``, ``n_eff``, ``count``, ``n``, ``method``} or None), ``review``
+        ({``pending``, ``confirmed``, ``rejected``, ``fails_rejected_share``}),
+        ``errors`` (by reason code) and ``not_run_reasons``; group entries have
+        ``group`` in place of the criterion's id, version and group.
+    """
+    current, params = _current(since, criterion)
+    # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
+    rows = cur.execute(
+        "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
+        "CASE WHEN v.result = 'error' THEN split_part(coalesce(v.error_reason, ''), ':', 1) END AS code, "
+        "v.inclusion_probability, r.state, count(*) "
+        f"FROM ({current}) v LEFT JOIN review_items r ON r.verdict_id = v.id "
+        "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
+        params).fetchall()
+    nr_where = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
+                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
+    nr_params: list[Any] = []
+    if criterion is not None:
+        nr_where.append("n.criterion_id = ?")
+        nr_params.append(criterion)
+    if since is not None:
+        nr_where.append('n."at" >= ?')
+        nr_params.append(since)
+    not_run = cur.execute(
+        "SELECT criterion_id, max(criterion_version), reason, count(*) FROM (SELECT * FROM not_run n "
+        f"{where_clause(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, criterion_id "
+        "ORDER BY criterion_version DESC) = 1) GROUP BY criterion_id, reason", nr_params).fetchall()
+    groups_of: dict[str, str | None] = dict(cur.execute(
+        "SELECT criterion_id, criterion_group FROM criteria QUALIFY row_number() OVER "
+        "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall())
+
+    crits: dict[str, _Tally] = defaultdict(_Tally)
+    groups: dict[str, _Tally] = defaultdict(_Tally)
+    versions: dict[str, int] = {}
+    for cid, version, result, verified, flagged, code, p, review, n in rows:
+        versions[cid] = max(versions.get(cid, 0), version)
+        for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
+            t.add(result, verified, flagged, code, p, review, n)
+    for cid, version, reason, n in not_run:
+        versions[cid] = max(versions.get(cid, 0), version)
+        for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
+            t.counts["not_run"] += n
+            t.not_run_reasons[reason] += n
+    judged = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
+    return {
+        "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
+                      **crits[cid].entry()} for cid in sorted(crits)],
+        "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
+        "conversations": {**_conversation_counts(cur, since), "judged": int(judged[0]) if judged else 0},
+        "tokens": _tokens(cur, since, criterion),
+    }
+
+
+def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> dict[str, Any]:
+    ended_sql = "SELECT count(*) FROM conversations WHERE state = 'ended'"
+    params: list[Any] = []
+    if since is not None:
+        ended_sql += " AND closed_at >= ?"
+        params.append(since)
+    ended_row = cur.execute(ended_sql, params).fetchone()
+    decided = cur.execute(
+        "SELECT sampled, skipped_reason, count(*) FROM sampling_decisions "
+        + ("WHERE decided_at >= ? " if since is not None else "") + "GROUP BY ALL",
+        [since] if since is not None else []).fetchall()
+    skipped: dict[str, int] = {}
+    for _, reason, n in decided:
+        if reason is not None:
+            skipped[reason] = skipped.get(reason, 0) + n
+    return {
+        "ended": int(ended_row[0]) if ended_row else 0,
+        "sampled": sum(n for sampled, reason, n in decided if sampled and reason is None),
+        "not_sampled": sum(n for sampled, reason, n in decided if not sampled and reason is None),
+        "skipped": skipped,
+    }
+
+
+def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None) -> dict[str, int]:
+    # Tokens are money spent: superseded verdicts count too.
+    where, params = verdict_filters(criterion=criterion, since=since)
+    row = cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
+                      f"{where_clause(where)}", params).fetchone()
+    return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}
