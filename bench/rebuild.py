@@ -14,6 +14,11 @@ Measures, in the same run:
   series     the daemon's pattern: rebuild after each of the turns (rows of
              turns 1..k), summed, without and with a ``ParseMemo`` kept per
              conversation
+  stage      what the conversation stage does per span as each turn arrives:
+             resolve the new trace's conversation key, apply an end rule to
+             it, rebuild with the memo; with rows as plain dicts (every reader
+             parses the JSON columns again, as before rows were parsed once)
+             and as the stage's ``StoredRow``s (parsed once, shared)
 
 Run by hand:
 
@@ -29,7 +34,10 @@ import statistics
 import time
 from typing import Any, Callable
 
+from collector.config import EndRule
 from collector.conversations.assemble import ParseMemo, build_transcript
+from collector.conversations.endings import ended_by_rule
+from collector.conversations.keys import StoredRow, conversation_key
 
 SYSTEM = ("You are ShopBot, the support assistant of an online bookshop. Look an order up with the lookup_order "
           "tool before saying anything about it; never invent tracking numbers or dates. Answer briefly.")
@@ -155,6 +163,26 @@ def main() -> None:
           f"({plain / full:.1f}x one scratch build of every conversation)")
     print(f"rebuild after each turn, memo:    {memo * 1e3:8.1f} ms total "
           f"({memo / full:.1f}x one scratch build; {plain / memo:.1f}x less than without memo)")
+
+    rules = [EndRule(attribute="app.conversation.end", equals=True, ended_by="bot_closed")]  # matches none: reads all
+
+    def stage(row: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        for conv in convs:
+            m = ParseMemo()
+            rows: list[dict[str, Any]] = []
+            for turn in conv:
+                new = [row(r) for r in turn]  # the cache keeps these same objects for the next rebuild
+                conversation_key(new)
+                ended_by_rule(rules, new)
+                rows += new
+                build_transcript(rows, [], m)
+
+    per_reader = timed(lambda: stage(dict), args.repeat)
+    once = timed(lambda: stage(StoredRow), args.repeat)
+    print(f"stage per turn, parse per reader: {per_reader / n_spans * 1e6:8.1f} us/span "
+          f"({per_reader / base:.1f}x baseline)")
+    print(f"stage per turn, parse once:       {once / n_spans * 1e6:8.1f} us/span "
+          f"({once / base:.1f}x baseline; {per_reader / once:.2f}x less CPU than parse per reader)")
 
 
 if __name__ == "__main__":

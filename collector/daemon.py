@@ -202,7 +202,7 @@ class Daemon:
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
         parts.api = api = API(store, metrics, cfg.api,
-                              status=lambda: {**convs.status(), **evaluator.status()}, evaluator=evaluator)
+                              stages=(convs, evaluator), evaluator=evaluator)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:

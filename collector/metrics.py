@@ -135,6 +135,9 @@ class Metrics:
                                            "Conversations ended, by how (idle or an end rule).", ("ended_by",))
         self.conversations_reopened = Counter("tracejudge_conversations_reopened_total",
                                               "Ended conversations reopened by a new trace.")
+        self.stage_errors = Counter("tracejudge_stage_errors_total",
+                                    "Failures a background stage logged with their traceback and went on from, "
+                                    "by stage.", ("stage",))
         for reason in REJECT_REASONS:
             self.spans_rejected.declare(reason=reason)
             self.logs_rejected.declare(reason=reason)
@@ -149,7 +152,7 @@ class Metrics:
         for inst in (self.spans_received, self.spans_stored, self.spans_rejected, self.logs_received,
                      self.logs_stored, self.logs_rejected, self.metric_points, self.requests,
                      self.queue_depth, self.commit_seconds, self.conversations_ended,
-                     self.conversations_reopened):
+                     self.conversations_reopened, self.stage_errors):
             lines.extend(inst.render())
         for fn in self._extra:
             lines.extend(fn())

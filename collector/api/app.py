@@ -12,7 +12,7 @@ import datetime as dt
 import json
 import logging
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import quote, urlencode
 
 import duckdb
@@ -20,6 +20,7 @@ from aiohttp import web
 
 from .. import config, conversations
 from ..errors import StoreUnavailable, UserError
+from ..background import Stage
 from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
 from ..listing import MAX_LIMIT, iso_utc, parse_since
@@ -40,9 +41,10 @@ class API:
     """Routes of the JSON API; ``ready`` flips once every receiver listens."""
 
     def __init__(self, store: Store, metrics: Metrics, settings: config.API,
-                 status: Callable[[], dict[str, Any]] | None = None, evaluator: Evaluator | None = None) -> None:
+                 stages: Sequence[Stage] = (), evaluator: Evaluator | None = None) -> None:
         self.store = store
-        self.status_fn = status or (lambda: {})
+        self.stages = stages
+        """The daemon's background stages: how far each has got, and whether it still runs."""
         self.evaluator = evaluator
         self.metrics = metrics
         self.ready = False
@@ -103,13 +105,17 @@ class API:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Ready to take data: every receiver listens and the store commits."""
+        """Ready: every receiver listens, the store commits and every background stage runs."""
         failure = self.store.failure
         if failure is not None:
             raise APIError(503, "store_unavailable", f"the store cannot commit: {failure}; requests are "
                                                      "refused with a retryable status until a commit succeeds")
         if not self.ready:
             raise APIError(503, "not_ready", "the receivers are not listening (starting or stopping)")
+        stopped = [f"the {s.name} stage stopped ({s.stopped})" for s in self.stages if s.stopped is not None]
+        if stopped:
+            raise APIError(503, "stage_stopped", f"{'; '.join(stopped)}: data is still taken and kept, and a "
+                                                 "restart of the daemon catches up; the log has the traceback")
         return web.json_response({"status": "ready", "queue_depth": self.store.queue_depth})
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -117,9 +123,12 @@ class API:
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def status(self, request: web.Request) -> web.Response:
-        """Progress of each stage: what is committed, and how far conversations have caught up."""
-        return web.json_response({"queue_depth": self.store.queue_depth,
-                                  "committed_batch": self.store.batch_id, **self.status_fn()})
+        """Progress of each stage: what is committed, how far the stages have got, whether each runs."""
+        body: dict[str, Any] = {"queue_depth": self.store.queue_depth, "committed_batch": self.store.batch_id}
+        for stage in self.stages:
+            body.update(stage.status())
+        body["stages"] = {stage.name: stage.state for stage in self.stages}
+        return web.json_response(body)
 
     async def spans_count(self, request: web.Request) -> web.Response:
         def q(cur: Any) -> dict[str, int]:

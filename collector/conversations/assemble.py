@@ -47,6 +47,7 @@ from .keys import (
     DEFAULT_ID_ATTRIBUTES,
     conversation_key,
     group_traces,
+    json_column,
     load_json_column,
     response_links,
 )
@@ -107,19 +108,19 @@ def _row_start(rows: list[dict[str, Any]]) -> int:
     return min((as_int(r.get("start_time_unix_nano")) or 0 for r in rows), default=0)
 
 
-def _span_events(raw: Any) -> list[Event]:
-    events = load_json_column(raw) or []
+def _span_events(row: dict[str, Any]) -> list[Event]:
+    events = json_column(row, "events") or []
     return [Event(e.get("name") or "", e.get("attributes") or {}, None)
             for e in events if isinstance(e, dict)]
 
 
 def _parse_span(row: dict[str, Any], logs: list[Event]) -> _Span:
-    attrs = load_json_column(row.get("attributes")) or {}
+    attrs = json_column(row, "attributes") or {}
     if not isinstance(attrs, dict):
         raise ValueError("attributes is not an object")
     name = str(row.get("name") or "")
     meta, content = read_span(attrs, name)
-    content = combine([content, read_events(_span_events(row.get("events")), "span-event"),
+    content = combine([content, read_events(_span_events(row), "span-event"),
                        read_events(logs, "log")])
     if meta.kind == "other" and content is not None and content.has_messages():
         # Content with no classifying attribute: a model call if it names a model.

@@ -3,8 +3,9 @@
 Ids often sit only on the root span (or only on the app's agent span), so the
 key is resolved per trace: an id on any span applies to the whole trace.
 
-Public: ``conversation_key``, ``group_traces``, ``response_links``, ``load_json_column`` (the default
-attributes to look in are ``config.DEFAULT_ID_ATTRIBUTES``).
+Public: ``conversation_key``, ``group_traces``, ``response_links``, ``load_json_column``, and
+``StoredRow`` with ``json_column`` (a row whose JSON columns every reader shares, parsed once; the
+default attributes to look in are ``config.DEFAULT_ID_ATTRIBUTES``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,40 @@ def load_json_column(text: Any) -> Any:
     return json.loads(text) if _inexact(value) else value
 
 
+class StoredRow(dict[str, Any]):
+    """A stored span or log row (column -> value) whose JSON columns are parsed at most once.
+
+    The conversation stage reads a span's attributes for its conversation key,
+    its end rules and its transcript; with this row they share one parse. The
+    parsed values are shared: readers must not change them.
+    """
+
+    __slots__ = ("_parsed",)
+
+    def json(self, column: str) -> Any:
+        """``load_json_column`` of the column, parsed on the first call (its ``ValueError`` raised again after)."""
+        try:
+            parsed = self._parsed
+        except AttributeError:
+            parsed = self._parsed = {}
+        if column not in parsed:
+            try:
+                parsed[column] = (load_json_column(self.get(column)), None)
+            except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser's limit
+                parsed[column] = (None, exc)
+        value, error = parsed[column]
+        if error is not None:
+            raise error.with_traceback(None)
+        return value
+
+
+def json_column(row: Mapping[str, Any], column: str) -> Any:
+    """A row's JSON column decoded (``load_json_column``); once per ``StoredRow``, whoever asks."""
+    if type(row) is StoredRow:
+        return row.json(column)
+    return load_json_column(row.get(column))
+
+
 def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
     if name.endswith("*"):
         prefix = name[:-1]
@@ -76,8 +111,8 @@ def conversation_key(spans: list[dict[str, Any]],
     parsed: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for row in sorted(spans, key=_span_order):
         try:
-            attrs = load_json_column(row.get("attributes")) or {}
-            resource = load_json_column(row.get("resource")) or {}
+            attrs = json_column(row, "attributes") or {}
+            resource = json_column(row, "resource") or {}
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             continue
         if isinstance(attrs, dict) and isinstance(resource, dict):
@@ -109,7 +144,7 @@ def response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]
     previous: set[str] = set()
     for row in spans:
         try:
-            attrs = load_json_column(row.get("attributes"))
+            attrs = json_column(row, "attributes")
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             continue
         if isinstance(attrs, dict):

@@ -1,14 +1,17 @@
 """Online evals in the daemon: sample conversations as they end, judge them, store verdicts.
 
-Lifecycle: ``Evaluator(store, config, metrics, criteria=..., provider=...)``
--> ``start()`` (creates its tables, records the criteria texts, refills the
-budgets from what is stored, starts its thread) -> ``stop()`` (stores what was
-judged; calls in flight are abandoned and made again at the next start).
+A background ``Stage`` (its lifecycle is in ``collector.background``):
+``Evaluator(store, config, metrics, criteria=..., provider=...)`` -> ``start()``
+(creates its tables, records the criteria texts, refills the budgets from what
+is stored, starts its thread) -> ``stop()`` (stores what was judged; calls in
+flight are abandoned and made again at the next start). A cycle that fails is
+logged and counted, and the next one comes after a delay.
 
 It runs in a thread of its own with its own event loop. Ingestion comes first:
 each piece of DuckDB work (reading a conversation, storing, scanning) runs
-alone, between requests (``_db_work``); judge calls in flight are never held
-up. Each cycle, about once a second or as soon as a conversation is judged:
+alone, at the store's pace for it (``store.pacing``, ``_db_work``); judge calls
+in flight are never held up. Each cycle, about once a second or as soon as a
+conversation is judged:
 
 1. **scan**: conversations written since the last scan (``updated_at``) that
    have ended. One with no sampling decision gets one now (``Sampler.decide``);
@@ -53,6 +56,7 @@ import orjson
 
 from judges import Criterion, LLMCriterion, Provider
 
+from ..background import Stage
 from ..config import Config
 from ..errors import UserError
 from ..metrics import Counter, Gauge, Histogram, Metrics
@@ -68,8 +72,12 @@ log = logging.getLogger("tracejudge.evaluator")
 SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may land after a scan
 SCAN_PAGE = 2000
 MAX_PENDING = 5000
-IDLE_GAP = 0.01  # ingestion counts as paused once nothing has waited to be stored for this long
-BUSY_SHARE = 8  # after max_wait, while ingestion stays busy, DuckDB work takes at most 1/8 of the time
+# The evaluator's pace (``collector.store.pacing``). Its pieces are single DuckDB statements, a few ms
+# each and mostly outside the interpreter lock, and judge calls wait behind them: a short pause
+# between requests is enough, at any load below saturation.
+IDLE_GAP = 0.01
+SHARE = 1 / 8  # after max_wait without a pause
+POLL = 0.005
 
 
 # --------------------------------------------------------------- sampling facts
@@ -124,8 +132,6 @@ class EvalMetrics:
         self.in_flight = Gauge("tracejudge_eval_in_flight", "Conversations being judged now.")
         self.seconds = Histogram("tracejudge_eval_conversation_seconds",
                                  "Time to judge one conversation on every criterion.")
-        self.failures = Counter("tracejudge_eval_stage_errors_total",
-                                "Cycles of the evaluator that failed (logged; the work is retried).")
         for outcome in ("sampled", "not_sampled", "skipped_budget"):
             self.decisions.declare(outcome=outcome)
         for result in ("pass", "fail", "not_applicable", "error"):
@@ -133,20 +139,22 @@ class EvalMetrics:
         self.tokens.declare(kind="input")
         self.tokens.declare(kind="output")
         instruments = (self.decisions, self.verdicts, self.not_run, self.judged, self.tokens, self.pending,
-                       self.in_flight, self.seconds, self.failures)
+                       self.in_flight, self.seconds)
         metrics.add_collector(lambda: [line for i in instruments for line in i.render()])
 
 
-class Evaluator:
+class Evaluator(Stage):
     """The online eval stage of the daemon (see the module docstring)."""
+
+    name = "evaluator"
 
     def __init__(self, store: Store, cfg: Config, metrics: Metrics, *, criteria: Sequence[Criterion],
                  provider: Provider | None, no_provider: str | None = None, on_stored: OnStored | None = None,
                  clock: Callable[[], float] = time.time, poll: float = 1.0, settle: float = 2.0,
                  max_wait: float = 30.0) -> None:
-        self.store = store
-        self.max_wait = max_wait
-        """Seconds DuckDB work waits for a pause in ingestion before it takes its 1/BUSY_SHARE anyway."""
+        super().__init__(store, metrics)
+        self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL)
+        """When DuckDB work may run: ``max_wait`` is how long it waits for a pause in ingestion."""
         self.clock = clock
         self.poll = poll
         self.settle = settle
@@ -158,31 +166,26 @@ class Evaluator:
         self.max_in_flight = 2 * cfg.judges.concurrency
         self.m = EvalMetrics(metrics)
         self._keys, self._status = _attribute_keys(self.sampler)
-        self._cur: duckdb.DuckDBPyConnection | None = None
         self._pending: OrderedDict[str, Job] = OrderedDict()
         self._attempts: dict[str, int] = {}
         self._backfills: list[Backfill] = []
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._finished: dict[str, Outcome] = {}  # judged, not stored yet
-        self._waiting_since: float | None = None
-        self._next_turn = 0.0
         self._db_lock: asyncio.Lock | None = None
         self._mark: tuple[dt.datetime, str] = (utc(0), "")
         self._not_run_mark: str | None = "" if provider is not None else None
         """Conversations with not-run records queued up to this id; None once all are (or without a provider)."""
         self.scans = 0
         """Scans completed since the start (each also looks for retries that are due)."""
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._wake: asyncio.Event | None = None
-        self._started = threading.Event()
+        self._woken: asyncio.Event | None = None
+        self._started = threading.Event()  # its loop runs (or its thread ended)
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        cur = self.store.cursor()
-        self._cur = cur
+    def _open(self) -> None:
+        cur = self.cur
+        assert cur is not None
         ensure_schema(cur)
         verdicts.store_criteria(cur, self.judging.criteria, now=utc(self.clock()))
         now = self.clock()
@@ -191,18 +194,13 @@ class Evaluator:
         spent = cur.execute("SELECT epoch(judged_at), input_tokens + output_tokens FROM verdicts "
                             "WHERE judged_at >= ?", [utc(now - 86400)]).fetchall()
         self.sampler.restore(admitted_at=[float(t) for (t,) in admitted], tokens=[(float(t), int(n)) for t, n in spent])
-        self._thread = threading.Thread(target=self._run, name="tracejudge-evaluator", daemon=True)
-        self._thread.start()
-        self._started.wait()
 
-    def stop(self) -> None:
-        if self._thread is not None and self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join()
-            self._thread = None
-        if self._cur is not None:
-            self._cur.close()
-            self._cur = None
+    def start(self) -> None:
+        super().start()
+        self._started.wait()  # from now on ``wake``, ``start_backfill`` and ``stop`` reach its loop
+
+    def _wake(self) -> None:
+        self.wake()
 
     @property
     def judged(self) -> int:
@@ -211,8 +209,9 @@ class Evaluator:
 
     def wake(self) -> None:
         """Look for ended conversations now instead of at the next poll."""
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        if self._loop is not None and self._woken is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has ended already
+                self._loop.call_soon_threadsafe(self._woken.set)
 
     def start_backfill(self, since: dt.datetime | None, criterion_ids: Sequence[str]) -> Backfill:
         """Start a ``tracejudge eval`` pass on this stage's loop; poll the returned progress.
@@ -223,10 +222,10 @@ class Evaluator:
         if not self.judging.criteria:
             raise UserError("no criteria to judge with: judges.criteria is empty")
         judging = self.judging.subset(criterion_ids) if criterion_ids else self.judging
-        assert self._loop is not None and self._cur is not None
+        assert self._loop is not None and self.cur is not None
         self._backfills.append(Backfill(id=len(self._backfills) + 1))
         progress = self._backfills[-1]
-        cur = self._cur
+        cur = self.cur
 
         async def run() -> None:
             jobs = backfill_jobs(cur, since)
@@ -250,23 +249,25 @@ class Evaluator:
     # ------------------------------------------------------------ the loop
 
     def _run(self) -> None:
-        asyncio.run(self._main())
+        try:
+            asyncio.run(self._main())
+        finally:
+            self._started.set()  # a start waiting for a loop that never ran returns all the same
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        self._wake = asyncio.Event()
+        self._woken = asyncio.Event()
         self._db_lock = asyncio.Lock()
         self.judging.bind()
         self._started.set()
         try:
-            while not self._stop.is_set():
-                more = False
+            while not self.stopping.is_set():
                 try:
                     more = await self._cycle()
-                except duckdb.Error:
-                    self.m.failures.inc()
-                    log.exception("evaluator cycle failed; it is tried again")
+                except Exception:  # noqa: BLE001 - one failed cycle must not end the stage
+                    await self._sleep(self.cycle_failed("a cycle failed; its work is tried again"))
+                    continue
+                self.cycle_ok()
                 if not more:
                     await self._sleep(self.poll)
         finally:
@@ -275,45 +276,32 @@ class Evaluator:
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
             try:
                 self._store_finished()  # what was judged before the stop is kept
-            except duckdb.Error:
-                log.exception("storing the last verdicts failed; those conversations are judged again")
+            except Exception:  # noqa: BLE001
+                self.error("storing the last verdicts failed; those conversations are judged again")
             await self.judging.aclose()
 
     async def _sleep(self, seconds: float) -> None:
-        assert self._stop is not None and self._wake is not None
-        waits = [asyncio.ensure_future(self._stop.wait()), asyncio.ensure_future(self._wake.wait())]
-        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        self._wake.clear()
+        """Until ``seconds`` have passed, ``wake`` is called or the stage is stopping."""
+        assert self._woken is not None
+        if not self.stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), timeout=seconds)
+        self._woken.clear()
 
     @contextlib.asynccontextmanager
     async def _db_work(self) -> AsyncIterator[None]:
-        """One piece of DuckDB work, when it may run: requests go first.
+        """One piece of DuckDB work, one at a time, when ``pacing`` lets it run: requests go first.
 
-        Ingestion and this stage share one interpreter lock and DuckDB. Work
-        runs one piece at a time, each when no request has waited to be stored
-        for ``IDLE_GAP`` (between requests, at any load below saturation);
-        while requests queue without a pause for ``max_wait``, it runs at most
-        1/``BUSY_SHARE`` of the time. Judge calls in flight are not held up:
-        only reading, storing and scanning.
+        Judge calls in flight are not held up: only reading, storing and
+        scanning. Once the stage is stopping, work no longer waits.
         """
-        assert self._stop is not None and self._db_lock is not None
+        assert self._db_lock is not None
         async with self._db_lock:
-            while self.store.idle_seconds < IDLE_GAP and not self._stop.is_set():
-                now = time.monotonic()
-                if self._waiting_since is None:
-                    self._waiting_since = now
-                if now - self._waiting_since >= self.max_wait and now >= self._next_turn:
-                    break
-                await asyncio.sleep(0.005)
-            else:
-                self._waiting_since = None
-            began = time.perf_counter()
+            await self.pacing.turn(self.stopping)
             try:
                 yield
             finally:
-                self._next_turn = time.monotonic() + (BUSY_SHARE - 1) * (time.perf_counter() - began)
+                self.pacing.done()
 
     async def _cycle(self) -> bool:
         """Store what was judged, scan, start what there is room for; True when the scan has more to read now."""
@@ -334,8 +322,8 @@ class Evaluator:
 
     def _scan(self) -> bool:
         """Decide and queue ended conversations that need it; True when a full page came back."""
-        assert self._cur is not None
-        cur = self._cur
+        assert self.cur is not None
+        cur = self.cur
         now = self.clock()
         since, after = self._mark
         cols = ("conversation_id", "updated_at", "revision", "transcript_hash", "ended_by", "service", "models",
@@ -380,8 +368,8 @@ class Evaluator:
 
     def _retries(self) -> None:
         """Conversations whose verdicts had errors, once their retry time has come."""
-        assert self._cur is not None
-        rows = self._cur.execute(
+        assert self.cur is not None
+        rows = self.cur.execute(
             "SELECT p.conversation_id, p.revision, p.attempts, s.probability, s.rule FROM eval_progress p "
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
             "WHERE p.retry_at <= ? AND c.revision = p.revision "
@@ -396,13 +384,13 @@ class Evaluator:
 
         Returns the mark to go on from, or None when there are no more.
         """
-        assert self._cur is not None and self._not_run_mark is not None
+        assert self.cur is not None and self._not_run_mark is not None
         llm = [f"{c.id}\x1f{c.version}" for c in self.judging.criteria if isinstance(c, LLMCriterion)]
         room = MAX_PENDING - len(self._pending)
         if not llm or room <= 0:
             return self._not_run_mark if llm else None
         reasons = " OR ".join(["starts_with(n.reason, ?)"] * len(NO_PROVIDER))
-        rows = self._cur.execute(
+        rows = self.cur.execute(
             "SELECT DISTINCT n.conversation_id, c.revision, s.probability, s.rule FROM not_run n "
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
             "WHERE c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL AND n.conversation_id > ? "
@@ -433,39 +421,36 @@ class Evaluator:
 
     async def _judge(self, job: Job) -> None:
         """Read, judge; the outcome waits in ``_finished`` for the next cycle to store it with others."""
-        assert self._cur is not None
+        assert self.cur is not None
         started = time.monotonic()
         attempts = self._attempts.pop(job.conversation_id, 1)
         try:
             async with self._db_work():
-                prepared = self.judging.prepare(self._cur, job)
+                prepared = self.judging.prepare(self.cur, job)
             if prepared is not None:
                 run = await self.judging.judge(prepared.conversation, prepared.todo)
                 self._finished[job.conversation_id] = Outcome(job, run, prepared.sha256, prepared.skipped, attempts)
         except duckdb.Error:
-            self.m.failures.inc()
-            log.exception("reading %s for its judges failed; it is judged again", job.conversation_id)
+            self.error(f"reading {job.conversation_id} for its judges failed; it is judged again")
             self._pending.setdefault(job.conversation_id, job)
         except Exception:  # noqa: BLE001 - a bug in one conversation must not stop the stage
-            self.m.failures.inc()
-            log.exception("judging %s failed", job.conversation_id)
+            self.error(f"judging {job.conversation_id} failed")
         finally:
             self._in_flight.pop(job.conversation_id, None)
         self.m.seconds.observe(time.monotonic() - started)
-        if self._wake is not None:
-            self._wake.set()  # the next cycle stores it and fills the free slot
+        if self._woken is not None:
+            self._woken.set()  # the next cycle stores it and fills the free slot
 
     def _store_finished(self) -> None:
         """Store every outcome waiting, in one transaction, then count it and look for changed transcripts."""
         if not self._finished:
             return
-        assert self._cur is not None
+        assert self.cur is not None
         outcomes = list(self._finished.values())
         try:
-            self.judging.store(self._cur, outcomes)
+            self.judging.store(self.cur, outcomes)
         except duckdb.Error:
-            self.m.failures.inc()
-            log.exception("storing the verdicts of %d conversations failed; they are judged again", len(outcomes))
+            self.error(f"storing the verdicts of {len(outcomes)} conversations failed; they are judged again")
             for o in outcomes:
                 self._pending.setdefault(o.job.conversation_id, o.job)
             self._finished.clear()
@@ -476,7 +461,7 @@ class Evaluator:
         # A transcript that changed while it was judged is judged again once it has ended again:
         # its row was left out of the scans meanwhile, and the scan's mark may have passed it.
         jobs = {o.job.conversation_id: o.job for o in outcomes}
-        for cid, revision in self._cur.execute(
+        for cid, revision in self.cur.execute(
                 "SELECT conversation_id, revision FROM conversations WHERE state = 'ended' AND "
                 "conversation_id IN (SELECT unnest(?::VARCHAR[]))", [list(jobs)]).fetchall():
             job = jobs[cid]

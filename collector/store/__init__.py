@@ -7,8 +7,9 @@ ingestion (``pacing``).
 """
 
 from .files import ATTACHED, connect, file_fault, unreadable
+from .pacing import Pacing
 from .transactions import Transaction, insert_rows, registered, rows_table, utc_now
 from .writer import Committed, Store
 
-__all__ = ["ATTACHED", "Committed", "Store", "Transaction", "connect", "file_fault", "insert_rows", "registered",
-           "rows_table", "unreadable", "utc_now"]
+__all__ = ["ATTACHED", "Committed", "Pacing", "Store", "Transaction", "connect", "file_fault", "insert_rows",
+           "registered", "rows_table", "unreadable", "utc_now"]

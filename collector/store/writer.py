@@ -3,7 +3,8 @@
 Lifecycle: ``Store(...)`` -> ``open()`` (connects, creates the schema, starts the
 writer thread) -> ``submit()`` from any thread, any number of times ->
 ``drain()`` (refuses new work, commits everything queued, stops the thread) ->
-``close()`` (drains, closes the file). Reads take their own cursor with ``cursor()``.
+``close()`` (drains, closes the file). Reads take their own cursor with ``cursor()``;
+background stages give way to ingestion with a ``pacing()`` of their own.
 
 Why a thread: DuckDB calls block. Receivers hand column batches to ``submit``,
 which returns a future the writer resolves after the transaction that holds
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
 import time
@@ -50,6 +52,7 @@ from ..errors import StoreUnavailable
 from ..ingest.batches import LogBatch, SpanBatch
 from ..metrics import Metrics
 from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
+from .pacing import Pacing
 from .schema import LOG_ARROW, SPAN_ARROW, create_schema
 from .transactions import Transaction, registered
 
@@ -173,6 +176,12 @@ class Store:
         """How long nothing has been waiting to be stored (0 while something is)."""
         with self._lock:
             return 0.0 if self._pending else time.monotonic() - self._emptied_at
+
+    def pacing(self, *, idle_gap: float, share: float, max_wait: float, poll: float,
+               piece: float = math.inf) -> Pacing:
+        """A pace of its own for one background stage, over this store's notion of busy ingestion."""
+        return Pacing(lambda: self.idle_seconds, idle_gap=idle_gap, share=share, max_wait=max_wait, piece=piece,
+                      poll=poll)
 
     @property
     def batch_id(self) -> int:

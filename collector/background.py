@@ -1,0 +1,153 @@
+"""Background stages: the daemon's work beside ingestion, each in a thread of its own.
+
+The conversation stage and the evaluator are ``Stage``s. ``Stage`` owns their
+thread and lifecycle; a stage writes ``_open`` (what it sets up before its
+thread starts), ``_run`` (its loop of cycles) and ``_wake`` (how a stop reaches
+a loop that sleeps).
+
+Lifecycle: ``Stage(store, metrics)`` -> ``start()`` -> running -> ``stop()``.
+
+- ``start()`` opens the stage's cursor (``cur``) and runs ``_open`` in the
+  caller's thread, so an error there (its tables, its stored state) stops the
+  daemon's start-up; then it starts ``_run`` in a thread named
+  ``tracejudge-<name>``. ``open()`` alone does the first part, for a stage
+  worked from the caller's thread (``tracejudge reindex``).
+- While running, ``_run`` loops until ``stopping`` is set. A cycle that raises
+  hands the error to ``cycle_failed``: the traceback is logged,
+  ``tracejudge_stage_errors_total{stage}`` counts it, and the stage goes on with
+  its next cycle after a delay (1 s, doubling up to a minute while cycles keep
+  failing; ``cycle_ok`` starts it again at 1 s).
+- If ``_run`` ends before ``stop()`` (something beyond one cycle raised, or a
+  bug left the loop), the stage has stopped for good: the log says why at
+  CRITICAL, ``state`` says ``stopped: <reason>``, ``/readyz`` answers 503 naming
+  it and ``/api/status`` shows it under ``stages``. The daemon goes on taking
+  data (nothing acknowledged is lost; the next start catches up).
+- ``stop()`` sets ``stopping``, wakes the loop, joins the thread, then closes the
+  cursor. It may be called at any point, also after a start that failed half
+  way, and more than once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, ClassVar
+
+import duckdb
+
+from .metrics import Metrics
+from .store import Store
+
+log = logging.getLogger("tracejudge.stages")
+
+RETRY_FIRST = 1.0  # seconds before the next cycle after one failed
+RETRY_MOST = 60.0
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class Stage:
+    """A background stage of the daemon (see the module docstring)."""
+
+    name: ClassVar[str]
+    """Names its thread, its ``stage`` label on /metrics and its key under ``stages`` in /api/status."""
+    takes_commits: ClassVar[bool] = False
+    """Whether the store hands it each commit (``on_commit``): it stops only after the store's drain."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.cur: duckdb.DuckDBPyConnection | None = None
+        self.stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped: str | None = None
+        self._failures = 0  # cycles failed in a row
+        metrics.stage_errors.declare(stage=self.name)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Open the stage's cursor and set it up, without its thread."""
+        self.cur = self.store.cursor()
+        self._open()
+
+    def start(self) -> None:
+        """``open``, then run the stage's loop in its thread."""
+        self.open()
+        self._thread = threading.Thread(target=self._thread_body, name=f"tracejudge-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop and wait for it, then close the cursor."""
+        if self._thread is not None:
+            self.stopping.set()
+            self._wake()
+            self._thread.join()
+            self._thread = None
+        if self.cur is not None:
+            self.cur.close()
+            self.cur = None
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the stage's thread ended before ``stop``, if it did."""
+        return self._stopped
+
+    @property
+    def state(self) -> str:
+        """For /api/status: ``running``, ``stopped: <reason>``, or ``not running`` (not started, or stopped)."""
+        if self._stopped is not None:
+            return f"stopped: {self._stopped}"
+        return "running" if self._thread is not None else "not running"
+
+    def status(self) -> dict[str, Any]:
+        """How far the stage has got, for /api/status (its keys are the stage's own)."""
+        return {}
+
+    # ------------------------------------------------------------ for the stages
+
+    def cycle_failed(self, what: str) -> float:
+        """Log the exception being handled with ``what`` and count it; the seconds to wait before the next cycle."""
+        self._failures += 1
+        delay = min(RETRY_MOST, RETRY_FIRST * 2 ** (self._failures - 1))
+        self.metrics.stage_errors.inc(stage=self.name)
+        log.exception("%s stage: %s; it goes on in %.0f s", self.name, what, delay)
+        return delay
+
+    def cycle_ok(self) -> None:
+        """A cycle succeeded: the next failure waits ``RETRY_FIRST`` again."""
+        self._failures = 0
+
+    def error(self, what: str) -> None:
+        """Log the exception being handled with ``what`` and count it, for a failure within a cycle."""
+        self.metrics.stage_errors.inc(stage=self.name)
+        log.exception("%s stage: %s", self.name, what)
+
+    # ------------------------------------------------------------ written by each stage
+
+    def _open(self) -> None:
+        """Set up before the thread starts (tables, stored state); ``self.cur`` is open."""
+
+    def _run(self) -> None:
+        """The loop: cycles until ``stopping`` is set."""
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        """Make a sleeping loop see ``stopping`` now."""
+
+    # ------------------------------------------------------------ the thread
+
+    def _thread_body(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # beyond one cycle: the stage cannot go on
+            self._stopped = _reason(exc)
+            log.critical("the %s stage stopped (%s); the daemon goes on taking data, and the next start catches "
+                         "up: restart it", self.name, self._stopped, exc_info=exc)
+            return
+        if not self.stopping.is_set():
+            self._stopped = "its loop ended before the stop"
+            log.critical("the %s stage stopped (%s): restart the daemon", self.name, self._stopped)

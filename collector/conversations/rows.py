@@ -1,0 +1,242 @@
+"""The rows of each trace as the conversation stage reads them: a bounded cache over DuckDB.
+
+A trace first seen whole in the commits handed to the stage keeps its rows in
+memory (the least recently used go beyond ``max_rows``); any other trace is read
+back from ``span_records`` and ``log_records`` when a rebuild needs it, within
+the range of commits known to hold it when there is one (rows are stored in
+commit order, so the read skips the other row groups).
+
+Every row is a ``StoredRow``: its JSON columns are parsed once, however many
+readers (the conversation key, the end rules, the transcript) look at it.
+Log rows carry their ``arrival`` (commit, place in it: the position in the
+commit for rows handed over, the stored ``seq`` for rows read back), so records
+sharing a timestamp keep the order they were sent in.
+
+Lifecycle: one per stage, used by its thread only; ``clear()`` after a failed
+cycle (memory may be ahead of what is stored).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import duckdb
+
+from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
+from ..store import Committed
+from .keys import StoredRow
+
+# Rows of light commits read back from DuckDB at once (by batch, a range read), and
+# processed before the next: bounded memory, and their conversations' rows still cached
+# when they are rebuilt.
+LIGHT_GROUP_ROWS = 4096
+
+
+@dataclass
+class TraceRows:
+    """The span and log rows of one trace."""
+
+    spans: list[StoredRow] = field(default_factory=list)
+    logs: list[StoredRow] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.spans) + len(self.logs)
+
+    def extend(self, other: "TraceRows") -> None:
+        self.spans.extend(other.spans)
+        self.logs.extend(other.logs)
+
+    def start(self) -> int:
+        """The earliest start (or log time) of its rows, in ns; 0 without one."""
+        starts = [r["start_time_unix_nano"] for r in self.spans if r.get("start_time_unix_nano")]
+        starts += [r["time_unix_nano"] or r["observed_time_unix_nano"] or 0 for r in self.logs]
+        return min(starts) if starts else 0
+
+
+@dataclass
+class Light:
+    """A commit queued while the stage is behind: which traces it touched, not its rows."""
+
+    batch_id: int
+    received_at: float
+    trace_ids: list[str]
+    rows: int = 0  # spans and log records in the commit
+
+    @classmethod
+    def of(cls, committed: Committed) -> "Light":
+        traces = set(committed.spans.columns[0]) | {t for t in committed.logs.columns[1] if t}
+        return cls(committed.batch_id, committed.received_at, sorted(traces),
+                   len(committed.spans) + len(committed.logs))
+
+
+def groups(committed: list[Committed | Light]) -> list[list[Committed | Light]]:
+    """Commits in order, cut so that each group's light commits hold at most ``LIGHT_GROUP_ROWS`` rows."""
+    out: list[list[Committed | Light]] = []
+    group: list[Committed | Light] = []
+    rows = 0
+    for c in committed:
+        if isinstance(c, Light):
+            if group and rows + c.rows > LIGHT_GROUP_ROWS and rows:
+                out.append(group)
+                group, rows = [], 0
+            rows += c.rows
+        group.append(c)
+    if group:
+        out.append(group)
+    return out
+
+
+@dataclass
+class Taken:
+    """What a group of commits brought: each touched trace's rows, when it last arrived, its commits."""
+
+    rows: dict[str, TraceRows] = field(default_factory=dict)
+    arrived: dict[str, float] = field(default_factory=dict)
+    first: dict[str, int] = field(default_factory=dict)  # trace -> the first of these commits with its rows
+    last: dict[str, int] = field(default_factory=dict)
+
+    def add(self, tid: str, batch_id: int, received_at: float) -> TraceRows:
+        self.arrived[tid] = received_at
+        self.first.setdefault(tid, batch_id)
+        self.last[tid] = batch_id
+        return self.rows.setdefault(tid, TraceRows())
+
+
+class RowCache:
+    """Rows of recent traces, and the reads of the others (see the module docstring)."""
+
+    def __init__(self, max_rows: int, max_bounds: int = 200_000) -> None:
+        self.max_rows = max_rows
+        self.max_bounds = max_bounds
+        self._traces: OrderedDict[str, TraceRows] = OrderedDict()
+        self._rows = 0  # rows held
+        # trace -> (first, last) batch holding its rows, for traces first seen by this stage whole
+        # (the same premise as the cache's); bounded, the oldest go first.
+        self._bounds: OrderedDict[str, tuple[int, int]] = OrderedDict()
+
+    def clear(self) -> None:
+        self._traces.clear()
+        self._rows = 0
+
+    def take(self, cur: duckdb.DuckDBPyConnection, committed: list[Committed | Light]) -> Taken:
+        """The rows these commits brought, by trace: handed over, or read back for light commits."""
+        taken = Taken()
+        lights = [c for c in committed if isinstance(c, Light)]
+        stored = self._commit_rows(cur, lights) if lights else {}
+        for c in committed:
+            if isinstance(c, Light):
+                span_rows, log_rows = stored[c.batch_id]
+                for tid in c.trace_ids:
+                    taken.add(tid, c.batch_id, c.received_at)
+                for row in span_rows:
+                    taken.rows[row["trace_id"]].spans.append(row)
+                for row in log_rows:
+                    if row["trace_id"] in taken.rows:
+                        taken.rows[row["trace_id"]].logs.append(row)
+                continue
+            for row in c.spans.rows():
+                taken.add(row["trace_id"], c.batch_id, c.received_at).spans.append(StoredRow(row))
+            for pos, row in enumerate(c.logs.rows()):
+                if row["trace_id"] is None:
+                    continue  # a log record with no trace belongs to no conversation
+                log_row = StoredRow(row)
+                log_row["arrival"] = (c.batch_id, pos)
+                taken.add(row["trace_id"], c.batch_id, c.received_at).logs.append(log_row)
+        return taken
+
+    def keep(self, taken: Taken, seen: set[str]) -> None:
+        """Cache what a trace seen for the first time brought (it has all its rows in these commits);
+        add new rows to traces cached already. ``seen``: traces with older rows in DuckDB."""
+        for tid, rows in taken.rows.items():
+            cached = self._traces.get(tid)
+            if cached is not None:
+                cached.extend(rows)
+                self._traces.move_to_end(tid)
+            elif tid in seen:
+                continue  # older rows are in DuckDB: read the whole trace when needed
+            else:
+                self._traces[tid] = rows
+                self._bounds[tid] = (taken.first[tid], taken.last[tid])
+                self._bounds.move_to_end(tid)
+            self._rows += len(rows)
+        for tid, hi in taken.last.items():  # rows that went to DuckDB only widen the trace's range
+            bounds = self._bounds.get(tid)
+            if bounds is not None and hi > bounds[1]:
+                self._bounds[tid] = (bounds[0], hi)
+        while len(self._bounds) > self.max_bounds:
+            self._bounds.popitem(last=False)
+        self._evict()
+
+    def get(self, cur: duckdb.DuckDBPyConnection, trace_ids: Iterable[str]) -> dict[str, TraceRows]:
+        """Every stored row of these traces: the cache, else one read from DuckDB."""
+        out: dict[str, TraceRows] = {}
+        missing = []
+        for t in trace_ids:
+            rows = self._traces.get(t)
+            if rows is not None:
+                self._traces.move_to_end(t)
+                out[t] = rows
+            else:
+                missing.append(t)
+        if missing:
+            loaded = self._read(cur, missing)
+            for t, rows in loaded.items():
+                self._traces[t] = rows
+                self._rows += len(rows)
+                out[t] = rows
+            self._evict()
+        return out
+
+    def drop(self, trace_ids: Iterable[str]) -> None:
+        """These traces leave the cache (their conversation ended)."""
+        for t in trace_ids:
+            rows = self._traces.pop(t, None)
+            if rows is not None:
+                self._rows -= len(rows)
+
+    def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str]) -> dict[str, TraceRows]:
+        loaded = {t: TraceRows() for t in missing}
+        where = "trace_id IN (SELECT unnest(?))"
+        params: list[Any] = [missing]
+        ranges = [self._bounds.get(t) for t in missing]
+        if all(r is not None for r in ranges):
+            where += " AND batch_id BETWEEN ? AND ?"
+            params += [min(r[0] for r in ranges if r), max(r[1] for r in ranges if r)]
+        res = cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records WHERE {where}", params)
+        for rec in res.fetchall():
+            loaded[rec[0]].spans.append(StoredRow(zip(SPAN_COLUMNS, rec)))
+        res = cur.execute(f"SELECT {', '.join(LOG_COLUMNS)}, batch_id, seq FROM log_records WHERE {where}", params)
+        n = len(LOG_COLUMNS)
+        for rec in res.fetchall():
+            row = StoredRow(zip(LOG_COLUMNS, rec))
+            row["arrival"] = (rec[n], rec[n + 1] or 0)  # NULL: stored before the place was kept
+            loaded[rec[1]].logs.append(row)
+        return loaded
+
+    def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light]
+                     ) -> dict[int, tuple[list[StoredRow], list[StoredRow]]]:
+        """The stored rows of these commits, by batch: one range read on ``batch_id`` per table
+        (commits are stored in batch order, so the read skips every other row group)."""
+        out: dict[int, tuple[list[StoredRow], list[StoredRow]]] = {c.batch_id: ([], []) for c in lights}
+        lo, hi = min(out), max(out)
+        for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS))):
+            n = len(columns)
+            res = cur.execute(f"SELECT {', '.join(columns)}, batch_id{', seq' if i else ''} FROM {table} "
+                              "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi])
+            while recs := res.fetchmany(1024):  # bounded memory: not every row twice at once
+                for rec in recs:
+                    got = out.get(rec[n])
+                    if got is not None:
+                        row = StoredRow(zip(columns, rec[:n]))
+                        if i:
+                            row["arrival"] = (rec[n], rec[n + 1] or 0)
+                        got[i].append(row)
+        return out
+
+    def _evict(self) -> None:
+        """Drop the least recently used traces beyond ``max_rows`` rows."""
+        while self._rows > self.max_rows and self._traces:
+            _, rows = self._traces.popitem(last=False)
+            self._rows -= len(rows)

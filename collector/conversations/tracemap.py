@@ -1,0 +1,145 @@
+"""Which conversation each trace belongs to, and the conversations the stage holds in memory.
+
+A trace goes to the conversation its id attributes name (``keys``), else to the
+one whose response its model call continues (``previous_response.id``), else to
+``trace:<trace id>``; a trace with nothing conversational in it yet (no id, no
+LLM call or agent span, no GenAI event) waits in ``pending`` until it has.
+
+Memory holds the open conversations and the ended ones touched recently, with
+their traces; anything else is read from ``conversations`` and
+``trace_conversations`` when a trace of it comes back.
+
+Lifecycle: one per stage, used by its thread only; ``clear()`` after a failed
+cycle, then ``load_open`` again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import duckdb
+import orjson
+
+from ..normalize import Attrs, span_kind
+from .keys import json_column, response_links
+from .rows import TraceRows
+
+MAX_RESPONSES = 100_000  # response ids kept for chaining: chains are continued within minutes
+
+
+@dataclass
+class Tracked:
+    """A conversation as the stage tracks it between rebuilds."""
+
+    id: str
+    traces: list[str]
+    state: str = "open"
+    ended_by: str | None = None
+    first_arrival: float = 0.0
+    last_arrival: float = 0.0
+    closed_at: float | None = None
+    newest_trace: str | None = None
+    hash: str | None = None
+    revision: int = 0
+    stored: bool = False  # has rows in the conversations/messages tables
+    last_span_end: dt.datetime | None = None
+    rebuilt_at: float = 0.0
+
+    def end(self, ended_by: str, at: float) -> None:
+        self.state, self.ended_by, self.closed_at = "ended", ended_by, at
+
+    def reopen(self) -> None:
+        self.state, self.ended_by, self.closed_at = "open", None, None
+
+
+def is_genai(rows: TraceRows) -> bool:
+    """Whether a trace without an id is a conversation: the normalizer finds an LLM call or agent
+    span in it, or a GenAI event; any other trace (health checks, plain HTTP) is not."""
+    if any((r.get("event_name") or "").startswith("gen_ai") for r in rows.logs):
+        return True
+    for r in rows.spans:
+        try:
+            attrs = json_column(r, "attributes")
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(attrs, dict) and span_kind(Attrs(attrs), str(r.get("name") or "")) in ("llm", "agent"):
+            return True
+    return False
+
+
+class TraceMap:
+    """Traces to conversations, and the conversations in memory (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.convs: dict[str, Tracked] = {}  # open conversations, and ended ones touched recently
+        self.pending: dict[str, float] = {}  # traces with no conversation yet -> when they last arrived
+        self._traces: dict[str, str] = {}  # trace -> conversation, for the traces of ``convs``
+        self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> conversation
+
+    def clear(self) -> None:
+        self.convs.clear()
+        self._traces.clear()
+
+    def load_open(self, cur: duckdb.DuckDBPyConnection) -> None:
+        """Bring every open conversation into memory (at start)."""
+        for conv in _read(cur, "state = 'open'", []):
+            self.keep(conv)
+
+    def of(self, cur: duckdb.DuckDBPyConnection, trace_ids: list[str]) -> dict[str, str | None]:
+        """The conversation of each of these traces (memory, else the table), None for a new trace."""
+        out: dict[str, str | None] = {t: self._traces.get(t) for t in trace_ids}
+        unknown = [t for t, c in out.items() if c is None]
+        if unknown:
+            for t, c in cur.execute("SELECT trace_id, conversation_id FROM trace_conversations "
+                                    "WHERE trace_id IN (SELECT unnest(?))", [unknown]).fetchall():
+                out[t] = c
+        return out
+
+    def load(self, cur: duckdb.DuckDBPyConnection, cids: Iterable[str]) -> None:
+        """Bring these conversations into memory (one read for those not there yet); new ones start empty."""
+        missing = sorted({c for c in cids if c not in self.convs})
+        if not missing:
+            return
+        found = {c.id: c for c in _read(cur, "conversation_id IN (SELECT unnest(?))", [missing])}
+        for cid in missing:
+            self.keep(found.get(cid) or Tracked(cid, []))
+
+    def keep(self, conv: Tracked) -> None:
+        self.convs[conv.id] = conv
+        for t in conv.traces:
+            self._traces[t] = conv.id
+
+    def move(self, tid: str, cid: str) -> None:
+        """The trace now belongs to this conversation (in memory)."""
+        self._traces[tid] = cid
+
+    def forget(self, conv: Tracked) -> None:
+        """An ended conversation leaves memory; late data reads it back from DuckDB."""
+        self.convs.pop(conv.id, None)
+        for t in conv.traces:
+            self._traces.pop(t, None)
+
+    def chained(self, tid: str, rows: TraceRows) -> str | None:
+        """A trace with no id continues the conversation whose response its call names as previous
+        (``gen_ai.request.previous_response.id``); its own responses can be continued in turn."""
+        ids, previous = response_links(rows.spans)
+        cid = next((self._responses[p] for p in sorted(previous) if p in self._responses), None)
+        for rid in ids:
+            self._responses[rid] = cid or f"trace:{tid}"
+            self._responses.move_to_end(rid)
+        while len(self._responses) > MAX_RESPONSES:
+            self._responses.popitem(last=False)
+        return cid
+
+
+def _read(cur: duckdb.DuckDBPyConnection, where: str, params: list[Any]) -> list[Tracked]:
+    """Stored conversations as the stage tracks them."""
+    return [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
+                    rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
+            for rec in cur.execute(
+                "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
+                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
+                f"WHERE {where}", params).fetchall()]

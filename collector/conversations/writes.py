@@ -1,0 +1,149 @@
+"""What a cycle of the conversation stage writes, and the one transaction that writes it.
+
+``conversations`` rows are ``ConversationRow``s (named fields, the table's
+columns in order); a transcript's ``messages`` rows are replaced whole. The
+batch mark (``tracejudge_state``: the last commit whose conversations are all
+rebuilt and written) goes in the same transaction, so a crash or a stop at any
+point leaves it true.
+
+Lifecycle: ``Writes()`` collects a cycle's changes; ``flush(cur, mark)`` writes
+them and is left empty, also when the write fails (the stage then starts again
+from what is stored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import orjson
+
+from ..store import Transaction, insert_rows
+from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS
+from .tracemap import Tracked
+from .transcript import Transcript
+
+_UTC = dt.timezone.utc
+
+
+def _json_text(value: Any) -> str:
+    """JSON text of a column (orjson; json where orjson refuses, e.g. integers past 64 bits)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _ts(seconds: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(seconds, _UTC) if seconds is not None else None
+
+
+@dataclass(frozen=True)
+class ConversationRow:
+    """One row of ``conversations``, its fields in the table's column order."""
+
+    conversation_id: str
+    service: str | None
+    started_at: dt.datetime | None
+    ended_at: dt.datetime | None
+    ended_by: str | None
+    state: str
+    user_turns: int
+    input_tokens: int | None
+    output_tokens: int | None
+    llm_calls: int
+    message_count: int
+    models: str
+    system: str | None
+    content_captured: bool
+    no_content_reason: str | None
+    transcript_hash: str | None
+    revision: int
+    trace_ids: str
+    newest_trace_id: str | None
+    first_arrival_at: dt.datetime | None
+    last_arrival_at: dt.datetime | None
+    closed_at: dt.datetime | None
+    updated_at: dt.datetime | None
+    unparsed_spans: int
+    unparsed_logs: int
+    sources: str
+
+    @classmethod
+    def of(cls, conv: Tracked, tr: Transcript, now: float) -> "ConversationRow":
+        usage = tr.usage
+        return cls(
+            conversation_id=conv.id, service=tr.service, started_at=tr.started_at,
+            ended_at=tr.ended_at if conv.state == "ended" else None, ended_by=conv.ended_by, state=conv.state,
+            user_turns=tr.user_turns, input_tokens=usage.input_tokens if usage else None,
+            output_tokens=usage.output_tokens if usage else None, llm_calls=tr.llm_calls,
+            message_count=len(tr.messages), models=orjson.dumps(list(tr.models)).decode(), system=tr.system,
+            content_captured=tr.content_captured, no_content_reason=tr.no_content_reason,
+            transcript_hash=conv.hash, revision=conv.revision, trace_ids=orjson.dumps(conv.traces).decode(),
+            newest_trace_id=conv.newest_trace, first_arrival_at=_ts(conv.first_arrival),
+            last_arrival_at=_ts(conv.last_arrival), closed_at=_ts(conv.closed_at), updated_at=_ts(now),
+            unparsed_spans=tr.unparsed_spans, unparsed_logs=tr.unparsed_logs,
+            sources=orjson.dumps(list(tr.sources)).decode())
+
+    def ended(self, conv: Tracked, now: float) -> "ConversationRow":
+        """This row once the conversation ended idle, its transcript unchanged."""
+        return dataclasses.replace(self, ended_at=conv.last_span_end, ended_by=conv.ended_by, state=conv.state,
+                                   closed_at=_ts(conv.closed_at), updated_at=_ts(now))
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, c) for c in CONVERSATION_COLUMNS)  # astuple copies deep: slower
+
+
+assert tuple(f.name for f in dataclasses.fields(ConversationRow)) == CONVERSATION_COLUMNS
+
+
+def message_rows(cid: str, tr: Transcript) -> list[tuple[Any, ...]]:
+    """The ``messages`` rows of a transcript."""
+    return [(cid, i, m.role, m.content, _json_text(m.to_dict()["tool_calls"]) if m.tool_calls else None,
+             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated)
+            for i, m in enumerate(tr.messages)]
+
+
+@dataclass
+class Writes:
+    """What one cycle changes, written together by ``flush``."""
+
+    conversations: dict[str, ConversationRow] = field(default_factory=dict)
+    messages: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    replace: set[str] = field(default_factory=set)  # conversations whose old messages go
+    deleted: set[str] = field(default_factory=set)
+    moves: dict[str, str] = field(default_factory=dict)  # trace -> conversation
+
+    def __len__(self) -> int:
+        """Conversations waiting to be written or deleted."""
+        return len(self.conversations) + len(self.deleted)
+
+    def delete(self, cid: str) -> None:
+        self.deleted.add(cid)
+        self.conversations.pop(cid, None)
+        self.messages.pop(cid, None)
+
+    def flush(self, cur: duckdb.DuckDBPyConnection, mark: int) -> None:
+        """Write everything in one transaction, column-wise, with the batch mark; then start empty."""
+        try:
+            with Transaction(cur):
+                gone = sorted(self.deleted | self.replace)
+                if gone:
+                    cur.execute("DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [gone])
+                if self.deleted:
+                    cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
+                                [sorted(self.deleted)])
+                insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", ("trace_id", "conversation_id"),
+                            list(self.moves.items()))
+                insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
+                            [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
+                insert_rows(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
+                            [row.values() for cid, row in self.conversations.items() if cid not in self.deleted])
+                cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)", [str(mark)])
+        finally:
+            self.conversations, self.messages = {}, {}
+            self.replace, self.deleted, self.moves = set(), set(), {}
