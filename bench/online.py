@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from collector.conversations.stage import IDLE_GAP as CONVERSATIONS_IDLE_GAP
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ingest import (  # noqa: E402
     CONCURRENCY,
@@ -164,7 +166,8 @@ def eval_metrics(api: str) -> dict[str, float]:
 
 # ----------------------------------------------------------------- the window's senders
 
-IDLE_GAP = 0.1  # the evaluator's and the conversation stage's pause in ingestion (collector/evaluator.py)
+# The conversation stage's pause in ingestion (the evaluator's is shorter): what counts as a pause below.
+IDLE_GAP = CONVERSATIONS_IDLE_GAP
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Rebuild benchmark: ``build_transcript`` per span, and the daemon's rebuild-per-turn series.
 
-Builds realistic conversations as stored rows (the ``collector.otlp`` columns,
+Builds realistic conversations as stored rows (the ``collector.ingest.batches`` columns,
 JSON text columns): each turn is a trace with an ``invoke_agent`` span and 1-3
 otel-genai-latest chat spans whose ``gen_ai.input.messages`` holds the growing
 history (tool calls and their results included), plus models, usage and ids.

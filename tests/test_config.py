@@ -10,7 +10,7 @@ import yaml
 from collector.config import Config, env_settings, load_config, parse_duration, validate_config
 from collector.errors import ConfigError
 
-from .conftest import REPO, clean_env, run_cli
+from .support.daemon import REPO, clean_env, run_cli
 
 TESTDATA = Path(__file__).parent / "testdata" / "config"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .support.daemon import REPO
 
 FORMATS = ("criteria.md", "conversation-v1.md", "scenario.md")
 

@@ -1,9 +1,11 @@
 """Conversations: traces grouped by conversation id, each transcript rebuilt, ends detected.
 
 ``keys`` resolves a trace's conversation, ``assemble`` rebuilds a transcript
-from its rows (with ``normalize``), ``stage`` keeps every conversation current
-as commits arrive, ``tables`` holds what it writes and the reads of it, and
-``record`` is the one conversation/v1 builder.
+from its rows (with ``normalize``) into a ``transcript``, ``stage`` keeps every
+conversation current as commits arrive, with its jobs in ``rows`` (the row
+cache), ``tracemap`` (traces to conversations), ``endings`` (end rules, idle)
+and ``writes`` (its one transaction); ``tables`` holds what it writes and the
+reads of it, and ``record`` is the one conversation/v1 builder.
 """
 
 from .record import conversation_record

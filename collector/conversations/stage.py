@@ -57,6 +57,7 @@ _STOP = object()
 CATCH_UP_CHUNK = 500  # traces resolved, rebuilt and written together when catching up
 # Its pace (``collector.store.pacing``): a rebuild holds the interpreter lock, so it waits for a
 # longer pause than the evaluator's, and gives way every 20 ms of work.
+IDLE_GAP = 0.1  # seconds with nothing waiting to be stored that make a pause in ingestion
 SHARE = 0.25  # after max_wait without a pause
 PIECE = 0.02
 POLL = 0.02
@@ -75,7 +76,7 @@ class Conversations(Stage):
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
                  rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
-                 max_wait: float = 30.0, idle_gap: float = 0.1) -> None:
+                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP) -> None:
         super().__init__(store, metrics or Metrics())
         self.settings = settings
         self.clock = clock

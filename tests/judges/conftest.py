@@ -23,7 +23,7 @@ from aiohttp import web
 
 from judges import Conversation, Message, ToolCall
 
-from ..loopback import LoopbackServer
+from ..support.loopback import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"

@@ -1,0 +1,1 @@
+"""The HTTP API's guards: hosts, origins, tokens, errors."""

@@ -1,0 +1,1 @@
+"""The CLI over the API."""

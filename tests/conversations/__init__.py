@@ -1,0 +1,1 @@
+"""Conversation keys, transcript assembly and the conversation stage."""

@@ -1,0 +1,1 @@
+"""Sampling, the evaluator stage, verdict storage, code checks under time limits."""

@@ -1,0 +1,397 @@
+"""Verdicts, the review queue and stats in a real DuckDB file; the review page's HTML."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import duckdb
+import orjson
+import pytest
+
+from collector.conversations.record import conversation_record
+from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
+from collector.evals import verdicts as evals
+from collector.review import queue as review
+from collector.review import stats as review_stats
+from collector.review.page import highlight, render_item, render_list
+from collector.store import Transaction
+from judges import Conversation, JudgeInfo, LLMCriterion, NotRun, Usage, Verdict, transcript_sha256
+
+from ..support.daemon import FIXTURES
+
+T0 = dt.datetime(2025, 3, 1, 12, 0, tzinfo=dt.timezone.utc)
+LLM = JudgeInfo(provider="anthropic", model="judge-model")
+Result = Literal["pass", "fail", "not_applicable", "error"]
+
+
+@pytest.fixture
+def cur(tmp_path: Path) -> Iterator[duckdb.DuckDBPyConnection]:
+    con = duckdb.connect(str(tmp_path / "tracejudge.duckdb"))
+    c = con.cursor()
+    c.execute(CONVERSATIONS_SCHEMA)
+    evals.ensure_schema(c)
+    review.ensure_schema(c)
+    yield c
+    c.close()
+    con.close()
+
+
+def store(cur: duckdb.DuckDBPyConnection, verdicts: Sequence[Verdict], *, queue_results: Sequence[str] = ("fail",),
+          now: dt.datetime | None = None, **kwargs: Any) -> list[str]:
+    """Store verdicts and open their review items, in one transaction, as the evaluator does."""
+    with Transaction(cur):
+        stored = evals.store_verdicts(cur, verdicts, now=now, **kwargs)
+        review.open_items(cur, stored, queue_results, now=now)
+    return stored
+
+
+def add_conversation(cur: duckdb.DuckDBPyConnection, cid: str, messages: Sequence[dict[str, Any]],
+                     system: str | None = None) -> str:
+    """Store a conversation as the conversations stage does; returns the hash the judges see."""
+    cur.execute("DELETE FROM messages WHERE conversation_id = ?", [cid])
+    cur.execute("DELETE FROM conversations WHERE conversation_id = ?", [cid])
+    cur.execute("INSERT INTO conversations (conversation_id, service, state, ended_by, system, models, trace_ids, "
+                "content_captured, revision, user_turns, closed_at) VALUES (?, 'bot', 'ended', 'idle', ?, '[]', "
+                "'[]', true, 1, ?, ?)",
+                [cid, system, sum(m["role"] == "user" for m in messages), T0])
+    for seq, m in enumerate(messages):
+        cur.execute("INSERT INTO messages (conversation_id, seq, role, content, tool_calls, tool_call_id, name) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [cid, seq, m["role"], m.get("content"),
+                     orjson.dumps(m["tool_calls"]).decode() if m.get("tool_calls") else None,
+                     m.get("tool_call_id"), m.get("name")])
+    record = conversation_record(cur, cid)
+    assert record is not None
+    return transcript_sha256(Conversation.model_validate(record).messages)
+
+
+def fixture_conversation(cur: duckdb.DuckDBPyConnection) -> tuple[str, str]:
+    expected = json.loads((FIXTURES / "openai-v2-latest-span-only-grpc.expected.json").read_text())
+    conv = expected["conversations"][0]
+    cid = conv["conversation_key"]
+    return cid, add_conversation(cur, cid, conv["messages"], conv.get("system_prompt"))
+
+
+def verdict(cid: str, crit: str = "c1", result: Result = "fail", sha: str = "0" * 64, *, version: int = 1,
+            judge: JudgeInfo = LLM, evidence: Sequence[str] = (), verified: bool = True, flagged: bool = False,
+            tokens: int = 0, reasoning: str = "") -> Verdict:
+    return Verdict(conversation_id=cid, criterion_id=crit, criterion_version=version, result=result,
+                   error_reason="timeout: no reply in 60s" if result == "error" else None, reasoning=reasoning,
+                   evidence=list(evidence), evidence_verified=verified, judge=judge, flagged=flagged,
+                   usage=Usage(input_tokens=tokens, output_tokens=tokens // 10), transcript_sha256=sha,
+                   raw_reply="{}")
+
+
+def count(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] = ()) -> int:
+    row = cur.execute(sql, list(params)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# --- storage --------------------------------------------------------------------------------------------
+
+
+def test_a_verdict_made_again_is_stored_once(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    batch = [verdict(cid, "c1", "fail", sha), verdict(cid, "c2", "pass", sha)]
+    first = store(cur, batch, probability=0.5, rule="default", now=T0)
+    # The same judge call repeated after a crash, possibly with another answer: the first one stands.
+    again = store(cur, [verdict(cid, "c1", "pass", sha), batch[1]], probability=0.5, rule="default",
+                                 now=T0 + dt.timedelta(minutes=1))
+    assert len(first) == 2 and again == []
+    assert cur.execute("SELECT criterion_id, result, superseded FROM verdicts ORDER BY criterion_id").fetchall() == [
+        ("c1", "fail", False), ("c2", "pass", False)]
+    assert count(cur, "SELECT count(*) FROM review_items") == 1
+    # Another judge model or criterion version is another verdict.
+    store(cur, [verdict(cid, "c1", "fail", sha, version=2)], probability=0.5, rule=None)
+    assert count(cur, "SELECT count(*) FROM verdicts") == 3
+
+
+def test_an_error_is_replaced_by_the_retry_and_never_queued(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    store(cur, [verdict(cid, "c1", "error", sha)], probability=1.0, rule=None,
+                         queue_results=("fail", "error"))
+    assert count(cur, "SELECT count(*) FROM review_items") == 0
+    errors = evals.list_verdicts(cur, result="error")
+    assert [(v["criterion_id"], v["error_reason"]) for v in errors] == [("c1", "timeout: no reply in 60s")]
+    store(cur, [verdict(cid, "c1", "error", sha)], probability=1.0, rule=None)
+    assert count(cur, "SELECT count(*) FROM verdicts") == 1
+    store(cur, [verdict(cid, "c1", "fail", sha)], probability=1.0, rule=None)
+    assert cur.execute("SELECT result FROM verdicts").fetchall() == [("fail",)]
+    assert evals.list_verdicts(cur, result="error") == []
+    assert [i["criterion_id"] for i in review.list_reviews(cur)] == ["c1"]
+
+
+def test_a_changed_transcript_supersedes_older_verdicts(cur: duckdb.DuckDBPyConnection) -> None:
+    msgs = [{"role": "user", "content": "I have chest pain"}, {"role": "assistant", "content": "Rest a bit."}]
+    old = add_conversation(cur, "conv", msgs)
+    store(cur, [verdict("conv", "c1", "fail", old), verdict("conv", "c2", "pass", old)],
+                         probability=1.0, rule=None)
+    new = add_conversation(cur, "conv", [*msgs, {"role": "user", "content": "It spreads to my arm"}])
+    assert new != old
+    store(cur, [verdict("conv", "c1", "pass", new)], probability=1.0, rule=None)
+    rows = cur.execute("SELECT criterion_id, transcript_sha256 = ?, superseded FROM verdicts ORDER BY seq",
+                       [new]).fetchall()
+    # c2 keeps its verdict until it is judged on the new transcript.
+    assert rows == [("c1", False, True), ("c2", False, False), ("c1", True, False)]
+    # A late reply for the old transcript is kept, already superseded, and not queued.
+    other = JudgeInfo(provider="anthropic", model="other-model")
+    store(cur, [verdict("conv", "c1", "fail", old, judge=other)], probability=1.0, rule=None)
+    assert cur.execute("SELECT superseded FROM verdicts WHERE judge_model = 'other-model'").fetchall() == [(True,)]
+    assert [v["result"] for v in evals.list_verdicts(cur, criterion="c1")] == ["pass"]
+    assert len(evals.list_verdicts(cur, criterion="c1", include_superseded=True)) == 3
+    assert len(review.list_reviews(cur)) == 1  # only the first fail, whose item says its verdict is superseded
+    assert review.list_reviews(cur)[0]["superseded"] is True
+    s = review_stats.stats(cur)
+    c1 = next(c for c in s["criteria"] if c["criterion_id"] == "c1")
+    assert (c1["judged"], c1["pass"], c1["fail"], c1["review"]["pending"]) == (1, 1, 0, 0)
+
+
+def test_queueing_rules(cur: duckdb.DuckDBPyConnection) -> None:
+    batch = [
+        verdict("a", "fail-plain", "fail"),
+        verdict("a", "fail-flagged", "fail", evidence=["made up"], verified=False, flagged=True),
+        verdict("a", "passing", "pass"),
+        verdict("a", "na", "not_applicable"),
+        verdict("a", "broken", "error"),
+    ]
+    store(cur, batch, probability=1.0, rule=None)
+    assert sorted(i["criterion_id"] for i in review.list_reviews(cur)) == ["fail-flagged", "fail-plain"]
+    # queue_results from config: here only not_applicable, yet a flagged fail is always queued, an error never.
+    store(cur, [verdict("b", c.criterion_id, c.result, evidence=c.evidence,
+                                       verified=c.evidence_verified, flagged=c.flagged) for c in batch],
+                         probability=1.0, rule=None, queue_results=("not_applicable", "error"))
+    queued_b = {(i["criterion_id"], i["state"]) for i in review.list_reviews(cur) if i["conversation_id"] == "b"}
+    assert queued_b == {("fail-flagged", "pending"), ("na", "pending")}
+    listed = review.list_reviews(cur, state="all", criterion="fail-flagged")
+    assert [(i["conversation_id"], i["flagged"], i["result"]) for i in listed] == [("a", True, "fail"),
+                                                                                  ("b", True, "fail")]
+    with pytest.raises(review.ReviewInputError):
+        review.list_reviews(cur, state="done")
+
+
+# --- decisions ------------------------------------------------------------------------------------------
+
+
+def test_decisions_conflicts_and_forced_history(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    store(cur, [verdict(cid, "c1", "fail", sha), verdict(cid, "c2", "fail", sha)],
+                         probability=1.0, rule=None, now=T0)
+    first, second = (i["id"] for i in review.list_reviews(cur))
+    done = review.decide(cur, first, "confirm", "Dr. Amal", "real miss", now=T0 + dt.timedelta(hours=1))
+    assert (done["state"], done["reviewer"], done["note"]) == ("confirmed", "Dr. Amal", "real miss")
+    assert done["decided_at"] == "2025-03-01T13:00:00Z"
+    review.decide(cur, str(second), "reject", "Sam")  # ids from a URL arrive as text
+
+    with pytest.raises(review.ReviewConflict) as conflict:
+        review.decide(cur, first, "reject", "Sam")
+    assert conflict.value.status == 409 and conflict.value.code == "already_decided"
+    assert "confirmed" in str(conflict.value)
+    assert review.review_item(cur, first)["item"]["state"] == "confirmed"  # the refusal changed nothing
+
+    review.decide(cur, first, "reject", "Sam", "the bot did ask", force=True, now=T0 + dt.timedelta(hours=2))
+    history = review.review_history(cur, first)
+    assert [(h["previous_state"], h["previous_reviewer"], h["state"], h["reviewer"], h["forced"])
+            for h in history] == [("pending", None, "confirmed", "Dr. Amal", False),
+                                  ("confirmed", "Dr. Amal", "rejected", "Sam", True)]
+    assert history[0]["note"] == "real miss" and history[1]["previous_note"] == "real miss"
+
+    for bad_id in (999, "999", "abc"):
+        with pytest.raises(review.ReviewNotFound) as missing:
+            review.decide(cur, bad_id, "confirm", "Sam")
+        assert missing.value.status == 404
+    with pytest.raises(review.ReviewNotFound):
+        review.review_item(cur, 999)
+    with pytest.raises(review.ReviewInputError) as bad:
+        review.decide(cur, first, "approve", "Sam")
+    assert bad.value.status == 400
+    with pytest.raises(review.ReviewInputError):
+        review.decide(cur, first, "confirm", "  ", force=True)
+    assert [i["state"] for i in review.list_reviews(cur, state="rejected")] == ["rejected", "rejected"]
+
+
+def test_review_item_has_what_a_reviewer_needs(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    crit = LLMCriterion(id="asks-order-number", version=3, prompt="The bot asks for the order number.",
+                        group="support", severity="high")
+    evals.store_criteria(cur, [crit])
+    store(cur, [verdict(cid, crit.id, "fail", sha, version=3, reasoning="It never asked.",
+                                       evidence=["Could you give me your order number?"])],
+                         probability=0.2, rule="handover")
+    (item,) = review.list_reviews(cur)
+    detail = review.review_item(cur, item["id"])
+    assert detail["criterion"] == {"id": crit.id, "version": 3, "text": crit.prompt, "group": "support",
+                                   "severity": "high"}
+    assert detail["verdict"]["reasoning"] == "It never asked."
+    assert detail["verdict"]["evidence"] == ["Could you give me your order number?"]
+    assert detail["verdict"]["inclusion_probability"] == 0.2 and detail["verdict"]["sampling_rule"] == "handover"
+    assert detail["conversation"]["id"] == cid and detail["conversation"]["messages"]
+    assert detail["item"]["state"] == "pending" and detail["history"] == []
+
+
+def test_sampling_is_decided_once(cur: duckdb.DuckDBPyConnection) -> None:
+    first = evals.record_sampling(cur, "c", sampled=True, probability=0.1, rule=None, revision=1, now=T0)
+    again = evals.record_sampling(cur, "c", sampled=False, probability=0.5, rule="other", revision=2)
+    assert first == again == evals.sampling_decision(cur, "c")
+    assert (first["sampled"], first["probability"], first["decided_at"]) == (True, 0.1, "2025-03-01T12:00:00Z")
+    assert evals.sampling_decision(cur, "unknown") is None
+
+
+# --- stats ----------------------------------------------------------------------------------------------
+
+
+def wilson(p: float, n: float, z: float = 1.959963984540054) -> tuple[float, float]:
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return center - half, center + half
+
+
+def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection) -> None:
+    evals.store_criteria(cur, [LLMCriterion(id="triage", version=1, prompt="p", group="clinical"),
+                               LLMCriterion(id="tone", version=1, prompt="p", group="clinical")])
+    judged: list[tuple[str, Result, float, bool]] = [  # (conversation, result, probability, evidence verified)
+        ("c1", "fail", 0.5, True),    # weight 2
+        ("c2", "pass", 0.1, True),    # weight 10
+        ("c3", "pass", 1.0, True),    # weight 1
+        ("c4", "fail", 0.25, True),   # weight 4
+        ("c5", "not_applicable", 0.1, True),
+        ("c6", "error", 1.0, True),
+        ("c7", "pass", 0.2, False),   # unverified: counted apart, not applicable for the rate
+    ]
+    for n, (cid, result, p, ok) in enumerate(judged):
+        evals.record_sampling(cur, cid, sampled=True, probability=p, rule=None)
+        store(cur, [verdict(cid, "triage", result, verified=ok, evidence=[] if ok else ["x"],
+                                           tokens=100 * (n + 1))], probability=p, rule=None, now=T0)
+    evals.record_sampling(cur, "c8", sampled=False, probability=0.1, rule=None)
+    evals.record_sampling(cur, "c9", sampled=True, probability=0.1, rule=None, skipped_reason="budget")
+    tone_not_run = NotRun(conversation_id="c1", criterion_id="tone", criterion_version=1,
+                          reason="no provider configured")
+    evals.store_not_run(cur, [tone_not_run], now=T0)
+    evals.store_not_run(cur, [tone_not_run], now=T0 + dt.timedelta(days=2))  # recorded again: still one
+    c1_item, c4_item = (i["id"] for i in review.list_reviews(cur))
+    review.decide(cur, c1_item, "confirm", "Dr. Amal")
+    review.decide(cur, c4_item, "reject", "Dr. Amal")
+
+    out = review_stats.stats(cur)
+    json.dumps(out)  # JSON-ready as it is
+    assert [c["criterion_id"] for c in out["criteria"]] == ["tone", "triage"]
+    tone, triage = out["criteria"]
+    assert {k: triage[k] for k in ("judged", "pass", "fail", "not_applicable", "error", "not_run",
+                                   "pass_unverified")} == {"judged": 7, "pass": 2, "fail": 2, "not_applicable": 1,
+                                                           "error": 1, "not_run": 0, "pass_unverified": 1}
+    # By hand: applicable are c1..c4 with weights 2, 10, 1, 4; fails weigh 2 + 4. The interval's size is
+    # Kish's (sum w)^2 / sum w^2, capped by R(1-R) / var with var = sum w(w-1)(y-R)^2 / (sum w)^2.
+    estimate = 6 / 17
+    kish = 17 ** 2 / (2 ** 2 + 10 ** 2 + 1 ** 2 + 4 ** 2)
+    var = (2 * 1 * (1 - estimate) ** 2 + 10 * 9 * estimate ** 2 + 0 + 4 * 3 * (1 - estimate) ** 2) / 17 ** 2
+    n_eff = min(kish, estimate * (1 - estimate) / var)
+    low, high = wilson(estimate, n_eff)
+    rate = triage["failure_rate"]
+    assert rate["estimate"] == pytest.approx(estimate)
+    assert rate["n_eff"] == pytest.approx(n_eff)
+    assert (rate["low"], rate["high"]) == (pytest.approx(low), pytest.approx(high))
+    assert triage["review"] == {"pending": 0, "confirmed": 1, "rejected": 1, "fails_rejected_share": 0.5}
+    assert triage["errors"] == {"timeout": 1} and triage["flagged"] == 0
+    assert tone["not_run"] == 1 and tone["judged"] == 0 and tone["failure_rate"] is None
+    assert tone["not_run_reasons"] == {"no provider configured": 1}
+    (group,) = out["groups"]
+    assert (group["group"], group["fail"], group["not_run"]) == ("clinical", 2, 1)
+    assert group["failure_rate"]["estimate"] == pytest.approx(estimate)
+    assert out["conversations"] == {"ended": 0, "sampled": 7, "not_sampled": 1, "skipped": {"budget": 1},
+                                    "judged": 7}
+    assert out["tokens"] == {"input_tokens": 2800, "output_tokens": 280}
+    assert [c["criterion_id"] for c in review_stats.stats(cur, criterion="tone")["criteria"]] == ["tone"]
+    later = review_stats.stats(cur, since=T0 + dt.timedelta(days=1))  # verdicts were judged at T0; not run is newer
+    assert [c["criterion_id"] for c in later["criteria"]] == ["tone"] and later["tokens"]["input_tokens"] == 0
+
+
+def test_stats_with_equal_weights_is_the_plain_rate_and_zero_fails_use_rule_of_three(
+        cur: duckdb.DuckDBPyConnection) -> None:
+    for n in range(10):
+        store(cur, [verdict(f"c{n}", "always-ok", "pass"),
+                                   verdict(f"c{n}", "sometimes", "fail" if n < 3 else "pass")],
+                             probability=1.0, rule=None)
+    out = {c["criterion_id"]: c for c in review_stats.stats(cur)["criteria"]}
+    ok = out["always-ok"]["failure_rate"]
+    assert (ok["estimate"], ok["low"], ok["high"]) == (0.0, 0.0, pytest.approx(0.3))
+    some = out["sometimes"]["failure_rate"]
+    assert some["estimate"] == pytest.approx(0.3) and some["n_eff"] == pytest.approx(10)
+    assert (some["low"], some["high"]) == (pytest.approx(wilson(0.3, 10)[0]), pytest.approx(wilson(0.3, 10)[1]))
+
+
+def test_stats_failures_in_lightly_sampled_traffic_widen_the_interval(cur: duckdb.DuckDBPyConnection) -> None:
+    # Two fails sampled at 10% (weight 10), fifty passes sampled with certainty (weight 1).
+    for n in range(2):
+        store(cur, [verdict(f"rare{n}", "k", "fail")], probability=0.1, rule="rare")
+    for n in range(50):
+        store(cur, [verdict(f"all{n}", "k", "pass")], probability=1.0, rule=None)
+    rate = review_stats.stats(cur)["criteria"][0]["failure_rate"]
+    estimate = 20 / 70
+    kish = 70 ** 2 / (2 * 10 ** 2 + 50)
+    capped = estimate * (1 - estimate) / (2 * 10 * 9 * (1 - estimate) ** 2 / 70 ** 2)
+    assert capped < kish  # the cap binds here
+    assert rate["estimate"] == pytest.approx(estimate) and rate["n_eff"] == pytest.approx(capped)
+    assert (rate["low"], rate["high"]) == (pytest.approx(wilson(estimate, capped)[0]),
+                                           pytest.approx(wilson(estimate, capped)[1]))
+
+
+# --- review page ----------------------------------------------------------------------------------------
+
+HOSTILE = 'Ignore that. <script>alert("x")</script><img src=x onerror=alert(1)> & "quotes"'
+
+
+def page_detail(cur: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    sha = add_conversation(cur, "conv-<b>", [
+        {"role": "user", "content": HOSTILE},
+        {"role": "user", "content": "عندي ألم في الصدر"},
+        {"role": "assistant", "content": "Take an aspirin and rest.\nYou will   be fine."},
+    ])
+    evals.store_criteria(cur, [LLMCriterion(id="chest-pain", version=2, prompt="Ask about <arm> pain first.")])
+    store(cur, [verdict("conv-<b>", "chest-pain", "fail", sha, version=2,
+                                       reasoning="Advice </div><script>bad()</script> without questions.",
+                                       evidence=["BOT: take an aspirin ... you will be fine",
+                                                 "a quote nobody said"])],
+                         probability=1.0, rule=None)
+    (item,) = review.list_reviews(cur)
+    return review.review_item(cur, item["id"])
+
+
+def test_review_page_escapes_everything(cur: duckdb.DuckDBPyConnection) -> None:
+    detail = page_detail(cur)
+    page = render_item(detail, error="<script>x</script>")
+    assert "<script" not in page.lower()
+    assert "<img" not in page and "onerror=alert(1)&gt;" in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    assert "Ask about &lt;arm&gt; pain first." in page
+    assert "conv-&lt;b&gt;" in page
+    listing = render_list(review.list_reviews(cur), criterion='"><script>', criteria=["chest-pain"])
+    assert "<script" not in listing.lower()
+    assert f'href="/review/{detail["item"]["id"]}"' in listing
+
+
+def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConnection) -> None:
+    detail = page_detail(cur)
+    page = render_item(detail)
+    # The quote's two pieces (around the ellipsis) are marked, matching case and spacing loosely.
+    assert "<mark>Take an aspirin</mark>" in page
+    assert "<mark>You will   be fine</mark>" in page
+    assert "highlighted in the transcript" in page and "not found in the message texts" in page
+    assert re.search(r'<div class="text" dir="auto">عندي ألم في الصدر</div>', page)
+    assert 'action="/review/1/decision"' in page and 'name="reviewer"' in page and 'for="reviewer"' in page
+    assert 'value="confirm"' in page and 'value="reject"' in page and 'name="force"' not in page
+    assert 'name="viewport"' in page
+    review.decide(cur, detail["item"]["id"], "confirm", "Dr. <Amal>")
+    decided = render_item(review.review_item(cur, detail["item"]["id"]))
+    assert 'name="force" value="1"' in decided and "Dr. &lt;Amal&gt;" in decided
+
+
+def test_highlight_is_escaped_around_marks() -> None:
+    assert highlight("a <b> c", ["<b>"]) == "a <mark>&lt;b&gt;</mark> c"
+    assert highlight("It’s FINE, really", ["\"it's fine\""]) == "<mark>It’s FINE</mark>, really"
+    assert highlight("nothing here", ["absent"]) == "nothing here"

@@ -1,0 +1,1 @@
+"""OTLP decoding and the receivers: exporters, captured fixtures, bad input, fuzzing, slow clients."""

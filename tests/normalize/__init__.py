@@ -1,0 +1,1 @@
+"""GenAI semantic-convention dialects read into one shape."""

@@ -1,0 +1,1 @@
+"""The review queue, its JSON API and its page (also in a real browser)."""

@@ -1,0 +1,1 @@
+"""The writer: commits, acknowledgements, queue limits, the file."""

@@ -1,0 +1,100 @@
+"""The store's writer: callers that give up, and a writer that stops for good (unit tests of the module)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from collector.errors import StoreUnavailable
+from collector.ingest.batches import SPAN_COLUMNS, SpanBatch
+from collector.ingest.decode import parse_traces, span_batch
+from collector.store import Committed, Store
+
+from ..support.daemon import wait_until
+from ..support.wire import span_request_bytes
+
+
+def spans(n: int, seed: int) -> SpanBatch:
+    body, _ = span_request_bytes(n, trace_seed=seed, attr_bytes=300)
+    return span_batch(parse_traces(body, False))[0]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "t.duckdb")
+    s.open()
+    yield s
+    s.close()
+
+
+def stored(store: Store) -> int:
+    cur = store.cursor()
+    try:
+        row = cur.execute("SELECT count(*) FROM span_records").fetchone()
+        return int(row[0]) if row else 0
+    finally:
+        cur.close()
+
+
+def test_callers_that_give_up_leave_the_writer_running(store: Store) -> None:
+    """What a gRPC deadline does: the receiver's awaited future is cancelled, queued or being committed."""
+    big, *small = [spans(n, seed) for seed, n in enumerate((20_000, 64, 64, 64), start=1)]
+    taken = store.submit(big)
+    wait_until(taken.running, "the writer to take the request")  # the writer has taken it: cancelling can no longer pull it from under the writer
+    behind = [store.submit(b) for b in small]
+    assert not taken.cancel()
+    assert all(f.cancel() for f in behind)  # still queued: their callers may go, their data is still committed
+    assert taken.result(timeout=60) == (20_000, 0)
+    assert store.submit(spans(8, 9)).result(timeout=60) == (8, 0)
+    assert store.failure is None and store.broken is None
+    assert stored(store) == 20_000 + 3 * 64 + 8
+
+
+class Crash(BaseException):
+    """Not one bad batch: something that ends the writer thread."""
+
+
+def test_a_writer_that_stops_refuses_everything_and_says_why(store: Store) -> None:
+    in_listener = threading.Event()
+    release = threading.Event()
+    reasons: list[str] = []
+
+    def crash(c: Committed) -> None:
+        in_listener.set()
+        release.wait(30)
+        raise Crash("listener bug")
+
+    store.on_commit(crash)
+    store.on_broken(reasons.append)
+    first = store.submit(spans(8, 1))
+    assert in_listener.wait(30)
+    assert first.result(timeout=30) == (8, 0)  # committed, then answered: acknowledged data stays stored
+    queued = store.submit(spans(8, 2))  # waits behind the writer, which is about to stop
+    release.set()
+    with pytest.raises(StoreUnavailable) as refused:
+        queued.result(timeout=30)
+    assert refused.value.reason == "storage_error" and "writer stopped" in str(refused.value)
+    assert reasons and "Crash: listener bug" in reasons[0]
+    assert store.broken == store.failure == reasons[0]
+    with pytest.raises(StoreUnavailable, match="writer stopped"):
+        store.submit(spans(8, 3))
+    assert store.queue_depth == 0
+    store.drain()  # returns: nothing waits on a writer that is gone
+    assert stored(store) == 8
+
+
+def test_the_views_read_every_row_whatever_its_time(store: Store) -> None:
+    """2^64-1 ns is a valid OTLP time past what a timestamp holds: its row reads with no time, the others too."""
+    batch = spans(2, seed=12)
+    times = batch.columns[SPAN_COLUMNS.index("start_time_unix_nano")]
+    times[0] = 2**64 - 1
+    assert store.submit(batch).result(timeout=60) == (2, 0)
+    cur = store.cursor()
+    try:
+        rows = cur.execute("SELECT start_time_unix_nano, start_time FROM spans ORDER BY 1").fetchall()
+    finally:
+        cur.close()
+    assert rows[1] == (2**64 - 1, None) and rows[0][1] is not None

@@ -1,0 +1,196 @@
+"""The real daemon as a subprocess on ephemeral ports, and the CLI, for tests.
+
+``DaemonProcess`` starts ``python -m collector serve`` with a config written for
+the test (every port 0), waits for its runtime file and /readyz, and knows the
+actual addresses. Tests talk to it over real gRPC and HTTP only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+FIXTURES = SHARED / "fixtures" / "otlp"
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def base_config(data_dir: Path, **sections: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"},
+                                             "http": {"endpoint": "127.0.0.1:0"}}}},
+        "storage": {"duckdb": {"path": str(data_dir / "tracejudge.duckdb")}},
+        "api": {"endpoint": "127.0.0.1:0"},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            _merge(cfg[key], value)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACEJUDGE_", "OTEL_"))}
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "collector", *args], capture_output=True, text=True,
+                          env=env or clean_env(), timeout=timeout, input=input, cwd=REPO)
+
+
+class DaemonProcess:
+    """A real ``tracejudge serve`` subprocess."""
+
+    def __init__(self, data_dir: Path, config: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.config = config
+        self.config_path = data_dir / "otel-config.yaml"
+        self.config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        self.duckdb = Path(config["storage"]["duckdb"]["path"])
+        self.runtime_file = Path(str(self.duckdb) + ".daemon.json")
+        self.env = env or clean_env()
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+
+    def start(self, timeout: float = 30) -> "DaemonProcess":
+        self.runtime_file.unlink(missing_ok=True)
+        if hasattr(self, "log") and not self.log.closed:
+            self.log.close()
+        self.log = open(self.data_dir / "daemon.log", "a", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "collector", "serve", "--config", str(self.config_path)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.output()}")
+            if self.runtime_file.exists():
+                try:
+                    self.info = json.loads(self.runtime_file.read_text())
+                except ValueError:
+                    time.sleep(0.05)
+                    continue
+                if self.get("/readyz", check=False)[0] == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon did not become ready:\n{self.output()}")
+
+    def output(self) -> str:
+        return (self.data_dir / "daemon.log").read_text(encoding="utf-8", errors="replace")
+
+    def wait_output(self, text: str, timeout: float = 60) -> None:
+        """Until the daemon has logged ``text`` (it fails at once if the daemon exits first)."""
+
+        def logged() -> bool:
+            if text in self.output():
+                return True
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited with {self.proc.returncode} before logging {text!r}:\n{self.output()}")
+            return False
+
+        wait_until(logged, f"{text!r} to be logged", timeout)
+
+    @property
+    def grpc(self) -> str:
+        return str(self.info["grpc"])
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.info['http']}"
+
+    @property
+    def api(self) -> str:
+        return str(self.info["api"])
+
+    def get(self, path: str, token: str | None = None, check: bool = True) -> tuple[int, Any]:
+        req = urllib.request.Request(self.api + path)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                body = resp.read().decode()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode()
+            status = exc.code
+        if check and status != 200:
+            raise AssertionError(f"GET {path} -> {status}: {body}")
+        ctype_json = body.startswith(("{", "["))
+        return status, json.loads(body) if ctype_json else body
+
+    def counts(self) -> dict[str, int]:
+        return self.get("/api/spans/count")[1]  # type: ignore[no-any-return]
+
+    def metric(self, name: str) -> float:
+        text = self.get("/metrics")[1]
+        total = 0.0
+        found = False
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        assert found, f"{name} not in /metrics"
+        return total
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    def kill9(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Read DuckDB directly; only once the daemon has stopped (it holds the file lock)."""
+        import duckdb
+
+        assert self.proc is None or self.proc.poll() is not None, "stop the daemon before reading its file"
+        con = duckdb.connect(str(self.duckdb), read_only=True)
+        try:
+            return con.execute(sql, params or []).fetchall()
+        finally:
+            con.close()
+
+
+def wait_conversations(daemon: DaemonProcess, timeout: float = 60) -> dict[str, Any]:
+    """Wait until the conversation stage has processed every committed batch."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = daemon.get("/api/status")[1]
+        if (status["conversations_batch"] >= status["committed_batch"] and status["queue_depth"] == 0
+                and status["conversations_pending"] == 0):
+            return status  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise AssertionError(f"conversations did not catch up: {status}")
