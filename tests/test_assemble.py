@@ -25,6 +25,7 @@ from collector.conversations.assemble import (
     group_traces,
     merge_history,
 )
+from collector.conversations.record import conversation_v1
 from collector.normalize import Message, ToolCall
 from tests.genai_fixtures import by_trace, case_names, load_case
 
@@ -491,7 +492,7 @@ def test_no_content_flagged_with_how_to_fix() -> None:
     assert t.no_content_reason == NO_CONTENT_REASON
     assert "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY" in NO_CONTENT_REASON
     assert t.llm_calls == 2 and t.usage.input_tokens == 20 and t.models == ("m-1",)
-    assert t.to_conversation_v1("c", "idle")["attributes"]["no_content_reason"] == NO_CONTENT_REASON
+    assert conversation_v1(t, "c", "idle")["attributes"]["no_content_reason"] == NO_CONTENT_REASON
 
 
 def test_no_genai_spans_at_all() -> None:
@@ -589,7 +590,7 @@ def test_malformed_rows_are_counted() -> None:
     t = build_transcript(w.spans + [bad_span], w.logs + [bad_log])
     assert (t.unparsed_spans, t.unparsed_logs) == (1, 1)
     assert [m.content for m in t.messages] == ["hi", "hello"]
-    assert t.to_conversation_v1("c")["attributes"]["unparsed_spans"] == 1
+    assert conversation_v1(t, "c")["attributes"]["unparsed_spans"] == 1
 
 
 @settings(max_examples=80, deadline=None)
@@ -619,7 +620,7 @@ def test_conversation_v1_record_shape() -> None:
               {"role": "assistant", "content": "shipped"}]]
     w = write(turns, "otel-genai span")
     t = build_transcript(w.spans, w.logs)
-    rec = t.to_conversation_v1("conv-1", "handover", sampling={"probability": 1.0, "rule": "all"})
+    rec = conversation_v1(t, "conv-1", "handover", sampling={"probability": 1.0, "rule": "all"})
     allowed = {"schema", "id", "source", "service", "started_at", "ended_at", "ended_by", "system", "messages",
                "models", "usage", "trace_ids", "sampling", "attributes"}
     assert set(rec) <= allowed
@@ -654,7 +655,7 @@ def test_answer_cut_short_is_kept_and_flagged() -> None:
     assert last.truncated and last.role == "assistant"
     assert turns[0][1]["content"].startswith(last.content) and last.content
     assert t.truncated_spans == (chat["span_id"],)
-    rec = t.to_conversation_v1("c")
+    rec = conversation_v1(t, "c")
     assert rec["messages"][-1]["truncated"] is True and rec["attributes"]["truncated_spans"] == [chat["span_id"]]
     json.dumps(rec).encode("utf-8")  # a cut surrogate pair must not leak out
 
@@ -739,11 +740,11 @@ def test_usage_absent_when_no_call_reported_it() -> None:
     _chat(w, {})
     t = build_transcript(w.spans, [])
     assert t.llm_calls == 1 and t.usage is None
-    assert "usage" not in t.to_conversation_v1("c")
+    assert "usage" not in conversation_v1(t, "c")
 
 
 def test_usage_reported_as_zero_stays_zero() -> None:
     w = Writer("x")
     _chat(w, {"gen_ai.usage.input_tokens": 0, "gen_ai.usage.output_tokens": 0})
     t = build_transcript(w.spans, [])
-    assert t.to_conversation_v1("c")["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    assert conversation_v1(t, "c")["usage"] == {"input_tokens": 0, "output_tokens": 0}
