@@ -1,4 +1,4 @@
-"""The transcript model (conversation/v1), its hash, and its rendering for a judge.
+"""The transcript model (conversation/v1), its rendering for a judge, and the hash of that rendering.
 
 A judge reads the transcript as one message per line (``USER: ...``,
 ``BOT: ...``, ``TOOL name: ...``). Production messages are hostile input: a user
@@ -131,33 +131,6 @@ class Conversation(_Record):
         return self.model_dump_json(by_alias=True, exclude_none=True)
 
 
-def transcript_sha256(messages: Iterable[Message]) -> str:
-    """SHA-256 of the transcript a judge reads.
-
-    The hash covers each message's ``role``, ``content``, ``tool_calls`` (name
-    and arguments) and ``tool_call_id`` as canonical JSON (sorted keys, no
-    spaces, UTF-8), every key present on every message (``[]`` / ``null`` when
-    absent), so timestamps and span ids never change it.
-
-    Args:
-        messages: the transcript.
-
-    Returns:
-        The lowercase hex digest.
-    """
-    reduced = [
-        {
-            "role": m.role,
-            "content": m.content,
-            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in m.tool_calls],
-            "tool_call_id": m.tool_call_id,
-        }
-        for m in messages
-    ]
-    canonical = json.dumps(reduced, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
 # Tags the judge frame uses; in content they are defused (``<`` -> ``‹``) so the
 # transcript cannot close its own block or open a new criterion.
 FRAME_TAGS = ("transcript", "criterion", "instructions", "verdict")
@@ -234,6 +207,28 @@ def render_transcript(messages: Iterable[Message]) -> str:
 def transcript_block(lines: Iterable[str]) -> str:
     """Wrap rendered lines in the ``<transcript>`` tags."""
     return "<transcript>\n" + "\n".join(lines) + "\n</transcript>"
+
+
+def transcript_sha256(messages: Iterable[Message]) -> str:
+    """SHA-256 of the transcript exactly as a judge reads it.
+
+    The hash is over the ``render_transcript`` block (UTF-8): whatever changes
+    what a judge is shown (a message, a tool call, a tool's name) changes it,
+    and nothing else does (times, span ids, ``truncated``).
+
+    Args:
+        messages: the transcript.
+
+    Returns:
+        The lowercase hex digest.
+    """
+    return block_sha256(render_transcript(messages))
+
+
+def block_sha256(block: str) -> str:
+    """``transcript_sha256`` of a block ``render_transcript`` gave (for a caller that has rendered it already)."""
+    # surrogatepass: a lone surrogate in stored text must give a digest, never an error.
+    return hashlib.sha256(block.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import pytest
@@ -27,6 +27,7 @@ from collector.conversations.assemble import (
 )
 from collector.conversations.record import conversation_v1
 from collector.normalize import Message, ToolCall
+from judges import Conversation, transcript_sha256
 from tests.genai_fixtures import by_trace, case_names, load_case
 
 J = json.dumps
@@ -633,6 +634,10 @@ def test_conversation_v1_record_shape() -> None:
     assert rec["messages"][1]["tool_calls"][1] == {"id": "c2", "name": "track", "arguments": {"id": 2}}
     json.dumps(rec)  # serializable as is
     assert t.user_turns == 1 and len(t.content_hash()) == 64
+    # The stored digest is the one the evaluator computes from the record: what the judge reads.
+    assert t.content_hash() == transcript_sha256(Conversation.model_validate(rec).messages)
+    renamed = replace(t, messages=tuple(replace(m, name="find") if m.name == "track" else m for m in t.messages))
+    assert renamed.content_hash() != t.content_hash()
 
 
 # ---------------------------------------------------------------- content cut by length limits

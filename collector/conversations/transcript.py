@@ -6,11 +6,13 @@ record is built by ``record.conversation_v1``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
+
+from judges import Message as JudgeMessage
+from judges import ToolCall as JudgeToolCall
+from judges import transcript_sha256
 
 from ..listing import iso_utc
 from ..normalize import ToolCall
@@ -116,8 +118,15 @@ class Transcript:
         return sum(1 for m in self.messages if m.role == "user")
 
     def content_hash(self) -> str:
-        """A digest of what a judge sees (system + messages); re-judge when it changes."""
-        doc = {"system": self.system, "messages": [
-            {k: v for k, v in m.to_dict().items() if k not in ("at", "span_id")} for m in self.messages]}
-        text = json.dumps(doc, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
-        return hashlib.sha256(text.encode()).hexdigest()
+        """The digest of what a judge reads (``judges.transcript_sha256``): stored as ``transcript_hash``.
+
+        A new digest is a new revision, to be judged again; the evaluator checks
+        its verdicts against the same function over the stored record, which
+        gives the same messages.
+        """
+        return transcript_sha256(
+            JudgeMessage.model_construct(  # no validation: a message the record's reader would refuse still hashes
+                role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+                tool_calls=[JudgeToolCall.model_construct(id=tc.id, name=tc.name, arguments=tc.arguments)
+                            for tc in m.tool_calls])
+            for m in self.messages)
