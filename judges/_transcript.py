@@ -138,6 +138,29 @@ _TAG = re.compile(r"<(\s*/?\s*(?:" + "|".join(FRAME_TAGS) + r")\b[^<>]*)>", re.I
 _CONTINUATION = "  "  # indents every line of a message after its first
 
 
+Piece = tuple[str, "int | None", int]
+"""A piece of a rendered line: its text, where it comes from and its offset there.
+
+Where: ``-1`` is the message's ``content``, ``k >= 0`` the text of its k-th tool
+call as ``tool_call_text`` gives it, ``None`` the frame's own text (labels,
+separators). Offsets count characters of that source.
+"""
+
+
+def _neutral_pieces(text: str, source: int | None) -> list[Piece]:
+    if "<" in text:
+        text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)  # as long as the tag: offsets hold
+    out: list[Piece] = []
+    at = 0
+    # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
+    for line in text.splitlines(keepends=True):
+        if out:
+            out.append(("\n" + _CONTINUATION, None, 0))
+        out.append((line.splitlines()[0], source, at))
+        at += len(line)
+    return out
+
+
 def neutralize(text: str) -> str:
     """Defuse text that imitates the judge frame.
 
@@ -151,10 +174,7 @@ def neutralize(text: str) -> str:
     Returns:
         The text as the judge sees it.
     """
-    if "<" in text:
-        text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
-    # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
-    return ("\n" + _CONTINUATION).join(text.splitlines())
+    return "".join(p[0] for p in _neutral_pieces(text, None))
 
 
 def _label(name: str) -> str:
@@ -170,22 +190,31 @@ def tool_call_text(call: ToolCall) -> str:
     return f"[calls {_label(call.name)} {args}]"
 
 
-def render_lines(messages: Iterable[Message]) -> Iterator[str]:
-    """Yield the transcript one rendered message at a time (see ``render_transcript``)."""
+def render_pieces(messages: Iterable[Message]) -> Iterator[list[Piece]]:
+    """Each message's rendered line as pieces that say where their text comes from (see ``render_lines``)."""
     names: dict[str, str] = {}
     for m in messages:
         if m.role == "user":
-            yield "USER: " + neutralize(m.content)
+            yield [("USER: ", None, 0), *_neutral_pieces(m.content, -1)]
         elif m.role == "assistant":
-            parts = [neutralize(m.content)] if m.content else []
-            for call in m.tool_calls:
+            parts = [_neutral_pieces(m.content, -1)] if m.content else []
+            for k, call in enumerate(m.tool_calls):
                 if call.id:
                     names[call.id] = call.name
-                parts.append(neutralize(tool_call_text(call)))
-            yield "BOT: " + " ".join(parts)
+                parts.append(_neutral_pieces(tool_call_text(call), k))
+            line: list[Piece] = [("BOT: ", None, 0)]
+            for i, part in enumerate(parts):
+                line += [(" ", None, 0), *part] if i else part
+            yield line
         else:
             name = m.name or names.get(m.tool_call_id or "", "")
-            yield f"TOOL {_label(name)}: " + neutralize(m.content)
+            yield [(f"TOOL {_label(name)}: ", None, 0), *_neutral_pieces(m.content, -1)]
+
+
+def render_lines(messages: Iterable[Message]) -> Iterator[str]:
+    """Yield the transcript one rendered message at a time (see ``render_transcript``)."""
+    for pieces in render_pieces(messages):
+        yield "".join(p[0] for p in pieces)
 
 
 def render_transcript(messages: Iterable[Message]) -> str:

@@ -20,7 +20,7 @@ from collector.evals import verdicts as evals
 from collector.evals.judging import Job, Judging
 from collector.review import queue as review
 from collector.review import stats as review_stats
-from collector.review.page import highlight, render_item, render_list
+from collector.review.page import highlight, locate_quotes, render_item, render_list
 from collector.store import Transaction
 from judges import (
     Conversation,
@@ -32,6 +32,7 @@ from judges import (
     Usage,
     Verdict,
     transcript_sha256,
+    verify_evidence,
 )
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "otlp"
@@ -454,7 +455,7 @@ def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConne
     # The quote's two pieces (around the ellipsis) are marked, matching case and spacing loosely.
     assert "<mark>Take an aspirin</mark>" in page
     assert "<mark>You will   be fine</mark>" in page
-    assert "highlighted in the transcript" in page and "not found in the message texts" in page
+    assert "highlighted in the transcript" in page and "not found in the transcript" in page
     assert re.search(r'<div class="text" dir="auto">عندي ألم في الصدر</div>', page)
     assert 'action="/review/1/decision"' in page and 'name="reviewer"' in page and 'for="reviewer"' in page
     assert 'value="confirm"' in page and 'value="reject"' in page and 'name="force"' not in page
@@ -464,7 +465,39 @@ def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConne
     assert 'name="force" value="1"' in decided and "Dr. &lt;Amal&gt;" in decided
 
 
+def _highlighted(text: str, quotes: Sequence[str]) -> str:
+    """``text`` as the page shows a user message of that text, with the quotes located by the judges."""
+    _, marks = locate_quotes([{"role": "user", "content": text}], quotes)
+    return highlight(text, marks.get((0, -1), ()))
+
+
 def test_highlight_is_escaped_around_marks() -> None:
-    assert highlight("a <b> c", ["<b>"]) == "a <mark>&lt;b&gt;</mark> c"
-    assert highlight("It’s FINE, really", ["\"it's fine\""]) == "<mark>It’s FINE</mark>, really"
-    assert highlight("nothing here", ["absent"]) == "nothing here"
+    assert _highlighted("a <b> c", ["<b>"]) == "a <mark>&lt;b&gt;</mark> c"
+    assert _highlighted("It’s FINE, really", ["\"it's fine\""]) == "<mark>It’s FINE</mark>, really"
+    assert _highlighted("nothing here", ["absent"]) == "nothing here"
+
+
+def test_page_highlights_exactly_what_the_evidence_check_verified(cur: duckdb.DuckDBPyConnection) -> None:
+    """The page's highlighting and evidence_verified come from one matcher (NFKC folding, pieces in order)."""
+    msgs = [{"role": "user", "content": "my ﬁle is on the ＤＥＳＫ"},
+            {"role": "assistant", "content": "Rest first. Then call us."}]
+    sha = add_conversation(cur, "conv-q", msgs)
+    record = conversation_record(cur, "conv-q")
+    assert record is not None
+    transcript = Conversation.model_validate(record).messages
+    folded, disordered = "file is on the desk", "then call us ... rest first"
+    assert verify_evidence([folded], transcript) and not verify_evidence([disordered], transcript)
+    evals.store_criteria(cur, [LLMCriterion(id="c1", version=1, prompt="p")])
+    for quote in (folded, disordered):
+        cur.execute("DELETE FROM review_items")
+        cur.execute("DELETE FROM verdicts")
+        store(cur, [verdict("conv-q", "c1", "fail", sha, evidence=[quote],
+                            verified=verify_evidence([quote], transcript))], probability=1.0, rule=None)
+        (item,) = review.list_reviews(cur)
+        page = render_item(review.review_item(cur, item["id"]))
+        if quote == folded:
+            assert "my <mark>ﬁle is on the ＤＥＳＫ</mark>" in page and "highlighted in the transcript" in page
+            assert "was not found in the transcript" not in page
+        else:
+            assert "<mark>" not in page and "not found in the transcript" in page
+            assert "At least one quote the judge gave was not found" in page
