@@ -22,7 +22,7 @@ from ._errors import (
     ProviderError,
     ProviderSetupError,
 )
-from ._evidence import verify_evidence
+from ._evidence import Located, TextRange, locate_evidence, verify_evidence
 from ._prompt import FRAME, JudgeRequest
 from ._providers import (
     AnthropicProvider,
@@ -43,6 +43,7 @@ from ._transcript import (
     parse_conversations,
     read_conversations,
     render_transcript,
+    tool_call_text,
     transcript_sha256,
 )
 from ._verdict import CheckResult, JudgeInfo, NotRun, Verdict
@@ -68,6 +69,7 @@ __all__ = [
     "JudgeRun",
     "JudgesError",
     "LLMCriterion",
+    "Located",
     "MemoryCache",
     "Message",
     "NotRun",
@@ -81,12 +83,14 @@ __all__ = [
     "RetryPolicy",
     "ScriptedProvider",
     "Summary",
+    "TextRange",
     "ToolCall",
     "Usage",
     "Verdict",
     "VerdictCache",
     "arun_judges",
     "load_criteria",
+    "locate_evidence",
     "make_provider",
     "parse_conversations",
     "read_conversations",
@@ -95,6 +99,7 @@ __all__ = [
     "render_transcript",
     "run_judges",
     "summarize",
+    "tool_call_text",
     "transcript_sha256",
     "verify_evidence",
     "weighted_proportion",

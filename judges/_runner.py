@@ -27,7 +27,7 @@ from ._errors import ProviderError
 from ._evidence import EvidenceIndex
 from ._prompt import JudgeRequest, ReplyError, build_request, parse_reply, prompt_sha256
 from ._providers import Provider, ProviderReply
-from ._transcript import Conversation, Usage, render_lines, transcript_block, transcript_sha256
+from ._transcript import Conversation, Usage, block_sha256, render_lines, transcript_block
 from ._verdict import JudgeInfo, NotRun, Verdict
 
 Send = Callable[[JudgeRequest], Awaitable[ProviderReply]]
@@ -142,10 +142,11 @@ class _Prepared:
 def _prepare(conversation: Conversation) -> _Prepared:
     msgs = conversation.messages
     lines = list(render_lines(msgs))
+    block = transcript_block(lines)
     return _Prepared(
         conversation=conversation,
-        sha256=transcript_sha256(msgs),
-        block=transcript_block(lines),
+        sha256=block_sha256(block),
+        block=block,
         index=EvidenceIndex(lines),
         has_content=any(m.content or m.tool_calls for m in msgs),
     )

@@ -1,4 +1,4 @@
-"""The transcript model (conversation/v1), its hash, and its rendering for a judge.
+"""The transcript model (conversation/v1), its rendering for a judge, and the hash of that rendering.
 
 A judge reads the transcript as one message per line (``USER: ...``,
 ``BOT: ...``, ``TOOL name: ...``). Production messages are hostile input: a user
@@ -131,38 +131,34 @@ class Conversation(_Record):
         return self.model_dump_json(by_alias=True, exclude_none=True)
 
 
-def transcript_sha256(messages: Iterable[Message]) -> str:
-    """SHA-256 of the transcript a judge reads.
-
-    The hash covers each message's ``role``, ``content``, ``tool_calls`` (name
-    and arguments) and ``tool_call_id`` as canonical JSON (sorted keys, no
-    spaces, UTF-8), every key present on every message (``[]`` / ``null`` when
-    absent), so timestamps and span ids never change it.
-
-    Args:
-        messages: the transcript.
-
-    Returns:
-        The lowercase hex digest.
-    """
-    reduced = [
-        {
-            "role": m.role,
-            "content": m.content,
-            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in m.tool_calls],
-            "tool_call_id": m.tool_call_id,
-        }
-        for m in messages
-    ]
-    canonical = json.dumps(reduced, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
 # Tags the judge frame uses; in content they are defused (``<`` -> ``‹``) so the
 # transcript cannot close its own block or open a new criterion.
 FRAME_TAGS = ("transcript", "criterion", "instructions", "verdict")
 _TAG = re.compile(r"<(\s*/?\s*(?:" + "|".join(FRAME_TAGS) + r")\b[^<>]*)>", re.IGNORECASE)
 _CONTINUATION = "  "  # indents every line of a message after its first
+
+
+Piece = tuple[str, "int | None", int]
+"""A piece of a rendered line: its text, where it comes from and its offset there.
+
+Where: ``-1`` is the message's ``content``, ``k >= 0`` the text of its k-th tool
+call as ``tool_call_text`` gives it, ``None`` the frame's own text (labels,
+separators). Offsets count characters of that source.
+"""
+
+
+def _neutral_pieces(text: str, source: int | None) -> list[Piece]:
+    if "<" in text:
+        text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)  # as long as the tag: offsets hold
+    out: list[Piece] = []
+    at = 0
+    # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
+    for line in text.splitlines(keepends=True):
+        if out:
+            out.append(("\n" + _CONTINUATION, None, 0))
+        out.append((line.splitlines()[0], source, at))
+        at += len(line)
+    return out
 
 
 def neutralize(text: str) -> str:
@@ -178,10 +174,7 @@ def neutralize(text: str) -> str:
     Returns:
         The text as the judge sees it.
     """
-    if "<" in text:
-        text = _TAG.sub(lambda m: "‹" + m.group(1) + "›", text)
-    # splitlines knows every line boundary (\r, \v, \x1e, \u2028, ...), not only \n.
-    return ("\n" + _CONTINUATION).join(text.splitlines())
+    return "".join(p[0] for p in _neutral_pieces(text, None))
 
 
 def _label(name: str) -> str:
@@ -197,22 +190,31 @@ def tool_call_text(call: ToolCall) -> str:
     return f"[calls {_label(call.name)} {args}]"
 
 
-def render_lines(messages: Iterable[Message]) -> Iterator[str]:
-    """Yield the transcript one rendered message at a time (see ``render_transcript``)."""
+def render_pieces(messages: Iterable[Message]) -> Iterator[list[Piece]]:
+    """Each message's rendered line as pieces that say where their text comes from (see ``render_lines``)."""
     names: dict[str, str] = {}
     for m in messages:
         if m.role == "user":
-            yield "USER: " + neutralize(m.content)
+            yield [("USER: ", None, 0), *_neutral_pieces(m.content, -1)]
         elif m.role == "assistant":
-            parts = [neutralize(m.content)] if m.content else []
-            for call in m.tool_calls:
+            parts = [_neutral_pieces(m.content, -1)] if m.content else []
+            for k, call in enumerate(m.tool_calls):
                 if call.id:
                     names[call.id] = call.name
-                parts.append(neutralize(tool_call_text(call)))
-            yield "BOT: " + " ".join(parts)
+                parts.append(_neutral_pieces(tool_call_text(call), k))
+            line: list[Piece] = [("BOT: ", None, 0)]
+            for i, part in enumerate(parts):
+                line += [(" ", None, 0), *part] if i else part
+            yield line
         else:
             name = m.name or names.get(m.tool_call_id or "", "")
-            yield f"TOOL {_label(name)}: " + neutralize(m.content)
+            yield [(f"TOOL {_label(name)}: ", None, 0), *_neutral_pieces(m.content, -1)]
+
+
+def render_lines(messages: Iterable[Message]) -> Iterator[str]:
+    """Yield the transcript one rendered message at a time (see ``render_transcript``)."""
+    for pieces in render_pieces(messages):
+        yield "".join(p[0] for p in pieces)
 
 
 def render_transcript(messages: Iterable[Message]) -> str:
@@ -234,6 +236,28 @@ def render_transcript(messages: Iterable[Message]) -> str:
 def transcript_block(lines: Iterable[str]) -> str:
     """Wrap rendered lines in the ``<transcript>`` tags."""
     return "<transcript>\n" + "\n".join(lines) + "\n</transcript>"
+
+
+def transcript_sha256(messages: Iterable[Message]) -> str:
+    """SHA-256 of the transcript exactly as a judge reads it.
+
+    The hash is over the ``render_transcript`` block (UTF-8): whatever changes
+    what a judge is shown (a message, a tool call, a tool's name) changes it,
+    and nothing else does (times, span ids, ``truncated``).
+
+    Args:
+        messages: the transcript.
+
+    Returns:
+        The lowercase hex digest.
+    """
+    return block_sha256(render_transcript(messages))
+
+
+def block_sha256(block: str) -> str:
+    """``transcript_sha256`` of a block ``render_transcript`` gave (for a caller that has rendered it already)."""
+    # surrogatepass: a lone surrogate in stored text must give a digest, never an error.
+    return hashlib.sha256(block.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

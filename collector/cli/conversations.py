@@ -72,8 +72,8 @@ def render_verdicts(verdicts: list[dict[str, Any]]) -> str:
     return f"verdicts ({len(verdicts)}):\n" + "\n".join("  " + line for line in table(rows, align="ll").splitlines())
 
 
-def render(record: dict[str, Any], mark: Callable[[str], str] = lambda text: text) -> str:
-    """A conversation/v1 record as text a person reads; ``mark`` is applied to every message's text."""
+def render(record: dict[str, Any], mark: Callable[[int, str], str] = lambda n, text: text) -> str:
+    """A conversation/v1 record as text a person reads; ``mark`` is applied to every message's text (and index)."""
     attrs = record.get("attributes", {})
     usage = record.get("usage") or {}
     ended = "still open" if record["ended_by"] == "open" else f"ended by {record['ended_by']}"
@@ -89,15 +89,15 @@ def render(record: dict[str, Any], mark: Callable[[str], str] = lambda text: tex
     if record.get("system"):
         lines += ["", f"SYSTEM: {record['system']}"]
     lines.append("")
-    for m in record["messages"]:
+    for n, m in enumerate(record["messages"]):
         if m["role"] == "user":
-            lines.append(f"USER: {mark(m['content'])}")
+            lines.append(f"USER: {mark(n, m['content'])}")
         elif m["role"] == "assistant":
             if m["content"]:
-                lines.append(f"BOT: {mark(m['content'])}")
+                lines.append(f"BOT: {mark(n, m['content'])}")
             for tc in m.get("tool_calls") or []:
                 args = json.dumps(tc.get("arguments"), ensure_ascii=False)
                 lines.append(f"BOT -> {tc['name']}({args})")
         else:
-            lines.append(f"TOOL {m.get('name') or m.get('tool_call_id') or ''}: {mark(m['content'])}")
+            lines.append(f"TOOL {m.get('name') or m.get('tool_call_id') or ''}: {mark(n, m['content'])}")
     return "\n".join(lines)

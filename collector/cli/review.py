@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..listing import MAX_LIMIT
-from ..review.page import mark_quotes
+from ..review.page import locate_quotes, mark_ranges
 from ..review.queue import REVIEW_STATES
 from .common import ask, config_option, json_option, table
 from .conversations import render
@@ -87,8 +87,9 @@ def render_item(detail: dict[str, Any]) -> str:
     if conversation is None:
         lines.append("(the conversation is no longer stored)")
     else:
-        lines.append(render(conversation, mark=lambda text: mark_quotes(text, evidence, before=before,
-                                                                       after=after)))
+        _, marks = locate_quotes(conversation["messages"], evidence)
+        lines.append(render(conversation, mark=lambda n, text: mark_ranges(text, marks.get((n, -1), ()),
+                                                                          before=before, after=after)))
     return "\n".join(lines)
 
 

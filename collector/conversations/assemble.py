@@ -17,7 +17,7 @@ conversations"):
   parent before child, log records by time, then as received.
 
 Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
-``build_transcript``, ``ParseMemo``, ``Transcript`` (with ``to_conversation_v1``),
+``build_transcript``, ``ParseMemo``, ``Transcript``,
 ``TranscriptMessage``, ``Usage``, ``NO_CONTENT_REASON``.
 """
 

@@ -1,16 +1,20 @@
-"""The rebuilt conversation: ``Transcript`` and its conversation/v1 record.
+"""The rebuilt conversation: ``Transcript``, its messages and its digest.
 
-Public: ``Transcript``, ``TranscriptMessage``, ``Usage``.
+Public: ``Transcript``, ``TranscriptMessage``, ``Usage``. Its conversation/v1
+record is built by ``record.conversation_v1``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Mapping
+from typing import Any
 
+from judges import Message as JudgeMessage
+from judges import ToolCall as JudgeToolCall
+from judges import transcript_sha256
+
+from ..listing import iso_utc
 from ..normalize import ToolCall
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -24,10 +28,6 @@ def from_unix_nano(ns: int | None) -> datetime | None:
         return _EPOCH + timedelta(microseconds=ns // 1000)
     except OverflowError:  # before year 1 or after 9999: garbage in a column, never a reason to fail a rebuild
         return None
-
-
-def _rfc3339(dt: datetime | None) -> str | None:
-    return dt.isoformat().replace("+00:00", "Z") if dt is not None else None
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class TranscriptMessage:
         if self.name:
             out["name"] = self.name
         if self.at is not None:
-            out["at"] = _rfc3339(self.at)
+            out["at"] = iso_utc(self.at)
         if self.span_id:
             out["span_id"] = self.span_id
         if self.truncated:
@@ -118,49 +118,15 @@ class Transcript:
         return sum(1 for m in self.messages if m.role == "user")
 
     def content_hash(self) -> str:
-        """A digest of what a judge sees (system + messages); re-judge when it changes."""
-        doc = {"system": self.system, "messages": [
-            {k: v for k, v in m.to_dict().items() if k not in ("at", "span_id")} for m in self.messages]}
-        text = json.dumps(doc, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
-        return hashlib.sha256(text.encode()).hexdigest()
+        """The digest of what a judge reads (``judges.transcript_sha256``): stored as ``transcript_hash``.
 
-    def to_conversation_v1(self, conversation_id: str, ended_by: str = "open", *,
-                           sampling: Mapping[str, Any] | None = None,
-                           attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The conversation/v1 record (docs/conversation-v1.md).
-
-        Facts outside the format's table (call count, capture status, sources)
-        go under ``attributes``, as the format requires.
+        A new digest is a new revision, to be judged again; the evaluator checks
+        its verdicts against the same function over the stored record, which
+        gives the same messages.
         """
-        attrs: dict[str, Any] = {
-            "llm_calls": self.llm_calls,
-            "content_captured": self.content_captured,
-            "sources": list(self.sources),
-        }
-        if self.no_content_reason:
-            attrs["no_content_reason"] = self.no_content_reason
-        if self.unparsed_spans or self.unparsed_logs:
-            attrs["unparsed_spans"] = self.unparsed_spans
-            attrs["unparsed_logs"] = self.unparsed_logs
-        if self.truncated_spans:
-            attrs["truncated_spans"] = list(self.truncated_spans)
-        attrs.update(attributes or {})
-        record: dict[str, Any] = {
-            "schema": "conversation/v1",
-            "id": conversation_id,
-            "source": "production",
-            "service": self.service,
-            "started_at": _rfc3339(self.started_at),
-            "ended_at": _rfc3339(self.ended_at),
-            "ended_by": ended_by,
-            "system": self.system,
-            "messages": [m.to_dict() for m in self.messages],
-            "models": list(self.models),
-            "trace_ids": list(self.trace_ids),
-            "attributes": attrs,
-        }
-        if self.usage is not None:
-            record["usage"] = {"input_tokens": self.usage.input_tokens, "output_tokens": self.usage.output_tokens}
-        if sampling is not None:
-            record["sampling"] = dict(sampling)
-        return record
+        return transcript_sha256(
+            JudgeMessage.model_construct(  # no validation: a message the record's reader would refuse still hashes
+                role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+                tool_calls=[JudgeToolCall.model_construct(id=tc.id, name=tc.name, arguments=tc.arguments)
+                            for tc in m.tool_calls])
+            for m in self.messages)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -84,6 +85,7 @@ CREATE TABLE IF NOT EXISTS not_run (
     "at" TIMESTAMPTZ NOT NULL,
     PRIMARY KEY (conversation_id, criterion_id, criterion_version)
 );
+CREATE TABLE IF NOT EXISTS evals_state (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
 
 
@@ -96,8 +98,68 @@ VERDICT_COLUMNS = (
 
 
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
-    """Create the tables of this module when they do not exist yet."""
+    """Create the tables of this module when they do not exist yet, and bring older verdicts' digests up to date."""
     cur.execute(SCHEMA)
+    migrate_digests(cur)
+
+
+# --- the transcript digest across upgrades -----------------------------------------------------------
+
+DIGEST = "rendered"
+"""What ``judges.transcript_sha256`` hashes: the transcript block as rendered for a judge."""
+
+
+def _json_digest(messages: Sequence[Message]) -> str:
+    # The digest before it covered the rendered block (tool names on TOOL lines were left out).
+    # Kept only to recognise verdicts stored under it; see ``migrate_digests``.
+    reduced = [{"role": m.role, "content": m.content, "tool_calls": [{"name": c.name, "arguments": c.arguments}
+                                                                      for c in m.tool_calls],
+                "tool_call_id": m.tool_call_id} for m in messages]
+    canonical = json.dumps(reduced, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def migrate_digests(cur: duckdb.DuckDBPyConnection) -> int:
+    """Once per file: move verdicts judged under the earlier digest formula to the current one.
+
+    A verdict whose digest is the earlier formula's digest of its conversation's
+    stored transcript was judged on that transcript; it gets the current digest
+    of the same transcript, so a changed formula alone judges nothing again.
+    Other verdicts were judged on a transcript since replaced and keep their
+    digest, which no current transcript has. Error verdicts also get the id of
+    their new key, so that their retry replaces them as before. A conversation's
+    own ``transcript_hash`` takes the current formula at its next rebuild.
+
+    Returns:
+        How many verdicts moved.
+    """
+    row = cur.execute("SELECT value FROM evals_state WHERE key = 'transcript_digest'").fetchone()
+    if row is not None and row[0] == DIGEST:
+        return 0
+    moved = 0
+    with Transaction(cur):
+        for (cid,) in cur.execute("SELECT DISTINCT conversation_id FROM verdicts").fetchall():
+            record = conversation_record(cur, cid)
+            if record is None:
+                continue
+            try:
+                messages = [Message.model_validate(m) for m in record["messages"]]
+            except ValidationError:
+                continue
+            old, new = _json_digest(messages), transcript_sha256(messages)
+            if old == new:
+                continue
+            errors = cur.execute("SELECT id, criterion_id, criterion_version, judge_model FROM verdicts "
+                                 "WHERE conversation_id = ? AND transcript_sha256 = ? AND result = 'error'",
+                                 [cid, old]).fetchall()
+            for vid, criterion, version, model in errors:
+                cur.execute("UPDATE verdicts SET id = ? WHERE id = ?",
+                            [_verdict_key(cid, criterion, version, model, new), vid])
+            n = cur.execute("UPDATE verdicts SET transcript_sha256 = ? WHERE conversation_id = ? "
+                            "AND transcript_sha256 = ?", [new, cid, old]).fetchone()
+            moved += int(n[0]) if n else 0
+        cur.execute("INSERT OR REPLACE INTO evals_state VALUES ('transcript_digest', ?)", [DIGEST])
+    return moved
 
 
 # --- sampling decisions -------------------------------------------------------------------------
@@ -186,8 +248,11 @@ def store_criteria(cur: duckdb.DuckDBPyConnection, criteria: Sequence[Criterion]
 
 def verdict_id(v: Verdict) -> str:
     """The id of a verdict: a digest of what makes it unique, so a repeated call maps to the same row."""
-    key = "\x1f".join([v.conversation_id, v.criterion_id, str(v.criterion_version), v.judge.model,
-                       v.transcript_sha256])
+    return _verdict_key(v.conversation_id, v.criterion_id, v.criterion_version, v.judge.model, v.transcript_sha256)
+
+
+def _verdict_key(conversation_id: str, criterion_id: str, version: int, model: str, sha256: str) -> str:
+    key = "\x1f".join([conversation_id, criterion_id, str(version), model, sha256])
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
 
 

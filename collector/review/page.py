@@ -4,7 +4,8 @@ Pure functions from the dicts of ``review.queue`` (``list_reviews``,
 ``review_item``) to complete HTML documents; the server serves them. No
 JavaScript and no external assets. Every value from storage is production
 text (user messages, judge replies, reviewer notes) and is escaped; text of any
-direction is shown with ``dir="auto"``.
+direction is shown with ``dir="auto"``. Quoted evidence is highlighted where
+``judges.locate_evidence`` found it, the lookup behind ``evidence_verified``.
 
 The item page posts a form (``application/x-www-form-urlencoded``) to its
 ``action`` with the fields ``decision`` (``confirm`` | ``reject``),
@@ -15,10 +16,13 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
+
+from pydantic import ValidationError
+
+from judges import Message, ToolCall, locate_evidence, tool_call_text
 
 _STYLE = """
 :root { color-scheme: light; --ink: #1a1a1a; --muted: #4a4a4a; --line: #c8c8c8; --accent: #0b5cad;
@@ -149,78 +153,57 @@ def render_list(items: Sequence[Mapping[str, Any]], *, state: str = "pending", c
 
 # --- evidence highlighting ----------------------------------------------------------------------------
 
-_DOUBLE = "\"“”„«»"
-_SINGLE = "'‘’‚"
-_WRAP = _DOUBLE + _SINGLE + " \t\n"
-_PREFIX = re.compile(r"^\s*(?:user|bot|assistant|tool(?: [\w.\-]+)?)\s*:\s*", re.IGNORECASE)
-_ELLIPSIS = re.compile(r"\s*(?:\.\.\.+|…|\[\s*(?:\.\.\.|…)\s*\])\s*")
+Marks = dict[tuple[int, int], list[tuple[int, int]]]
+"""Ranges to highlight, by (message index, part): part ``-1`` is the content, ``k`` the k-th tool call's text."""
 
 
-def _char_pattern(ch: str) -> str:
-    if ch in _DOUBLE:
-        return f"[{_DOUBLE}]"
-    if ch in _SINGLE:
-        return f"[{_SINGLE}]"
-    return re.escape(ch)
+def locate_quotes(messages: Sequence[Mapping[str, Any]], evidence: Sequence[str]) -> tuple[list[bool], Marks]:
+    """Which quotes are in the transcript and where, as ``judges.locate_evidence`` finds them.
+
+    The same lookup gives a verdict its ``evidence_verified``, so what is
+    highlighted is what the evidence check accepted. A transcript the judges'
+    model refuses highlights nothing.
+    """
+    try:
+        msgs = [Message.model_validate(m) for m in messages]
+    except ValidationError:
+        return [False] * len(evidence), {}
+    located = locate_evidence(evidence, msgs)
+    marks: Marks = {}
+    for r in (r for q in located for r in q.ranges):
+        marks.setdefault((r.message, r.part), []).append((r.start, r.end))
+    return [q.found for q in located], marks
 
 
-def _quote_patterns(quote_text: str) -> list[re.Pattern[str]]:
-    """Patterns for the pieces of a quote, tolerant as the judges' evidence check is (case, spaces, quote marks)."""
-    q = _PREFIX.sub("", quote_text.strip(_WRAP)).strip(_WRAP)
-    out = []
-    for piece in _ELLIPSIS.split(q):
-        words = piece.strip(_WRAP).split()
-        if words:
-            out.append(re.compile(r"\s+".join("".join(_char_pattern(c) for c in w) for w in words), re.IGNORECASE))
-    return out
+def mark_ranges(text: str, ranges: Iterable[tuple[int, int]], *, before: str, after: str,
+                escape: Callable[[str], str] = lambda t: t) -> str:
+    """Wrap each range of ``text`` (overlapping ones merged) in ``before`` ... ``after``.
 
-
-def _highlight_ranges(text: str, patterns: Sequence[re.Pattern[str]]) -> list[tuple[int, int]]:
-    spans = sorted((m.start(), m.end()) for p in patterns for m in p.finditer(text) if m.end() > m.start())
+    ``escape`` is applied to the text, never to the marks.
+    """
     merged: list[tuple[int, int]] = []
-    for start, end in spans:
+    for start, end in sorted(ranges):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
-        else:
+        elif start < end:
             merged.append((start, end))
-    return merged
-
-
-def mark_quotes(text: str, evidence: Iterable[str], *, before: str, after: str,
-                escape: Callable[[str], str] = lambda t: t) -> str:
-    """Wrap every passage of ``text`` quoted in ``evidence`` in ``before`` ... ``after``.
-
-    Quotes are matched ignoring case, runs of whitespace, typographic quote
-    marks and a speaker prefix; an ellipsis splits a quote into pieces marked
-    apart. ``escape`` is applied to the text, never to the marks.
-    """
-    patterns = [p for q in evidence for p in _quote_patterns(q)]
     out, at = [], 0
-    for start, end in _highlight_ranges(text, patterns):
+    for start, end in merged:
         out += [escape(text[at:start]), before, escape(text[start:end]), after]
         at = end
     out.append(escape(text[at:]))
     return "".join(out)
 
 
-def highlight(text: str, evidence: Iterable[str]) -> str:
-    """Escape ``text`` for HTML and wrap every passage quoted in ``evidence`` in ``<mark>``."""
-    return mark_quotes(text, evidence, before="<mark>", after="</mark>", escape=_e)
-
-
-def _quote_found(quote_text: str, texts: Sequence[str]) -> bool:
-    patterns = _quote_patterns(quote_text)
-    return bool(patterns) and any(all(p.search(t) for p in patterns) for t in texts)
+def highlight(text: str, ranges: Iterable[tuple[int, int]]) -> str:
+    """Escape ``text`` for HTML and wrap each range in ``<mark>``."""
+    return mark_ranges(text, ranges, before="<mark>", after="</mark>", escape=_e)
 
 
 # --- item page ------------------------------------------------------------------------------------------
 
 
-def _message_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [str(m.get("content") or "") for m in messages]
-
-
-def _render_message(m: Mapping[str, Any], evidence: Sequence[str], n: int) -> str:
+def _render_message(m: Mapping[str, Any], marks: Marks, n: int) -> str:
     role = str(m.get("role") or "")
     label = _ROLE_WORDS.get(role, role)
     if role == "tool" and m.get("name"):
@@ -228,11 +211,13 @@ def _render_message(m: Mapping[str, Any], evidence: Sequence[str], n: int) -> st
     parts = []
     content = str(m.get("content") or "")
     if content:
-        parts.append(f'<div class="text" dir="auto">{highlight(content, evidence)}</div>')
-    for call in m.get("tool_calls") or []:
-        args = call.get("arguments")
-        parts.append(f'<div class="text muted" dir="auto">calls tool <strong>{_e(call.get("name"))}</strong> '
-                     f'{_e(args if isinstance(args, str) else _json(args))}</div>')
+        parts.append(f'<div class="text" dir="auto">{highlight(content, marks.get((n - 1, -1), ()))}</div>')
+    for k, call in enumerate(m.get("tool_calls") or []):
+        try:  # as the judge read it, so a quote of it is highlighted where it matched
+            text = tool_call_text(ToolCall.model_validate(call))
+        except ValidationError:
+            text = _json(call)
+        parts.append(f'<div class="text muted" dir="auto">{highlight(text, marks.get((n - 1, k), ()))}</div>')
     if m.get("truncated"):
         parts.append('<div class="muted">(the instrumentation cut this message)</div>')
     if not parts:
@@ -333,12 +318,12 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
         reasoning_html += f'<p class="box warn text" dir="auto">Error: {_e(verdict.get("error_reason"))}</p>'
 
     messages = list((conv or {}).get("messages") or [])
-    texts = _message_texts(messages)
+    found, marks = locate_quotes(messages, evidence)
     if evidence:
         quotes = "".join(
             f'<li><q class="text" dir="auto">{_e(q)}</q> <span class="muted">('
-            + ("highlighted in the transcript" if _quote_found(q, texts) else "not found in the message texts")
-            + ")</span></li>" for q in evidence)
+            + ("highlighted in the transcript" if ok else "not found in the transcript")
+            + ")</span></li>" for q, ok in zip(evidence, found))
         evidence_html = f"<h2>Quoted evidence</h2><ul>{quotes}</ul>"
     else:
         evidence_html = '<h2>Quoted evidence</h2><p class="muted">The judge quoted nothing.</p>'
@@ -355,7 +340,7 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
             + (f'<details class="box"><summary>System instructions</summary>'
                f'<div class="text" dir="auto">{_e(system)}</div></details>' if system else "")
             + '<ol class="transcript">'
-            + "".join(_render_message(m, evidence, n) for n, m in enumerate(messages, 1)) + "</ol>")
+            + "".join(_render_message(m, marks, n) for n, m in enumerate(messages, 1)) + "</ol>")
 
     history = list(detail.get("history") or [])
     history_html = ""

@@ -251,3 +251,19 @@ def test_an_unexpected_error_is_a_500_in_the_error_shape_logged_once(caplog: pyt
                               "message": "unexpected error (GET /broken); the daemon's log has the details"}}
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].exc_info is not None and "boom" in repr(errors[0].exc_info[1])
+
+
+def test_every_secret_is_compared_by_the_one_check() -> None:
+    """Receivers, API and review page compare tokens only through collector.auth (constant time, one rule)."""
+    import re
+
+    import collector
+    root = Path(collector.__file__).parent
+    secret = r"(?:\w+\.)*(?:\w*_)?(?:token|secret|authorization)\b"  # token, bearer_token, self.secret; not input_tokens
+    compares = re.compile(rf"compare_digest|\bhmac\b|\b{secret}\s*[!=]=|[!=]=\s*{secret}", re.IGNORECASE)
+    offenders = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py")) if path.name != "auth.py"
+                 for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if compares.search(line)]
+    assert offenders == []
+    users = {path.relative_to(root).as_posix() for path in root.rglob("*.py")
+             if re.search(r"^from \.\.auth import", path.read_text(encoding="utf-8"), re.MULTILINE)}
+    assert users == {"api/guards.py", "ingest/receiver.py"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import pytest
@@ -25,7 +25,9 @@ from collector.conversations.assemble import (
     group_traces,
     merge_history,
 )
+from collector.conversations.record import conversation_v1
 from collector.normalize import Message, ToolCall
+from judges import Conversation, transcript_sha256
 
 from ..support.genai_fixtures import by_trace, case_names, load_case
 
@@ -492,7 +494,7 @@ def test_no_content_flagged_with_how_to_fix() -> None:
     assert t.no_content_reason == NO_CONTENT_REASON
     assert "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY" in NO_CONTENT_REASON
     assert t.llm_calls == 2 and t.usage.input_tokens == 20 and t.models == ("m-1",)
-    assert t.to_conversation_v1("c", "idle")["attributes"]["no_content_reason"] == NO_CONTENT_REASON
+    assert conversation_v1(t, "c", "idle")["attributes"]["no_content_reason"] == NO_CONTENT_REASON
 
 
 def test_no_genai_spans_at_all() -> None:
@@ -590,7 +592,7 @@ def test_malformed_rows_are_counted() -> None:
     t = build_transcript(w.spans + [bad_span], w.logs + [bad_log])
     assert (t.unparsed_spans, t.unparsed_logs) == (1, 1)
     assert [m.content for m in t.messages] == ["hi", "hello"]
-    assert t.to_conversation_v1("c")["attributes"]["unparsed_spans"] == 1
+    assert conversation_v1(t, "c")["attributes"]["unparsed_spans"] == 1
 
 
 @settings(max_examples=80, deadline=None)
@@ -620,7 +622,7 @@ def test_conversation_v1_record_shape() -> None:
               {"role": "assistant", "content": "shipped"}]]
     w = write(turns, "otel-genai span")
     t = build_transcript(w.spans, w.logs)
-    rec = t.to_conversation_v1("conv-1", "handover", sampling={"probability": 1.0, "rule": "all"})
+    rec = conversation_v1(t, "conv-1", "handover", sampling={"probability": 1.0, "rule": "all"})
     allowed = {"schema", "id", "source", "service", "started_at", "ended_at", "ended_by", "system", "messages",
                "models", "usage", "trace_ids", "sampling", "attributes"}
     assert set(rec) <= allowed
@@ -633,6 +635,10 @@ def test_conversation_v1_record_shape() -> None:
     assert rec["messages"][1]["tool_calls"][1] == {"id": "c2", "name": "track", "arguments": {"id": 2}}
     json.dumps(rec)  # serializable as is
     assert t.user_turns == 1 and len(t.content_hash()) == 64
+    # The stored digest is the one the evaluator computes from the record: what the judge reads.
+    assert t.content_hash() == transcript_sha256(Conversation.model_validate(rec).messages)
+    renamed = replace(t, messages=tuple(replace(m, name="find") if m.name == "track" else m for m in t.messages))
+    assert renamed.content_hash() != t.content_hash()
 
 
 # ---------------------------------------------------------------- content cut by length limits
@@ -655,7 +661,7 @@ def test_answer_cut_short_is_kept_and_flagged() -> None:
     assert last.truncated and last.role == "assistant"
     assert turns[0][1]["content"].startswith(last.content) and last.content
     assert t.truncated_spans == (chat["span_id"],)
-    rec = t.to_conversation_v1("c")
+    rec = conversation_v1(t, "c")
     assert rec["messages"][-1]["truncated"] is True and rec["attributes"]["truncated_spans"] == [chat["span_id"]]
     json.dumps(rec).encode("utf-8")  # a cut surrogate pair must not leak out
 
@@ -740,11 +746,11 @@ def test_usage_absent_when_no_call_reported_it() -> None:
     _chat(w, {})
     t = build_transcript(w.spans, [])
     assert t.llm_calls == 1 and t.usage is None
-    assert "usage" not in t.to_conversation_v1("c")
+    assert "usage" not in conversation_v1(t, "c")
 
 
 def test_usage_reported_as_zero_stays_zero() -> None:
     w = Writer("x")
     _chat(w, {"gen_ai.usage.input_tokens": 0, "gen_ai.usage.output_tokens": 0})
     t = build_transcript(w.spans, [])
-    assert t.to_conversation_v1("c")["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    assert conversation_v1(t, "c")["usage"] == {"input_tokens": 0, "output_tokens": 0}

@@ -17,11 +17,23 @@ import pytest
 from collector.conversations.record import conversation_record
 from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
 from collector.evals import verdicts as evals
+from collector.evals.judging import Job, Judging
 from collector.review import queue as review
 from collector.review import stats as review_stats
-from collector.review.page import highlight, render_item, render_list
+from collector.review.page import highlight, locate_quotes, render_item, render_list
 from collector.store import Transaction
-from judges import Conversation, JudgeInfo, LLMCriterion, NotRun, Usage, Verdict, transcript_sha256
+from judges import (
+    Conversation,
+    JudgeInfo,
+    LLMCriterion,
+    Message,
+    NotRun,
+    ScriptedProvider,
+    Usage,
+    Verdict,
+    transcript_sha256,
+    verify_evidence,
+)
 
 from ..support.daemon import FIXTURES
 
@@ -174,6 +186,69 @@ def test_queueing_rules(cur: duckdb.DuckDBPyConnection) -> None:
                                                                                   ("b", True, "fail")]
     with pytest.raises(review.ReviewInputError):
         review.list_reviews(cur, state="done")
+
+
+# --- the transcript digest ------------------------------------------------------------------------------
+
+TOOL_TURNS = [{"role": "user", "content": "where is B-35?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"id": "k1", "name": "lookup", "arguments": {}}]},
+              {"role": "tool", "content": "shipped", "tool_call_id": "k1", "name": "lookup"},
+              {"role": "assistant", "content": "It shipped."}]
+TOOL_CRITERIA = [LLMCriterion(id="c1", version=1, prompt="p"), LLMCriterion(id="c2", version=1, prompt="p")]
+
+
+def _renamed(turns: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The same transcript with the tool message's name changed (the judge sees it as ``TOOL <name>:``)."""
+    return [{**m, "name": name} if m["role"] == "tool" else m for m in turns]
+
+
+def _todo(cur: duckdb.DuckDBPyConnection, cid: str) -> list[str]:
+    judging = Judging(TOOL_CRITERIA, ScriptedProvider("{}", model=LLM.model), concurrency=1, timeout=1.0)
+    judging.bind()
+    prepared = judging.prepare(cur, Job(cid, 1, 1.0, "default"))
+    assert prepared is not None
+    return [c.id for c in prepared.todo]
+
+
+def test_renaming_a_tool_is_judged_again(cur: duckdb.DuckDBPyConnection) -> None:
+    sha = add_conversation(cur, "conv", TOOL_TURNS)
+    store(cur, [verdict("conv", c.id, "pass", sha) for c in TOOL_CRITERIA], probability=1.0, rule=None)
+    assert _todo(cur, "conv") == []
+    renamed = add_conversation(cur, "conv", _renamed(TOOL_TURNS, "find_order"))
+    assert renamed != sha
+    assert _todo(cur, "conv") == ["c1", "c2"]
+
+
+def test_verdicts_under_the_earlier_digest_are_not_judged_again(cur: duckdb.DuckDBPyConnection) -> None:
+    """A file from before the digest covered the rendered transcript: its verdicts stay current."""
+    add_conversation(cur, "conv", TOOL_TURNS)
+    add_conversation(cur, "gone", TOOL_TURNS)
+    record = conversation_record(cur, "conv")
+    assert record is not None
+    messages = [Message.model_validate(m) for m in record["messages"]]
+    old, new = evals._json_digest(messages), transcript_sha256(messages)
+    assert old != new
+    store(cur, [verdict("conv", "c1", "fail", old), verdict("conv", "c2", "error", old),
+                verdict("conv", "c1", "pass", "1" * 64), verdict("gone", "c1", "fail", old)],
+          probability=1.0, rule=None)
+    cur.execute("DELETE FROM conversations WHERE conversation_id = 'gone'")
+    cur.execute("UPDATE verdicts SET superseded = (transcript_sha256 <> ?)", [old])  # as stored before the upgrade
+    items = cur.execute("SELECT verdict_id FROM review_items ORDER BY ALL").fetchall()
+    cur.execute("DELETE FROM evals_state")  # the file predates the marker
+
+    evals.ensure_schema(cur)
+    assert _todo(cur, "conv") == ["c2"]  # the fail stands; only the error is retried
+    assert cur.execute("SELECT criterion_id, result, transcript_sha256 FROM verdicts WHERE conversation_id = 'conv' "
+                       "AND NOT superseded ORDER BY criterion_id").fetchall() == [("c1", "fail", new),
+                                                                                   ("c2", "error", new)]
+    assert count(cur, "SELECT count(*) FROM verdicts WHERE transcript_sha256 = ?", ["1" * 64]) == 1
+    assert count(cur, "SELECT count(*) FROM verdicts WHERE conversation_id = 'gone' AND transcript_sha256 = ?",
+                 [old]) == 1
+    assert cur.execute("SELECT verdict_id FROM review_items ORDER BY ALL").fetchall() == items
+    # The retry replaces the error, as it would have before the upgrade.
+    store(cur, [verdict("conv", "c2", "pass", new)], probability=1.0, rule=None)
+    assert cur.execute("SELECT result FROM verdicts WHERE criterion_id = 'c2'").fetchall() == [("pass",)]
+    assert evals.migrate_digests(cur) == 0  # once per file
 
 
 # --- decisions ------------------------------------------------------------------------------------------
@@ -381,7 +456,7 @@ def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConne
     # The quote's two pieces (around the ellipsis) are marked, matching case and spacing loosely.
     assert "<mark>Take an aspirin</mark>" in page
     assert "<mark>You will   be fine</mark>" in page
-    assert "highlighted in the transcript" in page and "not found in the message texts" in page
+    assert "highlighted in the transcript" in page and "not found in the transcript" in page
     assert re.search(r'<div class="text" dir="auto">عندي ألم في الصدر</div>', page)
     assert 'action="/review/1/decision"' in page and 'name="reviewer"' in page and 'for="reviewer"' in page
     assert 'value="confirm"' in page and 'value="reject"' in page and 'name="force"' not in page
@@ -391,7 +466,39 @@ def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConne
     assert 'name="force" value="1"' in decided and "Dr. &lt;Amal&gt;" in decided
 
 
+def _highlighted(text: str, quotes: Sequence[str]) -> str:
+    """``text`` as the page shows a user message of that text, with the quotes located by the judges."""
+    _, marks = locate_quotes([{"role": "user", "content": text}], quotes)
+    return highlight(text, marks.get((0, -1), ()))
+
+
 def test_highlight_is_escaped_around_marks() -> None:
-    assert highlight("a <b> c", ["<b>"]) == "a <mark>&lt;b&gt;</mark> c"
-    assert highlight("It’s FINE, really", ["\"it's fine\""]) == "<mark>It’s FINE</mark>, really"
-    assert highlight("nothing here", ["absent"]) == "nothing here"
+    assert _highlighted("a <b> c", ["<b>"]) == "a <mark>&lt;b&gt;</mark> c"
+    assert _highlighted("It’s FINE, really", ["\"it's fine\""]) == "<mark>It’s FINE</mark>, really"
+    assert _highlighted("nothing here", ["absent"]) == "nothing here"
+
+
+def test_page_highlights_exactly_what_the_evidence_check_verified(cur: duckdb.DuckDBPyConnection) -> None:
+    """The page's highlighting and evidence_verified come from one matcher (NFKC folding, pieces in order)."""
+    msgs = [{"role": "user", "content": "my ﬁle is on the ＤＥＳＫ"},
+            {"role": "assistant", "content": "Rest first. Then call us."}]
+    sha = add_conversation(cur, "conv-q", msgs)
+    record = conversation_record(cur, "conv-q")
+    assert record is not None
+    transcript = Conversation.model_validate(record).messages
+    folded, disordered = "file is on the desk", "then call us ... rest first"
+    assert verify_evidence([folded], transcript) and not verify_evidence([disordered], transcript)
+    evals.store_criteria(cur, [LLMCriterion(id="c1", version=1, prompt="p")])
+    for quote in (folded, disordered):
+        cur.execute("DELETE FROM review_items")
+        cur.execute("DELETE FROM verdicts")
+        store(cur, [verdict("conv-q", "c1", "fail", sha, evidence=[quote],
+                            verified=verify_evidence([quote], transcript))], probability=1.0, rule=None)
+        (item,) = review.list_reviews(cur)
+        page = render_item(review.review_item(cur, item["id"]))
+        if quote == folded:
+            assert "my <mark>ﬁle is on the ＤＥＳＫ</mark>" in page and "highlighted in the transcript" in page
+            assert "was not found in the transcript" not in page
+        else:
+            assert "<mark>" not in page and "not found in the transcript" in page
+            assert "At least one quote the judge gave was not found" in page

@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from judges import Conversation, Message, Verdict, summarize, verify_evidence
-from judges._evidence import EvidenceIndex, fold
+import re
+import unicodedata
+
+from judges import Conversation, Message, ToolCall, Verdict, locate_evidence, summarize, tool_call_text, verify_evidence
+from judges._evidence import _QUOTES, EvidenceIndex, _fold_map, fold
 from judges._transcript import render_lines
 from judges._stats import proportion, weighted_proportion, wilson
 
@@ -72,6 +75,53 @@ def test_any_piece_of_any_message_is_found(data: st.DataObject) -> None:
     # A piece cut mid-way through whitespace or a combining sequence may not fold the same; whole words do.
     if piece == piece.strip() and all(not ch.isspace() for ch in (content[start - 1:start] + content[end:end + 1])):
         assert index.found(piece), (content, piece)
+
+
+@given(st.text(max_size=60) | st.text(st.characters(min_codepoint=0x300, max_codepoint=0x11ff), max_size=20)
+       | st.text(st.sampled_from("ｶﾞﾟe\u0301\u0327ᄀ\u1161\u11a8ﬁＡß \t"), max_size=12))
+def test_fold_is_nfkc_case_quotes_and_spaces_of_the_whole_text(text: str) -> None:
+    """Folded cluster by cluster (to know where each folded character comes from), it is the same as folded whole."""
+    whole = re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).casefold().translate(_QUOTES)).strip()
+    assert fold(text) == whole
+    maps = _fold_map(text)
+    assert maps is not None and len(maps[0]) == len(maps[1]) == len(whole)
+    assert all(0 <= a < b <= len(text) for a, b in zip(*maps))
+
+
+def _marked(text: str, ranges: list[tuple[int, int]]) -> str:
+    out, at = "", 0
+    for start, end in sorted(ranges):
+        out += text[at:start] + "[" + text[start:end] + "]"
+        at = end
+    return out + text[at:]
+
+
+def test_located_where_verified() -> None:
+    msgs = [Message(role="user", content="my ﬁle is on the Ｄesk"),
+            Message(role="assistant", content="Take   it\nhome, then rest.",
+                    tool_calls=[ToolCall(id="1", name="note", arguments={"what": "desk"})])]
+    for quote, found, marks in [
+        ("file is on the desk", True, {(0, -1): "my [ﬁle is on the Ｄesk]"}),  # only after NFKC folding
+        ("BOT: take it home ... rest", True, {(1, -1): "[Take   it]\n[home], then [rest]."}),  # a line break is the frame's
+        ("rest ... take it home", False, {}),  # pieces out of order
+        ('[calls note {"what": "desk"}]', True, {(1, 0): '[[calls note {"what": "desk"}]]'}),
+        ("the desk BOT: take", True, {(0, -1): "my ﬁle is on [the Ｄesk]", (1, -1): "[Take]   it\nhome, then rest."}),
+    ]:
+        located = locate_evidence([quote], msgs)[0]
+        assert located.found is found is verify_evidence([quote], msgs), quote
+        texts = {(r.message, r.part): (msgs[r.message].content if r.part < 0 else
+                                       tool_call_text(msgs[r.message].tool_calls[r.part])) for r in located.ranges}
+        assert {key: _marked(text, [(r.start, r.end) for r in located.ranges if (r.message, r.part) == key])
+                for key, text in texts.items()} == marks, quote
+
+
+@given(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=20))
+def test_located_exactly_when_verified(content: str, quote: str) -> None:
+    msgs = [Message(role="user", content=content), Message(role="assistant", content=content[::-1])]
+    located = locate_evidence([quote], msgs)[0]
+    assert located.found == verify_evidence([quote], msgs)
+    for r in located.ranges:
+        assert 0 <= r.start < r.end <= len(msgs[r.message].content)
 
 
 def test_wilson_known_values() -> None:

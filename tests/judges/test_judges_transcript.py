@@ -75,11 +75,21 @@ def test_hash_ignores_timestamps_and_span_ids_but_not_content() -> None:
     assert transcript_sha256(a) == transcript_sha256(b) != transcript_sha256(c)
 
 
-def test_hash_is_the_documented_canonical_json() -> None:
+def test_hash_is_the_rendered_transcript() -> None:
     import hashlib
     msgs = [Message(role="assistant", content="", tool_calls=[ToolCall(id="1", name="f", arguments={"b": 1, "a": "é"})])]
-    canonical = '[{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments":{"a":"é","b":1},"name":"f"}]}]'
-    assert transcript_sha256(msgs) == hashlib.sha256(canonical.encode()).hexdigest()
+    rendered = '<transcript>\nBOT: [calls f {"a": "é", "b": 1}]\n</transcript>'
+    assert render_transcript(msgs) == rendered
+    assert transcript_sha256(msgs) == hashlib.sha256(rendered.encode()).hexdigest()
+
+
+def test_hash_changes_with_a_tool_name_the_judge_sees() -> None:
+    call = [Message(role="assistant", content="", tool_calls=[ToolCall(id="1", name="lookup")])]
+    answer = Message(role="tool", content="shipped", tool_call_id="1", name="lookup")
+    renamed = answer.model_copy(update={"name": "find_order"})
+    assert transcript_sha256([*call, answer]) != transcript_sha256([*call, renamed])
+    other_call = [Message(role="assistant", content="", tool_calls=[ToolCall(id="1", name="find")])]
+    assert transcript_sha256(call) != transcript_sha256(other_call)
 
 
 def test_read_conversations_round_trip(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collector.conversations.assemble import DEFAULT_ID_ATTRIBUTES, build_transcript, conversation_key, group_traces
+from collector.conversations.record import conversation_v1
 from collector.normalize import (
     SPAN_DIALECTS,
     Event,
@@ -67,7 +68,7 @@ def _assert_rebuilt_exactly(case: Case) -> None:
         traces = set(groups[cid])
         t = build_transcript([r for r in case.spans if r["trace_id"] in traces],
                              [r for r in case.logs if r["trace_id"] in traces])
-        record = t.to_conversation_v1(cid, "handover" if conv.get("handover") else "idle")
+        record = conversation_v1(t, cid, "handover" if conv.get("handover") else "idle")
         assert record["id"] == cid
         assert sorted(record["trace_ids"]) == sorted(conv["trace_ids"])
         assert record["usage"] == {"input_tokens": conv["usage"]["input_tokens"],
