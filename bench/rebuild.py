@@ -16,9 +16,10 @@ Measures, in the same run:
              conversation
   stage      what the conversation stage does per span as each turn arrives:
              resolve the new trace's conversation key, apply an end rule to
-             it, rebuild with the memo; with rows as plain dicts (every reader
-             parses the JSON columns again, as before rows were parsed once)
-             and as the stage's ``StoredRow``s (parsed once, shared)
+             it, rebuild with the memo and take the transcript's digest; with
+             rows as plain dicts (every reader parses the JSON columns again,
+             as before rows were parsed once) and as the stage's
+             ``StoredRow``s (parsed once, shared)
 
 Run by hand:
 
@@ -148,37 +149,35 @@ def main() -> None:
     print(f"build_transcript from scratch:   {full / n_spans * 1e6:8.1f} us/span  "
           f"({full / base:.1f}x baseline)")
 
-    def series(memo: bool) -> None:
+    rules = [EndRule(attribute="app.conversation.end", equals=True, ended_by="bot_closed")]  # matches none: reads all
+
+    def each_turn(memo: bool, row: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        """Rebuild after each turn. Without ``row``: rows as read back from the store after each turn
+        (equal, not the same objects). With it: the stage's work on rows made by ``row`` and kept in
+        its cache (the same objects at the next rebuild), key and end rule included."""
         for conv in convs:
             m = ParseMemo() if memo else None
             rows: list[dict[str, Any]] = []
             for turn in conv:
-                # Rows as read back from the store after each turn: equal, not the same objects.
-                rows = [dict(r) for r in rows] + turn
-                build_transcript(rows, [], m)
+                if row is None:
+                    rows = [dict(r) for r in rows] + turn
+                    build_transcript(rows, [], m)
+                    continue
+                new = [row(r) for r in turn]
+                conversation_key(new)
+                ended_by_rule(rules, new)
+                rows += new
+                build_transcript(rows, [], m).content_hash()  # the revision's digest, as the stage takes it
 
-    plain = timed(lambda: series(False), args.repeat)
-    memo = timed(lambda: series(True), args.repeat)
+    plain = timed(lambda: each_turn(False), args.repeat)
+    memo = timed(lambda: each_turn(True), args.repeat)
     print(f"rebuild after each turn, no memo: {plain * 1e3:8.1f} ms total "
           f"({plain / full:.1f}x one scratch build of every conversation)")
     print(f"rebuild after each turn, memo:    {memo * 1e3:8.1f} ms total "
           f"({memo / full:.1f}x one scratch build; {plain / memo:.1f}x less than without memo)")
 
-    rules = [EndRule(attribute="app.conversation.end", equals=True, ended_by="bot_closed")]  # matches none: reads all
-
-    def stage(row: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        for conv in convs:
-            m = ParseMemo()
-            rows: list[dict[str, Any]] = []
-            for turn in conv:
-                new = [row(r) for r in turn]  # the cache keeps these same objects for the next rebuild
-                conversation_key(new)
-                ended_by_rule(rules, new)
-                rows += new
-                build_transcript(rows, [], m)
-
-    per_reader = timed(lambda: stage(dict), args.repeat)
-    once = timed(lambda: stage(StoredRow), args.repeat)
+    per_reader = timed(lambda: each_turn(True, dict), args.repeat)
+    once = timed(lambda: each_turn(True, StoredRow), args.repeat)
     print(f"stage per turn, parse per reader: {per_reader / n_spans * 1e6:8.1f} us/span "
           f"({per_reader / base:.1f}x baseline)")
     print(f"stage per turn, parse once:       {once / n_spans * 1e6:8.1f} us/span "

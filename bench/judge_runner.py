@@ -10,8 +10,8 @@ the runner's (prompt building, reply validation, evidence check, verdict).
 
 Run by hand, not part of the tests::
 
-    python bench/judges.py                 # delay 1s (a fast real judge call), concurrency 1, 8, 32
-    python bench/judges.py --delay 0.1     # a stress test: the client's own CPU time becomes the limit
+    python bench/judge_runner.py                 # delay 1s (a fast real judge call), concurrency 1, 8, 32
+    python bench/judge_runner.py --delay 0.1     # a stress test: the client's own CPU time becomes the limit
 
 One process makes every call, so its CPU time per verdict (the runner's plus
 the client library's) caps throughput at 1 / (CPU time per verdict) whatever
