@@ -251,7 +251,13 @@ def transcript_sha256(messages: Iterable[Message]) -> str:
     Returns:
         The lowercase hex digest.
     """
-    return block_sha256(render_transcript(messages))
+    return lines_sha256(render_lines(messages))
+
+
+def lines_sha256(lines: Iterable[str]) -> str:
+    """``transcript_sha256`` of the lines ``render_lines`` gave, for a caller that keeps each message's
+    line between calls (a transcript that grows renders only its new messages)."""
+    return block_sha256(transcript_block(lines))
 
 
 def block_sha256(block: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from judges import Message as JudgeMessage
 from judges import ToolCall as JudgeToolCall
-from judges import transcript_sha256
+from judges import lines_sha256, render_lines, transcript_sha256
 
 from ..listing import iso_utc
 from ..normalize import ToolCall
@@ -117,16 +117,39 @@ class Transcript:
         """Number of user messages."""
         return sum(1 for m in self.messages if m.role == "user")
 
-    def content_hash(self) -> str:
+    def content_hash(self, rendered: Rendered | None = None) -> str:
         """The digest of what a judge reads (``judges.transcript_sha256``): stored as ``transcript_hash``.
 
         A new digest is a new revision, to be judged again; the evaluator checks
         its verdicts against the same function over the stored record, which
         gives the same messages.
+
+        ``rendered`` keeps each message's line between calls for a transcript
+        that grows (the conversation stage's rebuilds reuse unchanged message
+        objects): only new messages are rendered. A message's line depends on
+        no other but for a tool result without a name (the judge names it from
+        the call before); a transcript holding one is rendered whole.
         """
-        return transcript_sha256(
-            JudgeMessage.model_construct(  # no validation: a message the record's reader would refuse still hashes
-                role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
-                tool_calls=[JudgeToolCall.model_construct(id=tc.id, name=tc.name, arguments=tc.arguments)
-                            for tc in m.tool_calls])
-            for m in self.messages)
+        if rendered is None or any(m.role == "tool" and not m.name for m in self.messages):
+            return transcript_sha256(_judge_message(m) for m in self.messages)
+        lines: dict[int, tuple[TranscriptMessage, str]] = {}
+        for m in self.messages:
+            hit = rendered.get(id(m))
+            if hit is None or hit[0] is not m:  # an id is reused once its object is gone
+                hit = (m, next(render_lines([_judge_message(m)])))
+            lines[id(m)] = hit
+        rendered.clear()
+        rendered.update(lines)  # only the current messages stay
+        return lines_sha256(lines[id(m)][1] for m in self.messages)
+
+
+Rendered = dict[int, tuple[TranscriptMessage, str]]
+"""Rendered judge lines by message (``id`` of the object, with the object to check it), kept by the caller."""
+
+
+def _judge_message(m: TranscriptMessage) -> JudgeMessage:
+    """The message as a judge reads it; no validation: a message the record's reader would refuse still hashes."""
+    return JudgeMessage.model_construct(
+        role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+        tool_calls=[JudgeToolCall.model_construct(id=tc.id, name=tc.name, arguments=tc.arguments)
+                    for tc in m.tool_calls])

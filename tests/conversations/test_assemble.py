@@ -416,7 +416,9 @@ def test_rebuild_with_memo_equals_rebuild_from_scratch(turns: list[list[dict[str
     w = write(turns, dialect, same_start=rnd.random() < 0.3)
     memo = ParseMemo()
     for spans, logs in _arrivals(w.spans, w.logs, rnd):
-        assert build_transcript(spans, logs, memo) == build_transcript(spans, logs)
+        again = build_transcript(spans, logs, memo)
+        assert again == build_transcript(spans, logs)
+        assert again.content_hash(memo.rendered) == again.content_hash()  # the cached lines digest alike
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -425,7 +427,9 @@ def test_fixture_rebuild_with_memo_equals_rebuild_from_scratch(name: str, rnd: r
     case = load_case(name)
     memo = ParseMemo()  # one for the whole case: rows of other conversations only miss
     for spans, logs in _arrivals(case.spans, case.logs, rnd):
-        assert build_transcript(spans, logs, memo) == build_transcript(spans, logs)
+        again = build_transcript(spans, logs, memo)
+        assert again == build_transcript(spans, logs)
+        assert again.content_hash(memo.rendered) == again.content_hash()
 
 
 def test_memo_rereads_a_row_that_changed_under_the_same_ids() -> None:
@@ -639,6 +643,15 @@ def test_conversation_v1_record_shape() -> None:
     assert t.content_hash() == transcript_sha256(Conversation.model_validate(rec).messages)
     renamed = replace(t, messages=tuple(replace(m, name="find") if m.name == "track" else m for m in t.messages))
     assert renamed.content_hash() != t.content_hash()
+    # With the lines kept between calls (the stage's rebuilds): the same digests, a rename seen.
+    rendered: dict[int, Any] = {}
+    assert t.content_hash(rendered) == t.content_hash() and len(rendered) == len(t.messages)
+    assert renamed.content_hash(rendered) == renamed.content_hash()
+    # A tool result without a name is named by the judge from the call before it: rendered whole.
+    unnamed = replace(t, messages=tuple(replace(m, name=None) if m.role == "tool" else m for m in t.messages))
+    assert unnamed.content_hash(rendered) == unnamed.content_hash() == transcript_sha256(
+        Conversation.model_validate({**rec, "messages": [{k: v for k, v in m.items() if k != "name"}
+                                                         for m in rec["messages"]]}).messages)
 
 
 # ---------------------------------------------------------------- content cut by length limits
