@@ -167,7 +167,7 @@ def main() -> None:
                 conversation_key(new)
                 ended_by_rule(rules, new)
                 rows += new
-                build_transcript(rows, [], m).content_hash(m.rendered)  # the revision's digest, as the stage takes it
+                build_transcript(rows, [], m).content_hash(m.digest)  # the revision's digest, as the stage takes it
 
     plain = timed(lambda: each_turn(False), args.repeat)
     memo = timed(lambda: each_turn(True), args.repeat)

@@ -251,13 +251,39 @@ def transcript_sha256(messages: Iterable[Message]) -> str:
     Returns:
         The lowercase hex digest.
     """
-    return lines_sha256(render_lines(messages))
+    digest = TranscriptDigest()
+    for line in render_lines(messages):
+        digest.add(line)
+    return digest.hexdigest()
 
 
-def lines_sha256(lines: Iterable[str]) -> str:
-    """``transcript_sha256`` of the lines ``render_lines`` gave, for a caller that keeps each message's
-    line between calls (a transcript that grows renders only its new messages)."""
-    return block_sha256(transcript_block(lines))
+class TranscriptDigest:
+    """``transcript_sha256`` taken one ``render_lines`` line at a time: the SHA-256 of the block
+    ``transcript_block`` makes of them. A caller whose transcript grows keeps a ``copy()`` after each
+    line and goes on from the last one still the same, hashing only the new lines."""
+
+    __slots__ = ("_sha", "_lines")
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256(b"<transcript>\n")
+        self._lines = 0
+
+    def add(self, line: str) -> None:
+        """The next rendered line."""
+        text = "\n" + line if self._lines else line
+        self._sha.update(text.encode("utf-8", "surrogatepass"))  # as block_sha256 encodes the block
+        self._lines += 1
+
+    def copy(self) -> "TranscriptDigest":
+        out = TranscriptDigest.__new__(TranscriptDigest)
+        out._sha, out._lines = self._sha.copy(), self._lines
+        return out
+
+    def hexdigest(self) -> str:
+        """The digest of the lines added so far (more may be added after)."""
+        sha = self._sha.copy()
+        sha.update(b"\n</transcript>")
+        return sha.hexdigest()
 
 
 def block_sha256(block: str) -> str:

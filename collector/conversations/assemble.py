@@ -51,7 +51,7 @@ from .keys import (
     load_json_column,
     response_links,
 )
-from .transcript import Rendered, Transcript, TranscriptMessage, Usage, from_unix_nano
+from .transcript import DigestMemo, Transcript, TranscriptMessage, Usage, from_unix_nano
 
 __all__ = [
     "DEFAULT_ID_ATTRIBUTES",
@@ -562,7 +562,7 @@ class ParseMemo:
     conversation's parsed size. Not thread-safe: one build at a time per memo.
     """
 
-    __slots__ = ("_spans", "_orphans", "_texts", "_assembly", "_messages", "rendered")
+    __slots__ = ("_spans", "_orphans", "_texts", "_assembly", "_messages", "digest")
 
     def __init__(self) -> None:
         # (trace, span) -> ((row signatures, log sources), parsed span or None if no row parsed)
@@ -573,8 +573,8 @@ class ParseMemo:
         # The traces assembled (each with its span objects, in order) and the state they led to.
         self._assembly: tuple[list[tuple[str, tuple[tuple[str, _Span], ...]]], _Assembly] | None = None
         self._messages: list[tuple[_Entry, str | None, TranscriptMessage]] = []  # with their entry and name
-        self.rendered: Rendered = {}
-        """The judge's line of each message, for ``Transcript.content_hash`` (messages are reused objects)."""
+        self.digest = DigestMemo()
+        """For ``Transcript.content_hash``: this memo's transcripts reuse unchanged message objects."""
 
     def __len__(self) -> int:
         """Entries held: parsed spans, log-only calls and log texts of the last call."""

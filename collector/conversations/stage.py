@@ -467,7 +467,7 @@ class Conversations(Stage):
         while self._memo_rows > self.memo_rows and len(self._memos) > 1:  # the newest stays, however long
             self._drop_memo(next(iter(self._memos)))
         conv.newest_trace = max(conv.traces, key=lambda t: (rows[t].start(), t))
-        digest = tr.content_hash(memo.rendered)
+        digest = tr.content_hash(memo.digest)
         if digest != conv.hash:
             conv.revision += 1
             conv.hash = digest

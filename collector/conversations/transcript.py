@@ -12,7 +12,7 @@ from typing import Any
 
 from judges import Message as JudgeMessage
 from judges import ToolCall as JudgeToolCall
-from judges import lines_sha256, render_lines, transcript_sha256
+from judges import TranscriptDigest, render_lines, transcript_sha256
 
 from ..listing import iso_utc
 from ..normalize import ToolCall
@@ -117,34 +117,45 @@ class Transcript:
         """Number of user messages."""
         return sum(1 for m in self.messages if m.role == "user")
 
-    def content_hash(self, rendered: Rendered | None = None) -> str:
+    def content_hash(self, memo: "DigestMemo | None" = None) -> str:
         """The digest of what a judge reads (``judges.transcript_sha256``): stored as ``transcript_hash``.
 
         A new digest is a new revision, to be judged again; the evaluator checks
         its verdicts against the same function over the stored record, which
         gives the same messages.
 
-        ``rendered`` keeps each message's line between calls for a transcript
-        that grows (the conversation stage's rebuilds reuse unchanged message
-        objects): only new messages are rendered. A message's line depends on
-        no other but for a tool result without a name (the judge names it from
-        the call before); a transcript holding one is rendered whole.
+        ``memo`` carries the digest's state between calls for a transcript that
+        grows (the conversation stage's rebuilds reuse unchanged message
+        objects): only the messages after the last one still the same are
+        rendered and hashed. A message's line depends on no other but for a
+        tool result without a name (the judge names it from the call before);
+        a transcript holding one is rendered whole.
         """
-        if rendered is None or any(m.role == "tool" and not m.name for m in self.messages):
+        if memo is None or any(m.role == "tool" and not m.name for m in self.messages):
             return transcript_sha256(_judge_message(m) for m in self.messages)
-        lines: dict[int, tuple[TranscriptMessage, str]] = {}
-        for m in self.messages:
-            hit = rendered.get(id(m))
-            if hit is None or hit[0] is not m:  # an id is reused once its object is gone
-                hit = (m, next(render_lines([_judge_message(m)])))
-            lines[id(m)] = hit
-        rendered.clear()
-        rendered.update(lines)  # only the current messages stay
-        return lines_sha256(lines[id(m)][1] for m in self.messages)
+        same, before = 0, memo.messages
+        for old, new in zip(before, self.messages):
+            if old is not new:
+                break
+            same += 1
+        states = memo.states[:same + 1]
+        for m in self.messages[same:]:
+            state = states[-1].copy()
+            state.add(next(render_lines([_judge_message(m)])))
+            states.append(state)
+        memo.messages, memo.states = self.messages, states
+        return states[-1].hexdigest()
 
 
-Rendered = dict[int, tuple[TranscriptMessage, str]]
-"""Rendered judge lines by message (``id`` of the object, with the object to check it), kept by the caller."""
+class DigestMemo:
+    """What ``Transcript.content_hash`` keeps between calls: the messages it hashed, and the digest's
+    state after each of them (``states[i]``: after the first ``i``)."""
+
+    __slots__ = ("messages", "states")
+
+    def __init__(self) -> None:
+        self.messages: tuple[TranscriptMessage, ...] = ()
+        self.states: list[TranscriptDigest] = [TranscriptDigest()]
 
 
 def _judge_message(m: TranscriptMessage) -> JudgeMessage:

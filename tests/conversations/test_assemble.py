@@ -26,6 +26,7 @@ from collector.conversations.assemble import (
     merge_history,
 )
 from collector.conversations.record import conversation_v1
+from collector.conversations.transcript import DigestMemo
 from collector.normalize import Message, ToolCall
 from judges import Conversation, transcript_sha256
 
@@ -418,7 +419,7 @@ def test_rebuild_with_memo_equals_rebuild_from_scratch(turns: list[list[dict[str
     for spans, logs in _arrivals(w.spans, w.logs, rnd):
         again = build_transcript(spans, logs, memo)
         assert again == build_transcript(spans, logs)
-        assert again.content_hash(memo.rendered) == again.content_hash()  # the cached lines digest alike
+        assert again.content_hash(memo.digest) == again.content_hash()  # the cached lines digest alike
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -429,7 +430,7 @@ def test_fixture_rebuild_with_memo_equals_rebuild_from_scratch(name: str, rnd: r
     for spans, logs in _arrivals(case.spans, case.logs, rnd):
         again = build_transcript(spans, logs, memo)
         assert again == build_transcript(spans, logs)
-        assert again.content_hash(memo.rendered) == again.content_hash()
+        assert again.content_hash(memo.digest) == again.content_hash()
 
 
 def test_memo_rereads_a_row_that_changed_under_the_same_ids() -> None:
@@ -644,12 +645,13 @@ def test_conversation_v1_record_shape() -> None:
     renamed = replace(t, messages=tuple(replace(m, name="find") if m.name == "track" else m for m in t.messages))
     assert renamed.content_hash() != t.content_hash()
     # With the lines kept between calls (the stage's rebuilds): the same digests, a rename seen.
-    rendered: dict[int, Any] = {}
-    assert t.content_hash(rendered) == t.content_hash() and len(rendered) == len(t.messages)
-    assert renamed.content_hash(rendered) == renamed.content_hash()
+    memo = DigestMemo()
+    assert t.content_hash(memo) == t.content_hash() and len(memo.states) == len(t.messages) + 1
+    assert renamed.content_hash(memo) == renamed.content_hash()
+    assert t.content_hash(memo) == t.content_hash()  # back again: hashed from the common start
     # A tool result without a name is named by the judge from the call before it: rendered whole.
     unnamed = replace(t, messages=tuple(replace(m, name=None) if m.role == "tool" else m for m in t.messages))
-    assert unnamed.content_hash(rendered) == unnamed.content_hash() == transcript_sha256(
+    assert unnamed.content_hash(memo) == unnamed.content_hash() == transcript_sha256(
         Conversation.model_validate({**rec, "messages": [{k: v for k, v in m.items() if k != "name"}
                                                          for m in rec["messages"]]}).messages)
 

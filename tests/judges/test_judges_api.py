@@ -12,8 +12,8 @@ EXPORTED = [
     "CodeCriterion", "Conversation", "ConversationError", "CriteriaError", "Criterion", "DiskCache", "InputError",
     "JudgeInfo", "JudgeRequest", "JudgeRun", "JudgesError", "LLMCriterion", "Located", "MemoryCache", "Message",
     "NotRun", "OpenAICompatibleProvider", "Proportion", "Provider", "ProviderError", "ProviderReply",
-    "ProviderSetupError", "RateStats", "RetryPolicy", "ScriptedProvider", "Summary", "TextRange", "ToolCall", "Usage",
-    "Verdict", "VerdictCache", "arun_judges", "lines_sha256", "load_criteria", "locate_evidence", "make_provider",
+    "ProviderSetupError", "RateStats", "RetryPolicy", "ScriptedProvider", "Summary", "TextRange", "ToolCall", "TranscriptDigest", "Usage",
+    "Verdict", "VerdictCache", "arun_judges", "load_criteria", "locate_evidence", "make_provider",
     "parse_conversations", "read_conversations", "register_check", "register_provider", "render_lines",
     "render_transcript", "run_judges", "summarize", "tool_call_text", "transcript_sha256", "verify_evidence", "weighted_proportion",
 ]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from judges import (
@@ -14,6 +14,7 @@ from judges import (
     ConversationError,
     Message,
     ToolCall,
+    TranscriptDigest,
     parse_conversations,
     read_conversations,
     render_transcript,
@@ -135,3 +136,21 @@ def test_fixture_transcripts_render_every_message() -> None:
         lines = [line for line in render_transcript(conv.messages).splitlines()[1:-1] if not line.startswith("  ")]
         assert len(lines) == len(conv.messages), conv.id
         assert isinstance(conv, Conversation)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cc",)) | st.sampled_from(
+    ["\ud800", "\udfff", "\n", "é", "😀"])), max_size=6), cut=st.integers(0, 6))
+def test_the_digest_taken_line_by_line_is_the_digest_of_the_block(lines: list[str], cut: int) -> None:
+    """``TranscriptDigest`` (a copy kept after any line, more added after) hashes what ``block_sha256``
+    hashes: the block ``transcript_block`` makes of the lines."""
+    from judges._transcript import block_sha256, transcript_block
+
+    digest = TranscriptDigest()
+    for line in lines[:cut]:
+        digest.add(line)
+    kept = digest.copy()
+    for line in lines[cut:]:
+        kept.add(line)
+    assert digest.hexdigest() == block_sha256(transcript_block(lines[:cut]))
+    assert kept.hexdigest() == block_sha256(transcript_block(lines))
