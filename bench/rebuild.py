@@ -120,6 +120,17 @@ def timed(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(runs)
 
 
+def alternated(a: Callable[[], Any], b: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """Median seconds of ``a`` and of ``b``, run in turns (a b b a ...) so the machine's drift hits both alike."""
+    runs: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeat):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            (a, b)[which]()
+            runs[which].append(time.perf_counter() - t)
+    return statistics.median(runs[0]), statistics.median(runs[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=40)
@@ -168,6 +179,9 @@ def main() -> None:
                 ended_by_rule(rules, new)
                 rows += new
                 build_transcript(rows, [], m).content_hash(m.digest)  # the revision's digest, as the stage takes it
+                for r in new:
+                    if isinstance(r, StoredRow):
+                        r.release()  # as the stage does after each cycle
 
     plain = timed(lambda: each_turn(False), args.repeat)
     memo = timed(lambda: each_turn(True), args.repeat)
@@ -176,8 +190,8 @@ def main() -> None:
     print(f"rebuild after each turn, memo:    {memo * 1e3:8.1f} ms total "
           f"({memo / full:.1f}x one scratch build; {plain / memo:.1f}x less than without memo)")
 
-    per_reader = timed(lambda: each_turn(True, dict), args.repeat)
-    once = timed(lambda: each_turn(True, StoredRow), args.repeat)
+    per_reader, once = alternated(lambda: each_turn(True, dict), lambda: each_turn(True, StoredRow),
+                                  max(args.repeat, 6))
     print(f"stage per turn, parse per reader: {per_reader / n_spans * 1e6:8.1f} us/span "
           f"({per_reader / base:.1f}x baseline)")
     print(f"stage per turn, parse once:       {once / n_spans * 1e6:8.1f} us/span "

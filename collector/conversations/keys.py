@@ -54,11 +54,12 @@ def load_json_column(text: Any) -> Any:
 
 
 class StoredRow(dict[str, Any]):
-    """A stored span or log row (column -> value) whose JSON columns are parsed at most once.
+    """A stored span or log row (column -> value) whose JSON columns are parsed at most once until ``release``.
 
     The conversation stage reads a span's attributes for its conversation key,
     its end rules and its transcript; with this row they share one parse. The
-    parsed values are shared: readers must not change them.
+    parsed values are shared: readers must not change them. The stage releases
+    them after each write, so that its row cache holds text, not parsed trees.
     """
 
     __slots__ = ("_parsed",)
@@ -78,6 +79,13 @@ class StoredRow(dict[str, Any]):
         if error is not None:
             raise error.with_traceback(None)
         return value
+
+    def release(self) -> None:
+        """Drop what was parsed (the next ``json`` parses again)."""
+        try:
+            del self._parsed
+        except AttributeError:
+            pass
 
 
 def json_column(row: Mapping[str, Any], column: str) -> Any:

@@ -6,8 +6,9 @@ back from ``span_records`` and ``log_records`` when a rebuild needs it, within
 the range of commits known to hold it when there is one (rows are stored in
 commit order, so the read skips the other row groups).
 
-Every row is a ``StoredRow``: its JSON columns are parsed once, however many
-readers (the conversation key, the end rules, the transcript) look at it.
+Every row is a ``StoredRow``: its JSON columns are parsed once between two
+writes of the stage, however many readers (the conversation key, the end rules,
+the transcript) look at it; ``release`` drops the parsed trees after each write.
 Log rows carry their ``arrival`` (commit, place in it: the position in the
 commit for rows handed over, the stored ``seq`` for rows read back), so records
 sharing a timestamp keep the order they were sent in.
@@ -195,6 +196,14 @@ class RowCache:
             rows = self._traces.pop(t, None)
             if rows is not None:
                 self._rows -= len(rows)
+
+    def release(self) -> None:
+        """Drop the parsed JSON of every cached row (what the cache keeps is text, bounded in rows)."""
+        for rows in self._traces.values():
+            for row in rows.spans:
+                row.release()
+            for row in rows.logs:
+                row.release()
 
     def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str]) -> dict[str, TraceRows]:
         loaded = {t: TraceRows() for t in missing}

@@ -503,8 +503,12 @@ class Conversations(Stage):
             self._forget(conv)
 
     def _flush(self) -> None:
-        """Write everything this cycle changed, with the batch mark (``Writes.flush``)."""
-        self._writes.flush(self._db(), self._safe_batch())
+        """Write everything this cycle changed, with the batch mark (``Writes.flush``); then the row
+        cache drops what it parsed, so that it holds text (parsed trees are several times its size)."""
+        try:
+            self._writes.flush(self._db(), self._safe_batch())
+        finally:
+            self.rows.release()
 
     def _forget(self, conv: Tracked) -> None:
         """An ended conversation leaves memory; late data reads it back from DuckDB."""

@@ -769,3 +769,18 @@ def test_usage_reported_as_zero_stays_zero() -> None:
     _chat(w, {"gen_ai.usage.input_tokens": 0, "gen_ai.usage.output_tokens": 0})
     t = build_transcript(w.spans, [])
     assert conversation_v1(t, "c")["usage"] == {"input_tokens": 0, "output_tokens": 0}
+
+
+def test_a_stored_row_parses_each_json_column_once_until_released() -> None:
+    from collector.conversations.keys import StoredRow, json_column
+
+    row = StoredRow(attributes='{"gen_ai.conversation.id": "c-1"}', events="not json")
+    first = json_column(row, "attributes")
+    assert first == {"gen_ai.conversation.id": "c-1"} and json_column(row, "attributes") is first  # one parse
+    for _ in range(2):  # a column that does not parse raises each time it is asked for
+        with pytest.raises(ValueError):
+            json_column(row, "events")
+    row.release()
+    again = json_column(row, "attributes")
+    assert again == first and again is not first  # parsed anew after the release
+    assert json_column({"attributes": '{"a": 1}'}, "attributes") == {"a": 1}  # any mapping is read as before
