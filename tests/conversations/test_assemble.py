@@ -1,7 +1,7 @@
 """Transcript assembly: the position merge, call dedup, fallbacks, robustness,
 and hypothesis properties (any order, duplicates, any dialect -> same transcript).
 
-Synthetic conversations are written as stored rows (``collector.otlp`` column
+Synthetic conversations are written as stored rows (``collector.ingest.batches`` column
 names, JSON text columns) in several dialects, so the ground truth is known.
 """
 

@@ -2,7 +2,7 @@
 
 Every ``NAME.expected.json`` in ``../shared/fixtures/otlp`` is a case; its
 payloads are ``NAME[.logs][.N].(pb|json)[.gz]``, decoded with
-``collector.otlp`` exactly as the receivers do; log rows carry their
+``collector.ingest.decode`` exactly as the receivers do; log rows carry their
 ``arrival`` (request, place in it) as the conversation stage gives it.
 """
 
