@@ -26,8 +26,8 @@ SpanKind = Literal["llm", "agent", "tool", "other"]
 class ToolCall:
     """A tool call the assistant made.
 
-    ``arguments`` is the parsed JSON object (or list) when the raw value parses,
-    else the raw string, as conversation/v1 asks.
+    ``arguments`` is the parsed JSON object when the raw value is one, else
+    text, as conversation/v1 asks (``parse_json_or_raw``).
     """
 
     id: str | None
@@ -235,14 +235,17 @@ class Attrs:
 
 
 def parse_json_or_raw(value: Any) -> Any:
-    """Tool arguments: an object/list when the string parses as one, else the raw value."""
+    """Tool arguments as conversation/v1 holds them: an object when the value is one or parses as one,
+    else text (the raw string; the JSON text of a list or a scalar a dialect sent decoded)."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
         except ValueError:
             return value
-        return parsed if isinstance(parsed, (dict, list)) else value
-    return value
+        return parsed if isinstance(parsed, dict) else value
+    if isinstance(value, dict):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def as_int(value: Any) -> int | None:

@@ -784,3 +784,25 @@ def test_a_stored_row_parses_each_json_column_once_until_released() -> None:
     again = json_column(row, "attributes")
     assert again == first and again is not first  # parsed anew after the release
     assert json_column({"attributes": '{"a": 1}'}, "attributes") == {"a": 1}  # any mapping is read as before
+
+
+@pytest.mark.parametrize("dialect", ["otel-genai span", "legacy log events"])
+def test_tool_arguments_that_are_not_an_object_are_kept_as_text(dialect: str) -> None:
+    """conversation/v1 holds an object or the text as sent: a JSON list (or scalar) used to pass through
+    as a list, which the judges' reader refuses, so such a conversation could never be judged."""
+    turns: list[list[dict[str, Any]]] = [[
+        {"role": "user", "content": "track both"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "name": "track", "arguments": ["B-1", "B-2"]},
+            {"id": "c2", "name": "ping", "arguments": 7},
+            {"id": "c3", "name": "lookup", "arguments": {"id": 1}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "track"},
+        {"role": "assistant", "content": "Both are on their way."}]]
+    w = write(turns, dialect)
+    t = build_transcript(w.spans, w.logs)
+    calls = t.messages[1].tool_calls
+    assert [c.arguments for c in calls] == ['["B-1", "B-2"]', "7", {"id": 1}]
+    rec = conversation_v1(t, "conv-args", "idle")
+    judged = Conversation.model_validate(rec)  # what the evaluator reads: no longer refused
+    assert [c.arguments for c in judged.messages[1].tool_calls] == ['["B-1", "B-2"]', "7", {"id": 1}]
+    assert t.content_hash() == transcript_sha256(judged.messages)
