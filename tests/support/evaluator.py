@@ -1,4 +1,5 @@
-"""The evaluator stage on a real store with a clock of the test's: conversations written as the conversation stage writes them."""
+"""The evaluator stage on a real store with a clock of the test's: conversations written as the
+conversation stage writes them."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -15,14 +16,17 @@ from collector.demo import Persona, play
 from .daemon import DaemonProcess
 
 
-def send(grpc: str, personas: list[Persona]) -> None:
-    provider = TracerProvider(resource=Resource.create({"service.name": "shop-test"}))
+def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test") -> None:
+    """Play each conversation through the OpenTelemetry SDK's OTLP/gRPC exporter and flush."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc, insecure=True)))
-    tracer = provider.get_tracer("tests.online")
-    for p in personas:
-        play(tracer, p)
-    assert provider.force_flush(30_000)
-    provider.shutdown()
+    try:
+        tracer = provider.get_tracer("tests")
+        for persona in personas:
+            play(tracer, persona)
+        assert provider.force_flush(30_000), "the OTLP exporter could not deliver"
+    finally:
+        provider.shutdown()
 
 
 def wait_status(daemon: DaemonProcess, done: Any, timeout: float = 90, what: str = "") -> dict[str, Any]:

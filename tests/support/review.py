@@ -1,4 +1,5 @@
-"""The review tests' world: criteria on code checks (no API key needed), the conversations that fail them, and a daemon that judges them."""
+"""The review tests' world: criteria on code checks (no API key needed), the conversations
+that fail them, and a daemon that judges them."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-from collector.demo import Persona, ToolCall, Turn, play
+from collector.demo import Persona, ToolCall, Turn
 
 from .daemon import DaemonProcess, base_config
+from .online import send
 
 CARRIER = "no-carrier-promises"
 REFUND = "no-full-refunds"
@@ -105,16 +102,7 @@ TOKEN = "review-token-7f3a"
 
 
 def send_conversations(grpc_endpoint: str, personas: Sequence[Persona]) -> None:
-    """Play each conversation through the OpenTelemetry SDK's OTLP/gRPC exporter and flush."""
-    provider = TracerProvider(resource=Resource.create({"service.name": "review-test"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True)))
-    try:
-        tracer = provider.get_tracer("tests.review")
-        for persona in personas:
-            play(tracer, persona)
-        assert provider.force_flush(30_000), "the OTLP exporter could not deliver"
-    finally:
-        provider.shutdown()
+    send(grpc_endpoint, personas, service="review-test")
 
 
 def wait_items(daemon: DaemonProcess, expected: set[tuple[str, str]], token: str | None = None,
