@@ -22,6 +22,8 @@ Lifecycle: ``Stage(store, metrics)`` -> ``start()`` -> running -> ``stop()``.
   CRITICAL, ``state`` says ``stopped: <reason>``, ``/readyz`` answers 503 naming
   it and ``/api/status`` shows it under ``stages``. The daemon goes on taking
   data (nothing acknowledged is lost; the next start catches up).
+- ``held()`` says what the stage keeps in memory (``tracejudge_stage_held{stage,what}``
+  on /metrics), so that growth shows where it is.
 - ``stop()`` sets ``stopping``, wakes the loop, joins the thread, then closes the
   cursor. It may be called at any point, also after a start that failed half
   way, and more than once.
@@ -66,6 +68,7 @@ class Stage:
         self._stopped: str | None = None
         self._failures = 0  # cycles failed in a row
         metrics.stage_errors.declare(stage=self.name)
+        metrics.on_scrape(self._report_held)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -106,6 +109,14 @@ class Stage:
     def status(self) -> dict[str, Any]:
         """How far the stage has got, for /api/status (its keys are the stage's own)."""
         return {}
+
+    def held(self) -> dict[str, int]:
+        """What the stage holds in memory, by structure, in rows or entries: ``tracejudge_stage_held``."""
+        return {}
+
+    def _report_held(self) -> None:
+        for what, n in self.held().items():
+            self.metrics.stage_held.set(n, stage=self.name, what=what)
 
     # ------------------------------------------------------------ for the stages
 

@@ -138,21 +138,31 @@ class Metrics:
         self.stage_errors = Counter("tracejudge_stage_errors_total",
                                     "Failures a background stage logged with their traceback and went on from, "
                                     "by stage.", ("stage",))
+        self.stage_held = Gauge("tracejudge_stage_held",
+                                "What a background stage holds in memory, by stage and structure (rows or entries).",
+                                ("stage", "what"))
         for reason in REJECT_REASONS:
             self.spans_rejected.declare(reason=reason)
             self.logs_rejected.declare(reason=reason)
         self._extra: list[Callable[[], list[str]]] = []
+        self._refresh: list[Callable[[], None]] = []
+
+    def on_scrape(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` before each render (to set gauges read at scrape time)."""
+        self._refresh.append(fn)
 
     def add_collector(self, fn: Callable[[], list[str]]) -> None:
         """Add lines computed at scrape time (for example counts read from DuckDB)."""
         self._extra.append(fn)
 
     def render(self) -> str:
+        for fn in self._refresh:
+            fn()
         lines: list[str] = []
         for inst in (self.spans_received, self.spans_stored, self.spans_rejected, self.logs_received,
                      self.logs_stored, self.logs_rejected, self.metric_points, self.requests,
                      self.queue_depth, self.commit_seconds, self.conversations_ended,
-                     self.conversations_reopened, self.stage_errors):
+                     self.conversations_reopened, self.stage_errors, self.stage_held):
             lines.extend(inst.render())
         for fn in self._extra:
             lines.extend(fn())

@@ -153,3 +153,29 @@ def test_the_evaluator_goes_on_after_a_cycle_that_raised_beyond_duckdb(tmp_path:
     finally:
         ev.stop()
         s.close()
+
+
+def test_what_each_stage_holds_in_memory_is_on_metrics(store: Store) -> None:
+    """``tracejudge_stage_held{stage,what}``: the row cache, the trace map and the queues, read at scrape time."""
+    from collector.config import Conversations as Settings
+    from collector.conversations import Conversations
+    from collector.ingest.decode import parse_traces, span_batch
+
+    from .support.wire import span_request_bytes
+
+    metrics = Metrics()
+    stage = Conversations(store, Settings(), metrics)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    try:
+        assert stage.wait_idle(60)
+        before = metrics.render()
+        assert 'tracejudge_stage_held{stage="conversations",what="cached_rows"} 0' in before
+        body, _ = span_request_bytes(3)
+        store.submit(spans=span_batch(parse_traces(body))[0]).result(60)
+        assert stage.wait_idle(60)
+        after = metrics.render()
+        assert 'tracejudge_stage_held{stage="conversations",what="cached_rows"} 3' in after
+        assert after.count("# TYPE tracejudge_stage_held gauge") == 1
+    finally:
+        stage.stop()

@@ -121,6 +121,10 @@ class RowCache:
         self._traces.clear()
         self._rows = 0
 
+    def held(self) -> dict[str, int]:
+        """Rows cached, traces cached, and traces whose range of commits is known."""
+        return {"cached_rows": self._rows, "cached_traces": len(self._traces), "trace_ranges": len(self._bounds)}
+
     def take(self, cur: duckdb.DuckDBPyConnection, committed: list[Committed | Light]) -> Taken:
         """The rows these commits brought, by trace: handed over, or read back for light commits."""
         taken = Taken()

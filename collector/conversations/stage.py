@@ -141,6 +141,10 @@ class Conversations(Stage):
                 "conversations_pending": len(self._dirty) + len(self._writes),
                 "conversations_failed": self.failed}
 
+    def held(self) -> dict[str, int]:
+        return {**self.rows.held(), **self.map.held(), "memo_rows": self._memo_rows, "rebuilds_due": len(self._dirty),
+                "queued": self._queue.qsize()}
+
     def on_commit(self, committed: Committed) -> None:
         """Called by the store's writer thread after each commit: hand off, return.
 

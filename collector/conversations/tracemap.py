@@ -83,6 +83,11 @@ class TraceMap:
         self.convs.clear()
         self._traces.clear()
 
+    def held(self) -> dict[str, int]:
+        """Conversations in memory, the traces mapped for them, traces waiting, response ids for chaining."""
+        return {"conversations": len(self.convs), "mapped_traces": len(self._traces),
+                "pending_traces": len(self.pending), "response_ids": len(self._responses)}
+
     def load_open(self, cur: duckdb.DuckDBPyConnection) -> None:
         """Bring every open conversation into memory (at start)."""
         for conv in _read(cur, "state = 'open'", []):

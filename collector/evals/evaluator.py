@@ -246,6 +246,10 @@ class Evaluator(Stage):
         return {"evals_pending": len(self._pending), "evals_in_flight": len(self._in_flight) + len(self._finished),
                 "evals_judged": self.judged}
 
+    def held(self) -> dict[str, int]:
+        return {"pending": len(self._pending), "attempts": len(self._attempts), "in_flight": len(self._in_flight),
+                "judged_unstored": len(self._finished), "backfills": len(self._backfills)}
+
     # ------------------------------------------------------------ the loop
 
     def _run(self) -> None:
