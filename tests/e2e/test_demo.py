@@ -93,7 +93,9 @@ def test_demo_shows_verdicts_a_review_queue_and_stats_within_a_minute(tmp_path: 
     proc = subprocess.Popen([sys.executable, "-m", "collector", "demo", "--dir", str(tmp_path), "--ephemeral-ports"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     try:
-        deadline = time.monotonic() + 90
+        # Until all four are judged with no error left: an error (a check out of time on a starved
+        # machine) is retried after a minute, and its reason is in the failure message if it stays.
+        deadline = time.monotonic() + 180
         stats: dict[str, Any] = {}
         while time.monotonic() < deadline:
             info = RuntimeInfo.read(tmp_path / "demo.duckdb.daemon.json")
@@ -103,12 +105,15 @@ def test_demo_shows_verdicts_a_review_queue_and_stats_within_a_minute(tmp_path: 
                         stats = json.loads(resp.read())
                 except OSError:
                     pass
-                if stats.get("conversations", {}).get("judged") == 4:
+                if (stats.get("conversations", {}).get("judged") == 4
+                        and not any(c["error"] for c in stats.get("criteria", []))):
                     break
             time.sleep(0.5)
         assert stats["conversations"]["judged"] == 4, stats
         by_id = {c["criterion_id"]: c for c in stats["criteria"]}
-        assert by_id["no-promises-for-the-carrier"]["fail"] == 1  # Tom was promised a call from the carrier
+        assert not any(c["error"] for c in by_id.values()), {k: c["errors"] for k, c in by_id.items() if c["error"]}
+        assert by_id["no-promises-for-the-carrier"]["fail"] == 1, by_id["no-promises-for-the-carrier"]  # Tom was
+        # promised a call from the carrier
         assert by_id["hands-over-when-asked"]["pass"] == 1  # Amira asked for a person and got one
         assert by_id["refund-policy"]["not_run_reasons"] == {
             "no API key: set ANTHROPIC_API_KEY (or judges.provider.api_key)": 4}
