@@ -230,6 +230,17 @@ class DuckDBSettings(Section):
     """The database file; relative to the config file's folder (the default too)."""
 
 
+class Retention(Section):
+    spans: Duration | None = Field(None, gt=0)
+    """How long span and log rows are kept after they arrive; none: for ever. A conversation's spans go
+    together, once its last one is this old (reindex can rebuild it no further back)."""
+    conversations: Duration | None = Field(None, gt=0)
+    """How long conversations (messages, sampling decisions, verdicts, not-run records) are kept after their
+    last arrival; none: for ever. Their spans go with them."""
+    keep_reviewed: bool = True
+    """A conversation with a review item is kept as long as its item (review items are never deleted)."""
+
+
 class Storage(Section):
     # Built from {} rather than a ready instance, so that the default path resolves against the config's folder.
     duckdb: DuckDBSettings = Field(default_factory=dict, validate_default=True)
@@ -241,6 +252,7 @@ class Storage(Section):
     """Passed to DuckDB's memory_limit so the daemon's RSS target holds."""
     retry_after: Duration = 1.0
     """The delay suggested to clients when the queue is full (Retry-After / RetryInfo)."""
+    retention: Retention = Retention()
 
 
 class API(Listener):
@@ -448,6 +460,16 @@ class Config(BaseModel):
     review: Review = Review()
     source: str = "<defaults>"
     unbuilt: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _retention_outlasts_idle(self) -> "Config":
+        idle = self.conversations.idle_timeout
+        for what in ("spans", "conversations"):
+            keep = getattr(self.storage.retention, what)
+            if keep is not None and keep < idle:
+                raise ValueError(f"storage.retention.{what} ({keep:g}s) must be at least conversations.idle_timeout "
+                                 f"({idle:g}s): a conversation's rows would go before it ends")
+        return self
 
     @property
     def runtime_file(self) -> Path:

@@ -2,7 +2,7 @@
 
 Start: refuse if a daemon already serves this DuckDB file, open the store
 (a damaged file stops the start with one line naming it), start the
-conversation and eval stages, bind every listener, write the runtime file,
+conversation, eval and retention stages, bind every listener, write the runtime file,
 print where to look.
 Stop (SIGTERM or SIGINT, see ``shutdown``; a second signal changes nothing):
 stop intake on every listener at once (in-flight requests still get their
@@ -44,11 +44,12 @@ from .evals.setup import daemon_provider, load_configured_criteria
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
 from .metrics import Metrics
+from .retention import Retention
 from .review import queue as review_queue
 from .runtime import RuntimeInfo, running_daemon
 from .shutdown import StopSignals
 from .store import Store, file_fault, unreadable
-from .words import percent, plural
+from .words import duration_text, percent, plural
 
 log = logging.getLogger("tracejudge.daemon")
 
@@ -90,6 +91,7 @@ class Parts:
         self.store: Store | None = None
         self.convs: Conversations | None = None
         self.evaluator: Evaluator | None = None
+        self.retention: Retention | None = None
         self.api: API | None = None
         self.api_runner: web.AppRunner | None = None
         self.gserver: grpc.aio.Server | None = None
@@ -193,6 +195,8 @@ class Daemon:
                                                     on_stored=review_queue.item_opener(cfg.review.queue_results),
                                                     no_provider=no_provider)
             evaluator.start()
+            parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
+            retention.start()
         except duckdb.Error as exc:  # the stages' first reads find what the store's did not
             if file_fault(exc):
                 raise unreadable(store.path, exc) from None
@@ -202,7 +206,7 @@ class Daemon:
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
         parts.api = api = API(store, metrics, cfg.api,
-                              stages=(convs, evaluator), evaluator=evaluator)
+                              stages=(convs, evaluator, retention), evaluator=evaluator)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:
@@ -228,6 +232,7 @@ class Daemon:
         ).write(cfg.runtime_file)
         self._banner(grpc_addr, http_addr, api_url)
         self._judging(criteria, provider, no_provider)
+        self._retention()
         open_to = [lst.endpoint for lst in (rcv.protocols.grpc, rcv.protocols.http)
                    if lst is not None and not is_loopback(split_endpoint(lst.endpoint)[0])]
         if open_to and not rcv.auth.bearer_token:
@@ -259,6 +264,7 @@ class Daemon:
         await _each(*([parts.gserver.stop(grace=GRPC_GRACE)] if parts.gserver is not None else []),
                     *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
         await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
+                    *([asyncio.to_thread(parts.retention.stop)] if parts.retention is not None else []),
                     *([asyncio.to_thread(parts.store.drain)] if parts.store is not None else []))
         if parts.api_runner is not None:
             await _each(parts.api_runner.cleanup())
@@ -287,6 +293,16 @@ class Daemon:
         ]
         print("\n".join(lines), file=self.out, flush=True)
 
+
+    def _retention(self) -> None:
+        keep = self.config.storage.retention
+        if keep.spans is None and keep.conversations is None:
+            log.info("storage.retention is not set: nothing is ever deleted, so %s grows with the data "
+                     "(otel-config.yaml shows a production setting)", self.config.storage.duckdb.path)
+            return
+        log.info("retention: spans kept %s, conversations kept %s%s",
+                 duration_text(keep.spans), duration_text(keep.conversations),
+                 ", reviewed ones as long as their review items" if keep.keep_reviewed else "")
 
     def _judging(self, criteria: list[Criterion], provider: Provider | None, no_provider: str | None) -> None:
         sampling = self.config.sampling

@@ -155,6 +155,10 @@ class Metrics:
         """Add lines computed at scrape time (for example counts read from DuckDB)."""
         self._extra.append(fn)
 
+    def add_instruments(self, *instruments: _Instrument) -> None:
+        """Render a stage's own instruments after the daemon's."""
+        self._extra.append(lambda: [line for i in instruments for line in i.render()])
+
     def render(self) -> str:
         for fn in self._refresh:
             fn()

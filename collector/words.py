@@ -11,3 +11,21 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 def percent(rate: float) -> str:
     """A probability as a percentage: 0.1 -> ``10%``, 1 -> ``100%``, 0.125 -> ``12.5%``."""
     return f"{rate * 100:.3g}%"
+
+
+def duration_text(seconds: float | None) -> str:
+    """A kept duration as written in the config: 1209600 -> ``14d``, 5400 -> ``90m``; None -> ``for ever``."""
+    if seconds is None:
+        return "for ever"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: 1234567 -> ``1.2 MB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import conversations
-from ..config import Config
+from ..config import Config, Retention
 from ..errors import UserError
 from ..evals import verdicts
 from ..listing import parse_since
+from ..retention import oldest_rows, storage_status
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..runtime import running_daemon
@@ -49,6 +51,8 @@ class Client(Protocol):
                  since: str | None, limit: int) -> list[dict[str, Any]]: ...
 
     def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -130,6 +134,11 @@ class APIClient:
         body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion))
         return body
 
+    def status(self) -> dict[str, Any]:
+        body: dict[str, Any] = self.get("/api/status")
+        body["daemon"] = self.base
+        return body
+
     def close(self) -> None:
         return None
 
@@ -146,8 +155,9 @@ def _since(text: str | None) -> dt.datetime | None:
 class FileClient:
     """Opens the DuckDB file when no daemon runs: read-only, read-write only for decisions."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, retention: Retention | None = None) -> None:
         self.path = path
+        self.retention = retention or Retention()
         self.con = connect(path, read_only=True)
         self.tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "conversations" not in self.tables:
@@ -203,6 +213,11 @@ class FileClient:
                                       "skipped": {}, "judged": 0}}
         return review_stats.stats(self.con, since=_since(since), criterion=criterion)
 
+    def status(self) -> dict[str, Any]:
+        row = self.con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
+        return {"daemon": None, "conversations_batch": int(row[0]) if row else 0,
+                "storage": storage_status(self.path, self.retention, time.time(), oldest_rows(self.con))}
+
     def close(self) -> None:
         self.con.close()
 
@@ -218,7 +233,7 @@ def client(cfg: Config) -> Client:
         return APIClient(info.api, cfg.api.auth.bearer_token)
     if not cfg.storage.duckdb.path.exists():
         raise UserError(_nothing_found(cfg))
-    return FileClient(cfg.storage.duckdb.path)
+    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention)
 
 
 def _nothing_found(cfg: Config) -> str:

@@ -27,6 +27,7 @@ COMMANDS = {
     "review": "collector.cli.review:review",
     "verdicts": "collector.cli.verdicts:verdicts",
     "stats": "collector.cli.stats:stats",
+    "status": "collector.cli.status:status",
     "eval": "collector.cli.eval:eval_cmd",
 }
 

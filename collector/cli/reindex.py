@@ -21,8 +21,9 @@ def reindex(config_path: Path | None) -> None:
     Run it after upgrading tracejudge (a better normalizer) or changing
     conversations.id_attributes or end_rules. Spans are kept whole, so nothing
     is lost, and the old conversations stay until the new ones are all built:
-    a reindex that fails or is interrupted changes nothing. It needs the
-    database to itself: stop the daemon first.
+    a reindex that fails or is interrupted changes nothing. Conversations whose
+    spans storage.retention.spans deleted cannot be rebuilt: they stay as
+    stored. It needs the database to itself: stop the daemon first.
     """
     cfg = load(config_path)
     info = running_daemon(cfg.runtime_file)
@@ -52,7 +53,10 @@ def reindex(config_path: Path | None) -> None:
     finally:
         stage.stop()
         store.close()
-    click.echo(f"reindexed: {plural(count, 'conversation')} rebuilt in {cfg.storage.duckdb.path}")
+    click.echo(f"reindexed: {plural(count - stage.kept, 'conversation')} rebuilt in {cfg.storage.duckdb.path}")
+    if stage.kept:
+        click.echo(f"{plural(stage.kept, 'conversation')} kept as stored: their spans were deleted by "
+                   "storage.retention.spans, so they cannot be rebuilt")
     if stage.failed:
         click.echo(f"tracejudge: warning: {stage.failed} conversations could not be rebuilt: they are stored "
                    "without messages, with the reason", err=True)

@@ -1,8 +1,8 @@
 """The conversation/v1 record (``docs/conversation-v1.md``): the one builder, for live and stored conversations.
 
 ``conversation_v1`` turns a ``Transcript`` into the record; ``conversation_record``
-reads a stored conversation back into a ``Transcript`` and hands it to the same
-builder. The API, the CLI, the evaluator, the review page and exports all read
+reads a stored conversation back into a ``Transcript`` (``stored_transcript``)
+and hands it to the same builder. The API, the CLI, the evaluator, the review page and exports all read
 conversations through it, so what a judge is shown is what a reviewer and an
 export see.
 """
@@ -64,6 +64,18 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
 
     Its ``attributes`` also carry the stored ``revision``, ``transcript_hash`` and ``user_turns``.
     """
+    stored = stored_transcript(cur, conversation_id)
+    if stored is None:
+        return None
+    transcript, (state, ended_by, revision, digest, user_turns) = stored
+    return conversation_v1(transcript, conversation_id, ended_by if state == "ended" and ended_by else "open",
+                           attributes={"revision": revision, "transcript_hash": digest, "user_turns": user_turns})
+
+
+def stored_transcript(cur: duckdb.DuckDBPyConnection, conversation_id: str
+                      ) -> tuple[Transcript, tuple[str, str | None, int, str, int]] | None:
+    """A stored conversation read back into a ``Transcript``, with its (state, ended_by, revision,
+    transcript_hash, user_turns); None when it is not stored."""
     row = cur.execute(
         "SELECT service, started_at, ended_at, state, ended_by, system, models, input_tokens, output_tokens, "
         "trace_ids, llm_calls, content_captured, no_content_reason, revision, transcript_hash, user_turns, "
@@ -88,8 +100,7 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
         ended_at=_utc(ended), llm_calls=llm_calls, content_captured=bool(captured), no_content_reason=reason,
         unparsed_spans=unparsed_spans or 0, unparsed_logs=unparsed_logs or 0,
         sources=tuple(orjson.loads(sources or "[]")))
-    return conversation_v1(transcript, conversation_id, ended_by if state == "ended" and ended_by else "open",
-                           attributes={"revision": revision, "transcript_hash": digest, "user_turns": user_turns})
+    return transcript, (state, ended_by, revision, digest, user_turns)
 
 
 def _utc(value: dt.datetime | None) -> dt.datetime | None:

@@ -29,6 +29,7 @@ newest trace (the one that starts last) and ends conversations idle for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -45,6 +46,7 @@ from ..store import Committed, Store, Transaction
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
+from .record import stored_transcript
 from .rows import Light, RowCache, TraceRows, groups
 from .tables import SCHEMA
 from .tracemap import TraceMap, Tracked, is_genai
@@ -104,6 +106,7 @@ class Conversations(Stage):
         self._writes = Writes()
         self._idle_event = threading.Event()
         self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
+        self.kept = 0  # conversations the last reindex kept as stored: their spans were deleted
 
     # ------------------------------------------------------------ lifecycle
 
@@ -312,12 +315,21 @@ class Conversations(Stage):
         Runs in the caller's thread on a stage that was ``open``ed but not started.
         All in one transaction: the old rows go only when the new ones are
         written, and anything that stops it half way (an error, Ctrl-C) leaves
-        the old ones whole. Returns the number of conversations.
+        the old ones whole. Conversations with a trace whose spans retention
+        deleted are kept as stored (``kept``). Returns the number of conversations.
         """
         cur = self._db()
         with Transaction(cur):
+            # A conversation with a trace whose rows are gone cannot be rebuilt whole.
+            expired = [r[0] for r in cur.execute(
+                "SELECT DISTINCT conversation_id FROM trace_conversations t "
+                "WHERE NOT EXISTS (SELECT 1 FROM span_records s WHERE s.trace_id = t.trace_id) "
+                "AND NOT EXISTS (SELECT 1 FROM log_records l WHERE l.trace_id = t.trace_id)").fetchall()]
             for table in ("trace_conversations", "conversations", "messages"):
-                cur.execute(f"DELETE FROM {table}")
+                cur.execute(f"DELETE FROM {table} WHERE conversation_id NOT IN (SELECT unnest(?::VARCHAR[]))",
+                            [expired])
+            row = cur.execute("SELECT count(*) FROM conversations").fetchone()
+            self.kept = int(row[0]) if row else 0
             self.map.clear()
             self.map.pending.clear()
             self._rows_written.clear()
@@ -462,24 +474,37 @@ class Conversations(Stage):
             return
         if rows is None or any(t not in rows for t in conv.traces):
             rows = self.rows.get(self._db(), conv.traces)
-        spans = [r for t in conv.traces for r in rows[t].spans]
-        logs = [r for t in conv.traces for r in rows[t].logs]
-        memo = self._drop_memo(conv.id) or ParseMemo()
-        tr = build_transcript(spans, logs, memo)
-        self._memos[conv.id] = (memo, len(spans) + len(logs))  # most recently rebuilt last
-        self._memo_rows += len(spans) + len(logs)
-        while self._memo_rows > self.memo_rows and len(self._memos) > 1:  # the newest stays, however long
-            self._drop_memo(next(iter(self._memos)))
+        expired = conv.stored and any(not rows[t] for t in conv.traces)
+        tr = self._stored(conv) if expired else None
+        if tr is None:
+            spans = [r for t in conv.traces for r in rows[t].spans]
+            logs = [r for t in conv.traces for r in rows[t].logs]
+            memo = self._drop_memo(conv.id) or ParseMemo()
+            tr = build_transcript(spans, logs, memo)
+            self._memos[conv.id] = (memo, len(spans) + len(logs))  # most recently rebuilt last
+            self._memo_rows += len(spans) + len(logs)
+            while self._memo_rows > self.memo_rows and len(self._memos) > 1:  # the newest stays, however long
+                self._drop_memo(next(iter(self._memos)))
+            digest = tr.content_hash(memo.digest)
+            if digest != conv.hash:
+                conv.revision += 1
+                conv.hash = digest
         conv.newest_trace = max(conv.traces, key=lambda t: (rows[t].start(), t))
-        digest = tr.content_hash(memo.digest)
-        if digest != conv.hash:
-            conv.revision += 1
-            conv.hash = digest
         if conv.state == "open" and conv.newest_trace in rows:
             ended_by = ended_by_rule(self.settings.end_rules, rows[conv.newest_trace].spans)
             if ended_by is not None:
                 self._end(conv, ended_by)
         self._write(conv, tr)
+
+    def _stored(self, conv: Tracked) -> Transcript | None:
+        """The stored transcript of a conversation whose older spans retention deleted: rebuilt from
+        what is left it would lose their messages, so it stays as stored (with its new traces listed)."""
+        stored = stored_transcript(self._db(), conv.id)
+        if stored is None:
+            return None
+        log.warning("conversation %s has new data, but the spans of its older traces were deleted "
+                    "(storage.retention.spans): its stored transcript is kept as it was", conv.id)
+        return dataclasses.replace(stored[0], trace_ids=tuple(conv.traces))
 
     def _drop_memo(self, cid: str) -> ParseMemo | None:
         memo, rows = self._memos.pop(cid, (None, 0))

@@ -63,7 +63,7 @@ from ..metrics import Counter, Gauge, Histogram, Metrics
 from ..store import Store
 from . import verdicts
 from .backfill import Backfill, backfill_jobs, run_backfill
-from .judging import Job, Judging, OnStored, Outcome, ensure_schema, utc
+from .judging import JUDGEMENT_DUE, Job, Judging, OnStored, Outcome, ensure_schema, utc
 from .sampling import ConversationFacts, Sampler
 from .setup import NO_PROVIDER
 
@@ -138,9 +138,8 @@ class EvalMetrics:
             self.verdicts.declare(result=result)
         self.tokens.declare(kind="input")
         self.tokens.declare(kind="output")
-        instruments = (self.decisions, self.verdicts, self.not_run, self.judged, self.tokens, self.pending,
-                       self.in_flight, self.seconds)
-        metrics.add_collector(lambda: [line for i in instruments for line in i.render()])
+        metrics.add_instruments(self.decisions, self.verdicts, self.not_run, self.judged, self.tokens, self.pending,
+                                self.in_flight, self.seconds)
 
 
 class Evaluator(Stage):
@@ -341,8 +340,7 @@ class Evaluator(Stage):
             "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
             "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
             "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "
-            "AND (s.conversation_id IS NULL OR (s.sampled AND s.skipped_reason IS NULL "
-            "AND (p.revision IS NULL OR p.revision < c.revision))) "
+            f"AND {JUDGEMENT_DUE} "
             "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
             "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
             [since, since, after, self._busy_ids(), SCAN_PAGE]).fetchall()

@@ -47,6 +47,13 @@ CREATE TABLE IF NOT EXISTS eval_progress (
 );
 """
 
+# An ended conversation the evaluator has still to decide, judge at its current revision, or retry
+# (aliases: c conversations, s sampling_decisions, p eval_progress). The scan queues the first two;
+# retention keeps all three.
+JUDGEMENT_DUE = ("(s.conversation_id IS NULL OR (s.sampled AND s.skipped_reason IS NULL "
+                 "AND (p.revision IS NULL OR p.revision < c.revision)))")
+RETRY_DUE = "(p.retry_at IS NOT NULL AND p.revision = c.revision)"
+
 RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attempt on errors
 _UTC = dt.timezone.utc
 

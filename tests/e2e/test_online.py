@@ -18,12 +18,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from collector.demo import Persona, ToolCall, Turn
+from collector.demo import Persona, Turn
 from collector.evals.sampling import unit_hash
 
 from ..support.daemon import DaemonProcess, clean_env, run_cli
-from ..support.judge_server import FAIL_WORD, JUNK_WORD, RuleJudge
-from ..support.online import send, wait_status
+from ..support.judge_server import FAIL_WORD, RuleJudge
+from ..support.online import persona, send, wait_status
 
 CRITERIA = """
 criteria:
@@ -64,19 +64,6 @@ def online_config(tmp_path: Path, judge: RuleJudge, **extra: Any) -> dict[str, A
     for key, value in extra.items():
         sections[key] = {**sections.get(key, {}), **value}
     return sections
-
-
-def persona(i: int, *, fail: bool = False, junk: bool = False, lookup: bool = True) -> Persona:
-    answer = "Your order is on its way and arrives tomorrow."
-    if fail:
-        answer = f"Don't worry, this is a {FAIL_WORD}: you get your money back whatever happens."
-    if junk:
-        answer = f"Here is some {JUNK_WORD} for the judge."
-    tool = ToolCall("lookup_order", {"order_id": f"B-{i}"}, '{"status": "shipped"}') if lookup else None
-    return Persona(f"user {i}", "en", "shop-test", [
-        Turn(f"Where is my order B-{i}?", answer, tool),
-        Turn("Thanks.", "You're welcome."),
-    ], conversation_id=f"conv-{i:03d}")
 
 
 def cli(daemon: DaemonProcess, *args: str) -> Any:

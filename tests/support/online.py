@@ -11,9 +11,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from collector.demo import Persona, play
+from collector.demo import Persona, ToolCall, Turn, play
 
 from .daemon import DaemonProcess
+from .judge_server import FAIL_WORD, JUNK_WORD
 
 
 def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test") -> None:
@@ -38,3 +39,16 @@ def wait_status(daemon: DaemonProcess, done: Any, timeout: float = 90, what: str
             return status
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}: {status}\n{daemon.output()[-3000:]}")
+
+
+def persona(i: int, *, fail: bool = False, junk: bool = False, lookup: bool = True) -> Persona:
+    answer = "Your order is on its way and arrives tomorrow."
+    if fail:
+        answer = f"Don't worry, this is a {FAIL_WORD}: you get your money back whatever happens."
+    if junk:
+        answer = f"Here is some {JUNK_WORD} for the judge."
+    tool = ToolCall("lookup_order", {"order_id": f"B-{i}"}, '{"status": "shipped"}') if lookup else None
+    return Persona(f"user {i}", "en", "shop-test", [
+        Turn(f"Where is my order B-{i}?", answer, tool),
+        Turn("Thanks.", "You're welcome."),
+    ], conversation_id=f"conv-{i:03d}")

@@ -1,0 +1,55 @@
+"""``tracejudge status``: whether a daemon runs, how far its stages have got, the file's size and what it keeps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..words import duration_text, plural, size_text
+from .common import ask, config_option, json_option, table
+
+_KINDS = (("spans", "spans", "spans"), ("log_records", "log records", "spans"),
+          ("conversations", "conversations", "conversations"))
+
+
+def render(body: dict[str, Any]) -> str:
+    """The status as text."""
+    storage = body["storage"]
+    lines = []
+    if body.get("daemon"):
+        stages = ", ".join(f"{name} {state}" for name, state in body.get("stages", {}).items())
+        lines.append(["daemon", f"running at {body['daemon']}; stages: {stages}"])
+        lines.append(["ingest", f"{plural(body['queue_depth'], 'row')} waiting; commit {body['committed_batch']} "
+                                f"stored, conversations current up to commit {body['conversations_batch']}"])
+    else:
+        lines.append(["daemon", f"not running; conversations current up to commit {body['conversations_batch']}"])
+    lines.append(["DuckDB file", f"{storage['path']}: {size_text(storage['file_bytes'])}"
+                                 f" (+ {size_text(storage['wal_bytes'])} write-ahead log)"])
+    keep = storage["retention"]
+    deleted = keep.get("deleted") or {}
+    for key, label, setting in _KINDS:
+        k = keep[key]
+        kept = (f"kept {duration_text(k['keep_seconds'])}: what arrived before {k['horizon']} is deleted"
+                if k["keep_seconds"] is not None else f"kept for ever (storage.retention.{setting} is not set)")
+        oldest = f"oldest arrived {k['oldest']}" if k["oldest"] else "none stored"
+        gone = f"; {deleted[key]} deleted since the daemon started" if key in deleted else ""
+        lines.append([label, f"{kept}; {oldest}{gone}"])
+    if keep["keep_reviewed"] and keep["conversations"]["keep_seconds"] is not None:
+        lines.append(["", "conversations with a review item are kept as long as their item"])
+    return table(lines, align="ll")
+
+
+@click.command()
+@config_option
+@json_option
+def status(config_path: Path | None, as_json: bool) -> None:
+    """Whether a daemon serves this config, how far its stages have got, and the DuckDB file: its size,
+    what storage.retention keeps and the oldest row of each kind.
+
+    Through the daemon's API when one runs, else read from the file.
+    """
+    body = ask(config_path, lambda c: c.status())
+    click.echo(json.dumps(body, ensure_ascii=False, indent=2) if as_json else render(body))

@@ -1,0 +1,332 @@
+"""Retention: what ``storage.retention`` lets go, deleted in small transactions that give way to ingestion.
+
+A background ``Stage`` (``collector.background``) after all the others, since it
+deletes what each of them wrote. Each sweep, once a minute or at once while
+something is due:
+
+1. **spans of expired conversations**: an ended conversation whose last row
+   arrived before ``now - retention.spans`` loses all its span and log rows at
+   once (a conversation has all its spans or none). Its transcript, verdicts and
+   review items stay; ``reindex`` keeps it as stored. The sweep goes in order of
+   last arrival and stops at the first conversation still open, so one that ends
+   later is not passed over.
+2. **traces of no conversation** (other services' spans, traceless logs): by
+   commit, a few commits at a time, once every row of the commit is older than
+   the horizon.
+3. **expired conversations**: ended, last arrival before ``now -
+   retention.conversations``, nothing due for the evaluator (a sampling
+   decision, a judgement of its current revision, a retry: ``JUDGEMENT_DUE``),
+   and with ``keep_reviewed`` no review item: its row, messages, sampling
+   decision, verdicts, not-run records, progress row, trace map rows and spans go
+   in one transaction, so a kill -9 leaves it whole or gone.
+
+Nothing the conversation stage has not taken in yet is touched: every delete is
+bounded by its stored batch mark. Each transaction waits for a pause in
+ingestion (``store.pacing``) and deletes at most ``chunk`` conversations or
+``CHUNK_COMMITS`` commits. Forwarding does not exist yet; when it comes, what is
+still queued for an exporter must bound the deletes the same way.
+
+DuckDB marks deleted rows and, at its next checkpoint, frees row groups left
+empty and rewrites ones mostly deleted; the freed blocks are reused by later
+writes, so the file stops growing once deletion keeps up with arrival, but it
+never shrinks (README, "Disk").
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import duckdb
+
+from .background import Stage
+from .config import Retention as Settings
+from .evals.judging import JUDGEMENT_DUE, RETRY_DUE
+from .listing import iso_utc
+from .metrics import Counter, Gauge, Metrics
+from .store import Store, Transaction
+
+log = logging.getLogger("tracejudge.retention")
+
+INTERVAL = 60.0  # seconds between sweeps when nothing was due
+CHUNK = 100  # conversations per transaction
+CHUNK_COMMITS = 4  # commits (up to max_batch_spans rows each) of traces of no conversation per transaction
+# Its pace: deleting holds DuckDB's writer for a few ms per statement; it waits for the same pause
+# as the conversation stage and takes at most a tenth of the time when none comes.
+IDLE_GAP = 0.1
+SHARE = 0.1
+MAX_WAIT = 30.0
+POLL = 0.05
+
+_TABLES = ("span_records", "log_records")
+_OLDEST = {"spans": "SELECT min(received_at) FROM span_records",
+           "log_records": "SELECT min(received_at) FROM log_records",
+           "conversations": "SELECT min(last_arrival_at) FROM conversations"}
+
+
+def utc(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
+
+
+class RetentionMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        self.deleted = Counter("tracejudge_retention_deleted_total",
+                               "Rows deleted by storage.retention, by kind (spans, log_records, conversations).",
+                               ("what",))
+        self.oldest = Gauge("tracejudge_retention_oldest_timestamp_seconds",
+                            "Arrival time (unix seconds) of the oldest row kept, by kind; absent when none.",
+                            ("what",))
+        for what in _OLDEST:
+            self.deleted.declare(what=what)
+        metrics.add_instruments(self.deleted, self.oldest)
+
+
+class Retention(Stage):
+    """Deletes what ``storage.retention`` lets go (see the module docstring)."""
+
+    name = "retention"
+
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics, *,
+                 clock: Callable[[], float] = time.time, interval: float = INTERVAL, chunk: int = CHUNK,
+                 max_wait: float = MAX_WAIT) -> None:
+        super().__init__(store, metrics)
+        self.settings = settings
+        self.clock = clock
+        self.interval = interval
+        self.chunk = chunk
+        self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL)
+        self.m = RetentionMetrics(metrics)
+        self.oldest: dict[str, dt.datetime | None] = {}
+        self.sweeps = 0  # sweeps completed (tests wait on it through /api/status)
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.spans is not None or self.settings.conversations is not None
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.sweep()
+                self.cycle_ok()
+                delay = self.interval
+            except _Stopping:
+                return
+            except Exception:  # noqa: BLE001 - a conflict with another stage's write, a full disk: next sweep
+                delay = self.cycle_failed("a retention sweep failed")
+            self.stopping.wait(delay)
+
+    def _wake(self) -> None:
+        pass  # the loop waits on ``stopping`` itself
+
+    def sweep(self) -> dict[str, int]:
+        """Delete everything due now, a transaction at a time; what was deleted, by kind."""
+        assert self.cur is not None
+        deleted = {what: 0 for what in _OLDEST}
+        now = self.clock()
+        mark = self._conversations_mark()
+        if self.settings.spans is not None:
+            horizon = utc(now - self.settings.spans)
+            while self._turn() and self._expire_conversation_spans(horizon, mark, deleted):
+                pass
+            while self._turn() and self._expire_commits(horizon, mark, deleted):
+                pass
+        if self.settings.conversations is not None:
+            horizon = utc(now - self.settings.conversations)
+            while self._turn() and self._expire_conversations(horizon, mark, deleted):
+                pass
+        self._measure()
+        self.sweeps += 1
+        if any(deleted.values()):
+            log.info("retention deleted %s", ", ".join(f"{n} {what.replace('_', ' ')}"
+                                                       for what, n in deleted.items() if n))
+        return deleted
+
+    def _turn(self) -> bool:
+        self.pacing.done()
+        if not self.pacing.wait(self.stopping):
+            raise _Stopping
+        return True
+
+    def _conversations_mark(self) -> int:
+        """The conversation stage's stored batch mark: later commits are not taken in yet."""
+        assert self.cur is not None
+        row = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _state(self, key: str, default: Any) -> Any:
+        assert self.cur is not None
+        row = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = ?", [key]).fetchone()
+        return row[0] if row else default
+
+    def _set_state(self, key: str, value: str) -> None:
+        assert self.cur is not None
+        self.cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES (?, ?)", [key, value])
+
+    # ------------------------------------------------------------ the three deletes
+
+    def _expire_conversation_spans(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
+        """One chunk of step 1; True when a full chunk was done (more may be due)."""
+        cur = self.cur
+        assert cur is not None
+        at, after = self._state("retention.spans_at", ""), self._state("retention.spans_after", "")
+        since = dt.datetime.fromisoformat(at) if at else utc(0)
+        rows = cur.execute(
+            "SELECT conversation_id, state, last_arrival_at FROM conversations "
+            "WHERE last_arrival_at < ? AND (last_arrival_at > ? OR (last_arrival_at = ? AND conversation_id > ?)) "
+            "ORDER BY last_arrival_at, conversation_id LIMIT ?", [horizon, since, since, after, self.chunk]).fetchall()
+        ids: list[str] = []
+        last: tuple[dt.datetime, str] | None = None
+        for cid, state, arrived in rows:
+            if state != "ended":
+                break  # it may end with this arrival time: wait for it
+            ids.append(cid)
+            last = (arrived, cid)
+        if last is None:
+            return False
+        with Transaction(cur):
+            n = self._delete_rows(ids, last[0], mark)
+            self._set_state("retention.spans_at", last[0].isoformat())
+            self._set_state("retention.spans_after", last[1])
+        self._count(deleted, n)
+        return len(ids) == self.chunk
+
+    def _expire_commits(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
+        """One chunk of step 2; True when more commits may be due."""
+        cur = self.cur
+        assert cur is not None
+        done = int(self._state("retention.commits", "0"))
+        # One commit has one arrival time and commits are numbered in arrival order, so every
+        # commit up to the last one before the horizon is wholly expired (only older row groups are read).
+        row = cur.execute(
+            "SELECT greatest((SELECT max(batch_id) FROM span_records WHERE received_at < ? AND batch_id > ?), "
+            "(SELECT max(batch_id) FROM log_records WHERE received_at < ? AND batch_id > ?))",
+            [horizon, done, horizon, done]).fetchone()
+        if not row or row[0] is None:
+            return False
+        upto = min(mark, int(row[0]))
+        if upto <= done:
+            return False
+        hi = min(upto, done + CHUNK_COMMITS)
+        mapped = "EXISTS (SELECT 1 FROM trace_conversations t WHERE t.trace_id = {0}.trace_id)"
+        with Transaction(cur):
+            n = {}
+            for table in _TABLES:
+                found = cur.execute(
+                    f"DELETE FROM {table} WHERE batch_id BETWEEN ? AND ? AND (trace_id IS NULL OR NOT "
+                    f"{mapped.format(table)})", [done + 1, hi]).fetchone()
+                n[table] = int(found[0]) if found else 0
+            self._set_state("retention.commits", str(hi))
+        self._count(deleted, (n["span_records"], n["log_records"]))
+        return hi < upto
+
+    def _expire_conversations(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
+        """One chunk of step 3; True when a full chunk was done."""
+        cur = self.cur
+        assert cur is not None
+        reviewed = ("AND NOT EXISTS (SELECT 1 FROM review_items r WHERE r.conversation_id = c.conversation_id) "
+                    if self.settings.keep_reviewed else "")
+        rows = cur.execute(
+            "SELECT c.conversation_id, c.last_arrival_at FROM conversations c "
+            "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+            "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
+            f"WHERE c.state = 'ended' AND c.last_arrival_at < ? AND NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE} "
+            f"{reviewed}ORDER BY c.last_arrival_at, c.conversation_id LIMIT ?", [horizon, self.chunk]).fetchall()
+        if not rows:
+            return False
+        ids = [cid for cid, _ in rows]
+        with Transaction(cur):
+            spans = self._delete_rows(ids, max(at for _, at in rows), mark)
+            for table in ("messages", "sampling_decisions", "verdicts", "not_run", "eval_progress"):
+                cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
+            if not self.settings.keep_reviewed:
+                cur.execute("DELETE FROM review_history WHERE item_id IN (SELECT id FROM review_items "
+                            "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))", [ids])
+                cur.execute("DELETE FROM review_items WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
+            cur.execute("DELETE FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
+                        [ids])
+            # A conversation the conversation stage reopens meanwhile makes this commit conflict:
+            # all of it rolls back, and the next sweep finds it open.
+            gone = cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
+                               [ids]).fetchone()
+        self._count(deleted, spans)
+        deleted["conversations"] += int(gone[0]) if gone else 0
+        self.m.deleted.inc(int(gone[0]) if gone else 0, what="conversations")
+        return len(rows) == self.chunk
+
+    def _delete_rows(self, conversations: list[str], newest: dt.datetime, mark: int) -> tuple[int, int]:
+        """Span and log rows of these conversations' traces; (spans, logs) deleted."""
+        cur = self.cur
+        assert cur is not None
+        out = []
+        for table in _TABLES:
+            # received_at bounds the scan (rows are stored in arrival order, so DuckDB skips newer row groups).
+            found = cur.execute(
+                f"DELETE FROM {table} WHERE received_at <= ? AND batch_id <= ? AND trace_id IN ("
+                "SELECT trace_id FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
+                [newest + dt.timedelta(seconds=1), mark, conversations]).fetchone()
+            out.append(int(found[0]) if found else 0)
+        return out[0], out[1]
+
+    def _count(self, deleted: dict[str, int], rows: tuple[int, int]) -> None:
+        deleted["spans"] += rows[0]
+        deleted["log_records"] += rows[1]
+        self.m.deleted.inc(rows[0], what="spans")
+        self.m.deleted.inc(rows[1], what="log_records")
+
+    def _measure(self) -> None:
+        assert self.cur is not None
+        self.oldest = oldest_rows(self.cur)
+        for what, value in self.oldest.items():
+            if value is not None:
+                self.m.oldest.set(value.timestamp(), what=what)
+
+    # ------------------------------------------------------------ what it says
+
+    def status(self) -> dict[str, Any]:
+        return {"storage": storage_status(self.store.path, self.settings, self.clock(), self.oldest,
+                                          deleted={what: int(self.m.deleted.value(what=what)) for what in _OLDEST},
+                                          sweeps=self.sweeps)}
+
+
+class _Stopping(Exception):
+    """``stop`` came while a sweep waited for its turn: the rest waits for the next start."""
+
+
+def oldest_rows(cur: duckdb.DuckDBPyConnection) -> dict[str, dt.datetime | None]:
+    """When the oldest kept row of each kind arrived (``None``: none kept)."""
+    out: dict[str, dt.datetime | None] = {}
+    for what, sql in _OLDEST.items():
+        row = cur.execute(sql).fetchone()
+        out[what] = row[0] if row else None
+    return out
+
+
+def storage_status(path: Path, settings: Settings, now: float, oldest: dict[str, dt.datetime | None], *,
+                   deleted: dict[str, int] | None = None, sweeps: int | None = None) -> dict[str, Any]:
+    """The file's size and what retention keeps, for /api/status and ``tracejudge status``."""
+    def size(p: Path) -> int:
+        try:
+            return os.stat(p).st_size
+        except OSError:
+            return 0
+
+    def kept(keep: float | None, what: str) -> dict[str, Any]:
+        return {"keep_seconds": keep, "horizon": None if keep is None else iso_utc(utc(now - keep)),
+                "oldest": iso_utc(oldest.get(what))}
+
+    out: dict[str, Any] = {
+        "path": str(path), "file_bytes": size(path), "wal_bytes": size(Path(f"{path}.wal")),
+        "retention": {"spans": kept(settings.spans, "spans"), "log_records": kept(settings.spans, "log_records"),
+                      "conversations": kept(settings.conversations, "conversations"),
+                      "keep_reviewed": settings.keep_reviewed},
+    }
+    if deleted is not None:
+        out["retention"]["deleted"] = deleted
+        out["retention"]["sweeps"] = sweeps
+    return out

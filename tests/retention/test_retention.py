@@ -1,0 +1,243 @@
+"""Retention: what storage.retention lets go is deleted, and nothing else.
+
+The data is real: conversations sent through the OpenTelemetry SDK to a real
+daemon, judged on a code criterion (a failure opens a review item). The
+sweeps then run on that file with a clock of the test's (in process), or in
+the daemon on rows whose arrival times were moved back (a kill -9 among them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+import yaml
+
+from collector.config import Config, ConfigError, Retention as Settings, load_config
+from collector.metrics import Metrics
+from collector.retention import Retention
+from collector.store import Store
+
+from ..support.daemon import DaemonProcess, run_cli, wait_conversations, wait_until
+from ..support.online import persona, send
+
+DAY = 86400.0
+CRITERIA = """
+criteria:
+  - id: looks-orders-up
+    version: 1
+    kind: code
+    check: tool_called
+    name: lookup_order
+"""
+# Rows of one conversation in every table it has rows in.
+PER_CONVERSATION = ("conversations", "messages", "sampling_decisions", "verdicts", "eval_progress",
+                    "trace_conversations")
+
+
+def sections(tmp_path: Path, **retention: Any) -> dict[str, Any]:
+    (tmp_path / "criteria.yaml").write_text(CRITERIA, encoding="utf-8")
+    out: dict[str, Any] = {"conversations": {"idle_timeout": "1s"}, "sampling": {"rate": 1.0},
+                           "judges": {"criteria": [str(tmp_path / "criteria.yaml")]}}
+    if retention:
+        out["storage"] = {"retention": retention}
+    return out
+
+
+def judged(daemon: DaemonProcess, n: int) -> None:
+    def done() -> bool:
+        stats = daemon.get("/api/stats")[1]
+        return bool(stats["criteria"]) and stats["criteria"][0]["judged"] >= n
+
+    wait_until(done, f"{n} conversations judged", timeout=90)
+
+
+def recorded(daemon: DaemonProcess, people: list[Any]) -> DaemonProcess:
+    """Send ``people`` (lookup=False fails the criterion: a review item), wait until all are judged, stop."""
+    send(daemon.grpc, people)
+    judged(daemon, len(people))
+    assert daemon.stop() == 0
+    return daemon
+
+
+def rows_of(daemon_or_store: Any, cid: str) -> dict[str, int]:
+    sql = {t: f"SELECT count(*) FROM {t} WHERE conversation_id = ?" for t in PER_CONVERSATION}
+    sql["spans"] = ("SELECT count(*) FROM span_records WHERE trace_id IN "
+                    "(SELECT trace_id FROM trace_conversations WHERE conversation_id = ?)")
+    if isinstance(daemon_or_store, Store):
+        cur = daemon_or_store.cursor()
+        try:
+            return {t: cur.execute(q, [cid]).fetchone()[0] for t, q in sql.items()}
+        finally:
+            cur.close()
+    return {t: daemon_or_store.query(q, [cid])[0][0] for t, q in sql.items()}
+
+
+def one(store: Store, sql: str, params: list[Any] | None = None) -> Any:
+    cur = store.cursor()
+    try:
+        return cur.execute(sql, params or []).fetchone()[0]
+    finally:
+        cur.close()
+
+
+def open_retention(path: Path, clock: list[float], **settings: Any) -> tuple[Store, Retention]:
+    store = Store(path)
+    store.open()
+    stage = Retention(store, Settings(**settings), Metrics(), clock=lambda: clock[0], max_wait=0)
+    stage.open()
+    return store, stage
+
+
+def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(make_daemon: Any,
+                                                                             tmp_path: Path) -> None:
+    daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1, lookup=False), persona(2), persona(3)])
+    ids = ["conv-001", "conv-002", "conv-003"]
+    before = {cid: rows_of(daemon, cid) for cid in ids}
+    assert all(b["spans"] > 0 and b["verdicts"] == 1 for b in before.values()), before
+    assert daemon.query("SELECT conversation_id FROM review_items") == [("conv-001",)]
+    # A conversation still to be judged (its judging was cut off by a crash: no progress row).
+    store, stage = open_retention(daemon.duckdb, clock := [time.time() + 13 * DAY], spans="14d",
+                                  conversations="90d")
+    try:
+        cur = store.cursor()
+        cur.execute("DELETE FROM eval_progress WHERE conversation_id = 'conv-003'")
+        cur.close()
+        assert stage.sweep() == {"spans": 0, "log_records": 0, "conversations": 0}  # nothing is 14 days old yet
+        clock[0] += 2 * DAY
+        deleted = stage.sweep()
+        assert deleted["spans"] == sum(b["spans"] for b in before.values()) and deleted["conversations"] == 0
+        assert one(store, "SELECT count(*) FROM span_records") == 0
+        for cid in ids:  # transcripts, verdicts and review items stay
+            assert rows_of(store, cid) == {**before[cid], "spans": 0, **(
+                {"eval_progress": 0} if cid == "conv-003" else {})}
+        assert stage.oldest["spans"] is None and stage.oldest["conversations"] is not None
+
+        clock[0] += 80 * DAY  # 95 days on
+        assert stage.sweep()["conversations"] == 1  # only conv-002: conv-001 is reviewed, conv-003 due judging
+        assert rows_of(store, "conv-002") == dict.fromkeys(before["conv-002"], 0)
+        assert rows_of(store, "conv-001") == {**before["conv-001"], "spans": 0}
+        assert rows_of(store, "conv-003")["conversations"] == 1
+    finally:
+        stage.stop()
+        store.close()
+
+    # Without keep_reviewed the reviewed one goes too, its review item with it.
+    store, stage = open_retention(daemon.duckdb, clock, spans="14d", conversations="90d", keep_reviewed=False)
+    try:
+        assert stage.sweep()["conversations"] == 1
+        assert one(store, "SELECT count(*) FROM review_items") == 0
+        assert one(store, "SELECT count(*) FROM conversations") == 1  # conv-003, still due judging
+    finally:
+        stage.stop()
+        store.close()
+
+
+def test_a_conversation_whose_spans_expired_keeps_its_transcript_on_late_data_and_through_reindex(
+        make_daemon: Any, tmp_path: Path) -> None:
+    daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1), persona(2)])
+    shown = ["conversations", "show", "conv-001", "--config", str(daemon.config_path), "--json"]
+    before = json.loads(run_cli(*shown).stdout)
+    store, stage = open_retention(daemon.duckdb, [time.time() + 15 * DAY], spans="14d")
+    try:
+        assert stage.sweep()["spans"] > 0
+    finally:
+        stage.stop()
+        store.close()
+
+    # A new trace of conv-001 arrives: rebuilt from what is left, it would lose its first turns.
+    daemon.start()
+    send(daemon.grpc, [persona(1)])
+    daemon.wait_output("the spans of its older traces were deleted")
+    wait_conversations(daemon)
+    assert daemon.stop() == 0
+    after = json.loads(run_cli(*shown).stdout)
+    assert after["messages"] == before["messages"]
+    assert len(after["trace_ids"]) > len(before["trace_ids"])
+
+    out = run_cli("reindex", "--config", str(daemon.config_path))
+    assert out.returncode == 0, out.stderr
+    assert "2 conversations kept as stored" in out.stdout, out.stdout
+    assert json.loads(run_cli(*shown).stdout)["messages"] == before["messages"]
+
+
+def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_deleted_conversation(
+        make_daemon: Any, tmp_path: Path) -> None:
+    old = [persona(i, lookup=i % 5 != 0) for i in range(1, 25)]
+    daemon = recorded(make_daemon(**sections(tmp_path)), old)
+    # Move every stored arrival 100 days back: to a daemon keeping 14 days of spans and 30 of
+    # conversations, all of it has expired.
+    back = "- INTERVAL 100 DAY"
+    con = duckdb.connect(str(daemon.duckdb))
+    for table in ("span_records", "log_records"):
+        con.execute(f"UPDATE {table} SET received_at = received_at {back}")
+    con.execute(f"UPDATE conversations SET last_arrival_at = last_arrival_at {back}, "
+                f"first_arrival_at = first_arrival_at {back}")
+    con.close()
+    daemon.config["storage"]["retention"] = {"spans": "14d", "conversations": "30d"}
+    daemon.config_path.write_text(yaml.safe_dump(daemon.config), encoding="utf-8")
+    daemon.start()
+    fresh = [persona(i) for i in range(100, 104)]
+    send(daemon.grpc, fresh)
+    wait_until(lambda: daemon.metric("tracejudge_retention_deleted_total") > 0, "retention to delete")
+    daemon.kill9()
+
+    def whole_or_gone(d: DaemonProcess) -> None:
+        for cid in [p.conversation_id for p in old]:
+            rows = rows_of(d, cid)
+            if rows["conversations"]:
+                assert all(rows[t] > 0 for t in ("messages", "sampling_decisions", "trace_conversations")), rows
+            else:
+                assert all(n == 0 for n in rows.values()), (cid, rows)
+        orphans = d.query("SELECT count(*) FROM messages WHERE conversation_id NOT IN "
+                          "(SELECT conversation_id FROM conversations)")
+        assert orphans == [(0,)]
+
+    whole_or_gone(daemon)
+    daemon.start()  # the sweeps go on from where the kill left them
+    wait_until(lambda: daemon.get("/api/status")[1]["storage"]["retention"]["sweeps"] > 0, "a whole sweep")
+    judged(daemon, 4 + len(fresh))  # what is left: the four reviewed, and the fresh ones once judged
+    status = daemon.get("/api/status")[1]["storage"]
+    assert status["file_bytes"] > 0 and status["retention"]["spans"]["keep_seconds"] == 14 * DAY
+    text = run_cli("status", "--config", str(daemon.config_path))
+    assert text.returncode == 0, text.stderr
+    assert "spans" in text.stdout and "kept 14d" in text.stdout and "running at" in text.stdout, text.stdout
+    assert daemon.stop() == 0
+    whole_or_gone(daemon)
+    assert daemon.query("SELECT count(*) FROM span_records WHERE received_at < now() - INTERVAL 14 DAY") == [(0,)]
+    reviewed = {r[0] for r in daemon.query("SELECT DISTINCT conversation_id FROM review_items")}
+    assert reviewed == {p.conversation_id for p in old if p.conversation_id[-1] in "05"}
+    kept = {r[0] for r in daemon.query("SELECT conversation_id FROM conversations")}
+    assert kept == reviewed | {p.conversation_id for p in fresh}
+    for p in fresh:  # nothing unexpired is touched
+        rows = rows_of(daemon, p.conversation_id)
+        assert all(n > 0 for n in rows.values()), rows
+    text = run_cli("status", "--config", str(daemon.config_path))  # from the file, the daemon stopped
+    assert "not running" in text.stdout and "kept 30d" in text.stdout, text.stdout
+
+
+def test_retention_settings_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "otel-config.yaml"
+    path.write_text("storage:\n  retention:\n    spans: 14\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"storage\.retention\.spans.*no unit"):
+        load_config(path)
+    path.write_text("storage:\n  retention:\n    span: 14d\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="span"):
+        load_config(path)
+    path.write_text("conversations: {idle_timeout: 1h}\nstorage:\n  retention: {conversations: 30m}\n",
+                    encoding="utf-8")
+    with pytest.raises(ConfigError, match="must be at least conversations.idle_timeout"):
+        load_config(path)
+    cfg = Config.model_validate({"storage": {"retention": {"spans": "14d"}}})
+    assert cfg.storage.retention.spans == 14 * DAY and cfg.storage.retention.conversations is None
+
+
+def test_without_retention_the_daemon_says_the_file_grows(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    daemon.wait_output("storage.retention is not set: nothing is ever deleted")
+    assert daemon.get("/api/status")[1]["storage"]["retention"]["spans"]["keep_seconds"] is None
+    assert daemon.metric("tracejudge_retention_deleted_total") == 0
