@@ -72,9 +72,9 @@ class Stage:
 
     # ------------------------------------------------------------ lifecycle
 
-    def open(self) -> None:
-        """Open the stage's cursor and set it up, without its thread."""
-        self.cur = self.store.cursor()
+    def open(self, schema: str | None = None) -> None:
+        """Open the stage's cursor (on ``schema`` first: ``Store.cursor``) and set it up, without its thread."""
+        self.cur = self.store.cursor(schema)
         self._open()
 
     def start(self) -> None:

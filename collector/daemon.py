@@ -38,6 +38,7 @@ from judges import Criterion, Provider
 from .api.app import API
 from .config import Config, is_loopback
 from .conversations import Conversations, conversation_counts
+from .conversations.reindex import Runner
 from .errors import StoreUnavailable, UserError
 from .evals.evaluator import Evaluator
 from .evals.setup import daemon_provider, load_configured_criteria
@@ -92,6 +93,7 @@ class Parts:
         self.convs: Conversations | None = None
         self.evaluator: Evaluator | None = None
         self.retention: Retention | None = None
+        self.reindexer: Runner | None = None
         self.api: API | None = None
         self.api_runner: web.AppRunner | None = None
         self.gserver: grpc.aio.Server | None = None
@@ -205,8 +207,9 @@ class Daemon:
             return False
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
-        parts.api = api = API(store, metrics, cfg.api,
-                              stages=(convs, evaluator, retention), evaluator=evaluator)
+        parts.reindexer = reindexer = Runner(store, cfg.conversations, convs)
+        parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention), evaluator=evaluator,
+                              reindexer=reindexer)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:
@@ -265,6 +268,7 @@ class Daemon:
                     *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
         await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
                     *([asyncio.to_thread(parts.retention.stop)] if parts.retention is not None else []),
+                    *([asyncio.to_thread(parts.reindexer.stop)] if parts.reindexer is not None else []),
                     *([asyncio.to_thread(parts.store.drain)] if parts.store is not None else []))
         if parts.api_runner is not None:
             await _each(parts.api_runner.cleanup())

@@ -21,6 +21,7 @@ from aiohttp import web
 from .. import config, conversations
 from ..errors import StoreUnavailable, UserError
 from ..background import Stage
+from ..conversations.reindex import AlreadyRunning, Runner
 from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
 from ..listing import MAX_LIMIT, iso_utc, parse_since
@@ -41,8 +42,10 @@ class API:
     """Routes of the JSON API; ``ready`` flips once every receiver listens."""
 
     def __init__(self, store: Store, metrics: Metrics, settings: config.API,
-                 stages: Sequence[Stage] = (), evaluator: Evaluator | None = None) -> None:
+                 stages: Sequence[Stage] = (), evaluator: Evaluator | None = None,
+                 reindexer: Runner | None = None) -> None:
         self.store = store
+        self.reindexer = reindexer
         self.stages = stages
         """The daemon's background stages: how far each has got, and whether it still runs."""
         self.evaluator = evaluator
@@ -64,6 +67,8 @@ class API:
         r.add_get("/api/stats", self.stats)
         r.add_post("/api/evals", self.eval_start)
         r.add_get("/api/evals/{eval_id}", self.eval_progress)
+        r.add_post("/api/reindex", self.reindex_start)
+        r.add_get("/api/reindex", self.reindex_progress)
         r.add_get("/api/review", self.review_list)
         r.add_get("/api/review/{item_id}", self.review_item)
         r.add_post("/api/review/{item_id}/decision", self.review_decision)
@@ -230,6 +235,23 @@ class API:
         if progress is None:
             raise APIError(404, "not_found", f"no eval pass {request.match_info['eval_id']!r}")
         return web.json_response(progress.to_dict())
+
+    async def reindex_start(self, request: web.Request) -> web.Response:
+        """Start a reindex beside the live conversations (or resume one cut off): ``{}``."""
+        await _json_object(request, set())
+        if self.reindexer is None:
+            raise APIError(503, "not_ready", "the conversation stage is not running")
+        try:
+            progress = self.reindexer.start()
+        except AlreadyRunning as exc:
+            raise APIError(409, "reindex_running", str(exc)) from None
+        return web.json_response(progress.to_dict(), status=202)
+
+    async def reindex_progress(self, request: web.Request) -> web.Response:
+        job = self.reindexer.job if self.reindexer is not None else None
+        if job is None:
+            raise APIError(404, "not_found", "no reindex has run since the daemon started: POST /api/reindex")
+        return web.json_response(job.progress.to_dict())
 
     def _criterion_ids(self) -> list[str]:
         return [c.id for c in self.evaluator.judging.criteria] if self.evaluator is not None else []

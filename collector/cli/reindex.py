@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
-from ..errors import UserError
+from ..config import Config
 from ..runtime import running_daemon
 from ..words import plural
 from .common import config_option, load
+
+POLL = 0.5  # seconds between two looks at a daemon's reindex
 
 
 @click.command()
@@ -19,45 +23,103 @@ def reindex(config_path: Path | None) -> None:
     """Rebuild the trace map, `conversations` and `messages` from every stored span and log record.
 
     Run it after upgrading tracejudge (a better normalizer) or changing
-    conversations.id_attributes or end_rules. Spans are kept whole, so nothing
-    is lost, and the old conversations stay until the new ones are all built:
-    a reindex that fails or is interrupted changes nothing. Conversations whose
-    spans storage.retention.spans deleted cannot be rebuilt: they stay as
-    stored. It needs the database to itself: stop the daemon first.
+    conversations.id_attributes or end_rules. It rebuilds beside the stored
+    conversations, a chunk of traces at a time, and replaces them in one step at
+    the end: until then they stay as they are, and a reindex that fails or is
+    interrupted changes nothing. Run it again after an interruption and it goes
+    on from where it was (with the same conversation settings). A transcript
+    that changes is judged again. Conversations whose spans
+    storage.retention.spans deleted cannot be rebuilt: they stay as stored.
+
+    With a daemon running it runs inside the daemon (POST /api/reindex), giving
+    way to ingestion; Ctrl-C here then only stops following it.
     """
     cfg = load(config_path)
     info = running_daemon(cfg.runtime_file)
     if info is not None:
-        raise UserError(f"a daemon (pid {info.pid}) has {cfg.storage.duckdb.path} open; stop it, then reindex")
-    if not cfg.storage.duckdb.path.exists():
-        raise UserError(f"no database at {cfg.storage.duckdb.path}")
-    from ..conversations import Conversations
+        done = _through_daemon(cfg, info.api)
+    else:
+        done = _on_the_file(cfg)
+    _report(cfg, done)
+
+
+def _bar(progress: dict[str, Any]) -> Any:
+    total, resumed = progress["total"], progress["resumed_from"]
+    if progress["resumed"]:
+        click.echo(f"resuming the reindex a stop cut off: {resumed} of {plural(total, 'trace')} done", err=True)
+    bar = click.progressbar(length=max(total, 1), label="rebuilding conversations", file=sys.stderr, show_pos=True)
+    bar.update(resumed)
+    return bar
+
+
+def _on_the_file(cfg: Config) -> dict[str, Any]:
+    from ..conversations.reindex import Reindex
+    from ..errors import UserError
     from ..store import Store
 
+    if not cfg.storage.duckdb.path.exists():
+        raise UserError(f"no database at {cfg.storage.duckdb.path}")
     store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit)
     store.open()
-    stage = Conversations(store, cfg.conversations)
+    job = Reindex(store, cfg.conversations)
     try:
-        stage.open()
-        with click.progressbar(length=1, label="rebuilding conversations", file=sys.stderr, show_pos=True) as bar:
-
-            def progress(done: int, total: int) -> None:
-                bar.length = total
-                bar.update(done - bar.pos)
-
-            count = stage.reindex(progress)
-    except Exception as exc:  # one line, exit 1: the transaction is rolled back, the old rows are whole
+        job.prepare()
+        with _bar(job.progress.to_dict()) as bar:
+            job.run(on_progress=lambda p: bar.update(p.done - bar.pos))
+        cur = store.cursor()
+        try:
+            job.swap(cur)
+        finally:
+            cur.close()
+    except KeyboardInterrupt:
+        p = job.progress
+        click.echo(f"tracejudge: interrupted after {p.done} of {plural(p.total, 'trace')}: the stored "
+                   "conversations are unchanged; run tracejudge reindex again to go on from there", err=True)
+        sys.exit(1)
+    except Exception as exc:  # one line, exit 1: the live conversations are whole
         click.echo(f"tracejudge: error: reindex failed, the stored conversations are unchanged: "
                    f"{type(exc).__name__}: {exc}", err=True)
         sys.exit(1)
     finally:
-        stage.stop()
         store.close()
-    click.echo(f"reindexed: {plural(count - stage.kept, 'conversation')} rebuilt in {cfg.storage.duckdb.path}")
-    if stage.kept:
-        click.echo(f"{plural(stage.kept, 'conversation')} kept as stored: their spans were deleted by "
+    return job.progress.to_dict()
+
+
+def _through_daemon(cfg: Config, api: str) -> dict[str, Any]:
+    from ..api.client import APIClient
+
+    client = APIClient(api, cfg.api.auth.bearer_token)
+    progress: dict[str, Any] = client.request("/api/reindex", {}, missing_ok=False)
+    try:
+        while progress["state"] == "preparing":  # until it knows how much there is, and whether it resumes
+            time.sleep(POLL / 5)
+            progress = client.request("/api/reindex", missing_ok=False)
+        with _bar(progress) as bar:
+            while progress["state"] in ("preparing", "rebuilding", "swapping"):
+                time.sleep(POLL)
+                progress = client.request("/api/reindex", missing_ok=False)
+                if progress["total"] and bar.length != progress["total"]:
+                    bar.length = progress["total"]
+                bar.update(progress["done"] - bar.pos)
+    except KeyboardInterrupt:
+        click.echo("tracejudge: stopped following the reindex; it goes on in the daemon "
+                   "(GET /api/reindex says how far it got)", err=True)
+        sys.exit(1)
+    if progress["state"] != "finished":
+        why = progress["failure"] or "the daemon stopped it; run tracejudge reindex again to go on"
+        click.echo(f"tracejudge: error: reindex {progress['state']}, the stored conversations are unchanged: "
+                   f"{why}", err=True)
+        sys.exit(1)
+    return progress
+
+
+def _report(cfg: Config, progress: dict[str, Any]) -> None:
+    rebuilt = progress["conversations"] - progress["kept"]
+    click.echo(f"reindexed: {plural(rebuilt, 'conversation')} rebuilt in {cfg.storage.duckdb.path}")
+    if progress["kept"]:
+        click.echo(f"{plural(progress['kept'], 'conversation')} kept as stored: their spans were deleted by "
                    "storage.retention.spans, so they cannot be rebuilt")
-    if stage.failed:
-        click.echo(f"tracejudge: warning: {stage.failed} conversations could not be rebuilt: they are stored "
-                   "without messages, with the reason", err=True)
+    if progress["failed"]:
+        click.echo(f"tracejudge: warning: {progress['failed']} conversations could not be rebuilt: they are "
+                   "stored without messages, with the reason", err=True)
         sys.exit(1)

@@ -6,8 +6,8 @@ conversations, starts its thread, which first catches up on commits it has not
 seen) -> ``on_commit`` (the store calls it after each commit; it only enqueues)
 -> ``stop()`` (writes what is rebuilt, records how far it got and leaves the
 rest, commits queued or conversations not rebuilt yet, to the catch-up of the
-next start). ``open()`` then ``reindex()`` rebuild everything in the caller's
-thread (``tracejudge reindex``).
+next start). ``open(schema)`` then ``rebuild()`` rebuild conversations in the
+caller's thread, for a reindex (``reindex``), which ``swap``s its result in.
 
 How far it got is the batch mark (``writes``), written with the conversations
 in one transaction. A conversation that cannot be rebuilt (a bug meeting odd
@@ -29,6 +29,7 @@ newest trace (the one that starts last) and ends conversations idle for
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -42,7 +43,7 @@ import duckdb
 from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
-from ..store import Committed, Store, Transaction
+from ..store import Committed, Store
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -65,8 +66,9 @@ PIECE = 0.02
 POLL = 0.02
 
 
-class _Stopping(Exception):
-    """Raised inside a cycle once ``stop`` is called: the rest is left to the next start."""
+class Stopping(Exception):
+    """Raised inside a cycle (or a reindex's ``rebuild``) once ``stop`` is called: the rest is left to
+    the next start."""
 
 
 class Conversations(Stage):
@@ -106,7 +108,6 @@ class Conversations(Stage):
         self._writes = Writes()
         self._idle_event = threading.Event()
         self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
-        self.kept = 0  # conversations the last reindex kept as stored: their spans were deleted
 
     # ------------------------------------------------------------ lifecycle
 
@@ -194,7 +195,7 @@ class Conversations(Stage):
             try:
                 self._cycle(items)
                 self.cycle_ok()
-            except _Stopping:
+            except Stopping:
                 break
             except Exception:  # noqa: BLE001 - one bad cycle must not stop the stage
                 delay = self.cycle_failed("a conversation update failed; it is retried from the stored state")
@@ -222,12 +223,12 @@ class Conversations(Stage):
 
     def _check_stop(self) -> None:
         if self.stopping.is_set():
-            raise _Stopping
+            raise Stopping
 
     def _give_way(self) -> None:
         """Within a cycle: once a piece of work has run, let requests go first (``pacing``)."""
         if not self._hurry and not self.pacing.checkpoint(self.stopping):
-            raise _Stopping
+            raise Stopping
 
     def _resync(self) -> None:
         """After a failed cycle memory may be ahead of what is stored: start again from the stored
@@ -256,6 +257,12 @@ class Conversations(Stage):
     def _cycle(self, items: list[Any]) -> None:
         committed = [it for it in items if isinstance(it, (Committed, Light))]
         idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
+        swaps = [it[1] for it in items if isinstance(it, tuple) and it[0] == "swap"]
+        if swaps:  # the commits with them are read back by the catch-up the swap queues
+            self._swap(swaps)
+            for waiter in idle_waiters:
+                self._queue.put(waiter)
+            return
         if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
             self._catch_up()
         # Waiters (tests) want everything current: no debounce for them.
@@ -275,6 +282,24 @@ class Conversations(Stage):
         self._flush()
         if idle_waiters:
             self._idle_event.set()
+
+    def _swap(self, swaps: list[tuple[Callable[[duckdb.DuckDBPyConnection], None],
+                                      concurrent.futures.Future[None]]]) -> None:
+        """Write what is rebuilt, run each swap, then start again from the stored state (``_resync``)."""
+        try:
+            self._flush()
+        except Exception as exc:  # noqa: BLE001 - the swap's caller hears of it
+            for _, done in swaps:
+                done.set_exception(exc)
+            raise
+        for fn, done in swaps:
+            try:
+                fn(self._db())
+            except Exception as exc:  # noqa: BLE001
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+        self._resync()
 
     def _catch_up(self) -> None:
         """Rebuild what commits after the batch mark touched (a stop or a crash came between).
@@ -309,45 +334,27 @@ class Conversations(Stage):
             " AND trace_id IS NOT NULL) "
             "GROUP BY trace_id ORDER BY 3, 2, 1", [batch + 1, last, batch + 1, last]).fetchall()]
 
-    def reindex(self, progress: Callable[[int, int], None] | None = None, chunk: int = 500) -> int:
-        """Rebuild the trace map, conversations and messages from every stored span and log record.
+    def rebuild(self, arrived: dict[str, float]) -> None:
+        """A reindex's step, on a stage ``open``ed in the reindex's schema: take these traces in (their
+        rows read back from DuckDB), rebuild their conversations, end those idle by the stage's clock,
+        and write it all (in the caller's transaction, if one is open).
 
-        Runs in the caller's thread on a stage that was ``open``ed but not started.
-        All in one transaction: the old rows go only when the new ones are
-        written, and anything that stops it half way (an error, Ctrl-C) leaves
-        the old ones whole. Conversations with a trace whose spans retention
-        deleted are kept as stored (``kept``). Returns the number of conversations.
+        Raises:
+            Stopping: ``stop`` came meanwhile (the caller's transaction must not commit).
         """
-        cur = self._db()
-        with Transaction(cur):
-            # A conversation with a trace whose rows are gone cannot be rebuilt whole.
-            expired = [r[0] for r in cur.execute(
-                "SELECT DISTINCT conversation_id FROM trace_conversations t "
-                "WHERE NOT EXISTS (SELECT 1 FROM span_records s WHERE s.trace_id = t.trace_id) "
-                "AND NOT EXISTS (SELECT 1 FROM log_records l WHERE l.trace_id = t.trace_id)").fetchall()]
-            for table in ("trace_conversations", "conversations", "messages"):
-                cur.execute(f"DELETE FROM {table} WHERE conversation_id NOT IN (SELECT unnest(?::VARCHAR[]))",
-                            [expired])
-            row = cur.execute("SELECT count(*) FROM conversations").fetchone()
-            self.kept = int(row[0]) if row else 0
-            self.map.clear()
-            self.map.pending.clear()
-            self._rows_written.clear()
-            row = cur.execute("SELECT greatest((SELECT max(batch_id) FROM span_records), "
-                              "(SELECT max(batch_id) FROM log_records))").fetchone()
-            last_batch = int(row[0] or 0) if row else 0
-            touched = self._traces_since(0)
-            for i in range(0, len(touched), chunk):
-                self._touch({t: at for t, at, _ in touched[i:i + chunk]})
-                self._rebuild_due(force=True)
-                self._flush()
-                if progress:
-                    progress(min(i + chunk, len(touched)), len(touched))
-            self._processed_batch = last_batch
-            self._sweep_idle()
-            self._flush()
-            count = cur.execute("SELECT count(*) FROM conversations").fetchone()
-        return int(count[0]) if count else 0
+        self._touch(arrived, since=self._processed_batch + 1)
+        self._rebuild_due(force=True)
+        self._sweep_idle()
+        self._flush()
+
+    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], None]) -> concurrent.futures.Future[None]:
+        """Have ``fn`` run on the stage's cursor in its thread, between two cycles, then start again from
+        what is stored (a reindex swaps its conversations in this way, with nothing of the stage's in
+        flight). The future resolves once it ran, with what it raised; a stop first leaves it unresolved.
+        """
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._queue.put(("swap", (fn, done)))
+        return done
 
     # ------------------------------------------------------------ ingestion
 
@@ -474,6 +481,9 @@ class Conversations(Stage):
             return
         if rows is None or any(t not in rows for t in conv.traces):
             rows = self.rows.get(self._db(), conv.traces)
+        # Oldest first, as trace_ids promises: the same order live and in a reindex, whatever order
+        # the traces' commits came in.
+        conv.traces.sort(key=lambda t: (rows[t].start(), t))
         expired = conv.stored and any(not rows[t] for t in conv.traces)
         tr = self._stored(conv) if expired else None
         if tr is None:

@@ -13,6 +13,12 @@ import pyarrow as pa
 from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
 from .files import ATTACHED
 
+# Which conversation a trace belongs to (also created in the schema a reindex builds in).
+TRACE_MAP = """CREATE TABLE IF NOT EXISTS trace_conversations (
+    trace_id VARCHAR PRIMARY KEY,
+    conversation_id VARCHAR NOT NULL
+);"""
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS span_records (
     trace_id VARCHAR NOT NULL,
@@ -69,10 +75,7 @@ ALTER TABLE log_records ADD COLUMN IF NOT EXISTS seq UINTEGER;
 -- Which conversation a trace belongs to. The map, not the span row, says where
 -- a span belongs, so children that arrive before the span carrying the id
 -- move with their trace without rewriting stored rows.
-CREATE TABLE IF NOT EXISTS trace_conversations (
-    trace_id VARCHAR PRIMARY KEY,
-    conversation_id VARCHAR NOT NULL
-);
+{TRACE_MAP}
 CREATE OR REPLACE VIEW spans AS
 SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kind,
        make_timestamp_ns(TRY_CAST(s.start_time_unix_nano AS BIGINT)) AS start_time,
@@ -91,7 +94,7 @@ SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
        l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,
        l.time_unix_nano, l.observed_time_unix_nano, l.received_at, l.batch_id
 FROM log_records l LEFT JOIN trace_conversations t USING (trace_id);
-"""
+""".replace("{TRACE_MAP}", TRACE_MAP)
 
 _SPAN_TYPES = {
     "flags": pa.uint32(), "kind": pa.int8(), "start_time_unix_nano": pa.uint64(),

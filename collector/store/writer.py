@@ -36,6 +36,7 @@ an OTLP retry of an acknowledged request stores nothing twice.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime as dt
 import logging
 import math
 import queue
@@ -282,13 +283,15 @@ class Store:
             if it.logs:
                 logs.extend(it.logs)
         self._batch_id += 1
-        now = time.time()
+        # The arrival time, to the microsecond DuckDB stores: what the stage and a reindex read agree.
+        stamp = dt.datetime.fromtimestamp(time.time(), dt.timezone.utc)
+        now = stamp.timestamp()
         started = time.perf_counter()
         con = self._con
         try:
             with Transaction(con):
-                stored_spans = self._insert(con, "span_records", spans, SPAN_ARROW, now)
-                stored_logs = self._insert(con, "log_records", logs, LOG_ARROW, now)
+                stored_spans = self._insert(con, "span_records", spans, SPAN_ARROW, stamp)
+                stored_logs = self._insert(con, "log_records", logs, LOG_ARROW, stamp)
         except duckdb.FatalException:
             raise  # the whole DuckDB instance is gone: only a restart helps
         except Exception as exc:  # a failed commit fails every request in it, retryably
@@ -317,7 +320,7 @@ class Store:
                 log.exception("commit listener failed")
 
     def _insert(self, con: duckdb.DuckDBPyConnection, table: str, batch: SpanBatch | LogBatch,
-                schema: pa.Schema, now: float) -> int:
+                schema: pa.Schema, stamp: dt.datetime) -> int:
         if not len(batch):
             return 0
         arrow = pa.Table.from_arrays(
@@ -326,9 +329,9 @@ class Store:
             arrow = arrow.append_column("seq", pa.array(range(len(batch)), pa.uint32()))
         with registered(con, f"incoming_{table}", arrow) as view:
             row = con.execute(
-                f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, to_timestamp(?) AS received_at, ? AS batch_id "
+                f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, ?::TIMESTAMPTZ AS received_at, ? AS batch_id "
                 f"FROM {view}",
-                [now, self._batch_id],
+                [stamp, self._batch_id],
             ).fetchone()
         return int(row[0]) if row else 0
 
@@ -416,10 +419,16 @@ class Store:
 
     # ------------------------------------------------------------ reading
 
-    def cursor(self) -> duckdb.DuckDBPyConnection:
-        """A cursor of its own for one reader (not shared across threads)."""
+    def cursor(self, schema: str | None = None) -> duckdb.DuckDBPyConnection:
+        """A cursor of its own for one reader (not shared across threads).
+
+        With ``schema``, names resolve there first, then in the main schema, and new tables go there
+        (a reindex builds its conversations beside the live ones this way).
+        """
         if self._con is None:
             raise StoreUnavailable("store is closed")
         cur = self._con.cursor()
         cur.execute(f"USE {ATTACHED}")
+        if schema is not None:
+            cur.execute(f"SET search_path = '{ATTACHED}.{schema},{ATTACHED}.main'")
         return cur

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -22,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
+from collector.conversations.reindex import Reindex
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Store
 
@@ -144,47 +146,58 @@ def _seed(path: Path, conversations: int, per_commit: int = 50) -> None:
 
 
 def _stored(store: Store) -> dict[str, list[tuple[Any, ...]]]:
+    """What a reindex writes, but for when (``updated_at``: the swap's time)."""
     cur = store.cursor()
     try:
-        return {table: cur.execute(f"SELECT * FROM {table} ORDER BY ALL").fetchall()
+        return {table: cur.execute(f"SELECT * {'EXCLUDE (updated_at) ' if table == 'conversations' else ''}"
+                                   f"FROM {table} ORDER BY ALL").fetchall()
                 for table in ("conversations", "messages", "trace_conversations")}
     finally:
         cur.close()
 
 
-def test_reindex_that_fails_midway_leaves_the_old_conversations(tmp_path: Path) -> None:
+def _reindex(store: Store, stop: threading.Event | None = None, **kw: Any) -> Reindex:
+    job = Reindex(store, Settings(), **kw)
+    job.prepare()
+    if job.run(stop, on_progress=(lambda p: stop.set()) if stop is not None else None):
+        cur = store.cursor()
+        try:
+            job.swap(cur)
+        finally:
+            cur.close()
+    return job
+
+
+def test_a_reindex_cut_off_midway_leaves_the_old_conversations_and_goes_on_from_there(tmp_path: Path) -> None:
     path = tmp_path / "t.duckdb"
     _seed(path, 6)
     store = Store(path)
     store.open()
     try:
-        stage = Conversations(store, Settings())
-        stage.open()
-        assert stage.reindex() == 6
-        stage.stop()
+        assert _reindex(store).progress.conversations == 6
         before = _stored(store)
-        assert len(before["conversations"]) == 6
+        assert len(before["conversations"]) == 6 and len(before["messages"]) == 12
 
-        def interrupted(done: int, total: int) -> None:
-            if done < total:
-                raise KeyboardInterrupt  # Ctrl-C half way through
-
-        stage = Conversations(store, Settings())
-        stage.open()
-        with pytest.raises(KeyboardInterrupt):
-            stage.reindex(interrupted, chunk=2)
-        stage.stop()
+        cut = _reindex(store, threading.Event(), chunk=2)  # stopped after its first chunk
+        assert (cut.progress.state, cut.progress.done, cut.progress.total) == ("stopped", 2, 6)
         assert _stored(store) == before
+
+        resumed = _reindex(store, chunk=2)
+        assert resumed.progress.resumed_from == 2 and resumed.progress.state == "finished"
+        assert _stored(store) == before
+        assert Reindex(store, Settings()).progress.resumed_from == 0  # nothing left to resume
     finally:
         store.close()
 
 
 def test_reindex_interrupted_midway_keeps_the_old_conversations(make_daemon: Any) -> None:
-    """Ctrl-C while the reindex rebuilds: one line, exit 1, the stored conversations as they were."""
+    """Ctrl-C while the reindex rebuilds: one line, exit 1, the stored conversations as they were; run
+    again, it goes on and ends with the same conversations."""
     daemon = make_daemon(start=False)
     _seed(daemon.duckdb, 6000, per_commit=200)
     assert run_cli("reindex", "--config", str(daemon.config_path)).returncode == 0
-    before = daemon.query("SELECT * FROM conversations ORDER BY ALL")
+    same = "SELECT * EXCLUDE (updated_at) FROM conversations ORDER BY ALL"
+    before = daemon.query(same)
     messages = daemon.query("SELECT count(*) FROM messages")
     assert len(before) == 6000
 
@@ -195,13 +208,13 @@ def test_reindex_interrupted_midway_keeps_the_old_conversations(make_daemon: Any
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, err
-    if proc.returncode == 0:  # it had finished: the same conversations, rebuilt
-        again = daemon.query("SELECT conversation_id, message_count, transcript_hash FROM conversations ORDER BY ALL")
-        assert again == [(r[0], r[10], r[15]) for r in before]
-    else:
-        assert proc.returncode == 1 and len(err.strip().splitlines()) <= 2, err
-        assert daemon.query("SELECT * FROM conversations ORDER BY ALL") == before
+    if proc.returncode != 0:  # it had not finished
+        assert proc.returncode == 1 and "interrupted after" in err and len(err.strip().splitlines()) <= 2, err
+        assert daemon.query(same) == before
         assert daemon.query("SELECT count(*) FROM messages") == messages
+        again = run_cli("reindex", "--config", str(daemon.config_path))
+        assert again.returncode == 0 and "resuming the reindex" in again.stderr, again.stderr
+    assert daemon.query(same) == before
 
 
 # ---------------------------------------------------------------- a stop while far behind

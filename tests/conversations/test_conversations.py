@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from ..support.conversations import comparable_message, one_timestamp_per_call
-from ..support.daemon import run_cli, wait_conversations
+from ..support.daemon import run_cli, wait_conversations, wait_until
 from ..support.genai_fixtures import case_names
-from ..support.wire import FIXTURES, add_attributes, fixture_requests, replay
+from ..support.wire import FIXTURES, add_attributes, fixture_requests, post, replay
 
 HANDOVER = {"conversations": {"end_rules": [{"attribute": "app.handover", "equals": True, "ended_by": "handover"}]}}
 
@@ -126,22 +126,63 @@ def test_conversations_cli_with_and_without_daemon(make_daemon: Any) -> None:
     assert missing.returncode == 2 and "no-such-id" in missing.stderr
 
 
-def test_reindex_rebuilds_the_same_conversations(make_daemon: Any) -> None:
+# What a reindex writes as the live stage does; the times it records are its own (when it wrote,
+# when it ended a conversation, which arrival of a trace it saw first).
+SAME = ("SELECT * EXCLUDE (updated_at, closed_at, first_arrival_at) FROM conversations ORDER BY ALL",
+        "SELECT * FROM messages ORDER BY ALL", "SELECT * FROM trace_conversations ORDER BY ALL")
+
+
+def _every_fixture(daemon: Any) -> None:
+    for case in case_names():
+        for req in fixture_requests(case):
+            replay(req, daemon.grpc, daemon.http)
+
+
+def test_reindex_rebuilds_the_conversations_the_live_stage_built(make_daemon: Any) -> None:
+    daemon = make_daemon(conversations={**HANDOVER["conversations"], "idle_timeout": "1s"})
+    _every_fixture(daemon)
+    wait_conversations(daemon)
+    wait_until(lambda: daemon.get("/api/status")[1]["conversations_pending"] == 0 and not daemon.get(
+        "/api/conversations?state=open")[1]["conversations"], "every conversation to end idle")
+    assert daemon.stop() == 0
+    live = [daemon.query(q) for q in SAME]
+    assert len(live[0]) >= len(case_names())
+    res = run_cli("reindex", "--config", str(daemon.config_path))
+    assert res.returncode == 0, res.stderr
+    assert f"reindexed: {len(live[0])} conversations rebuilt" in res.stdout, res.stdout
+    assert [daemon.query(q) for q in SAME] == live
+
+
+def test_reindex_through_a_running_daemon_swaps_in_and_the_daemon_goes_on(make_daemon: Any) -> None:
     daemon = make_daemon(**HANDOVER)
-    for case in ("openinference-openai-grpc", "openai-v2-2.3b0-legacy-log-events-http"):
+    assert daemon.get("/api/reindex", check=False)[0] == 404
+    status, _, body = post(daemon.api, "/api/reindex", b"{}", "text/plain")
+    assert status == 415, body
+    status, _, body = post(daemon.api, "/api/reindex", b'{"all": true}', "application/json")
+    assert status == 400 and b"unknown field" in body, body
+    *first, last = case_names()
+    for case in first:
         for req in fixture_requests(case):
             replay(req, daemon.grpc, daemon.http)
     wait_conversations(daemon)
     before = {c["conversation_id"]: daemon.get("/api/conversations/" + urllib.parse.quote(
         c["conversation_id"], safe=""))[1] for c in daemon.get("/api/conversations?limit=1000")[1]["conversations"]}
-    assert daemon.stop() == 0
-    res = run_cli("reindex", "--config", str(daemon.config_path))
+    res = run_cli("reindex", "--config", str(daemon.config_path))  # through the API: the daemon holds the file
     assert res.returncode == 0, res.stderr
-    assert f"{len(before)} conversations" in res.stdout + res.stderr
-    daemon.start()
+    assert f"reindexed: {len(before)} conversations rebuilt" in res.stdout, res.stdout
+    assert daemon.get("/api/reindex")[1]["state"] == "finished"
+    for req in fixture_requests(last):  # the live stage goes on from the swapped-in state
+        replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
     for cid, rec in before.items():
         again = daemon.get("/api/conversations/" + urllib.parse.quote(cid, safe=""))[1]
-        assert again["messages"] == rec["messages"] and again["ended_by"] == rec["ended_by"], cid
+        assert again["messages"] == rec["messages"], cid
+        assert again["attributes"]["revision"] == rec["attributes"]["revision"], cid  # the same transcript
+    expected = json.loads((FIXTURES / f"{last}.expected.json").read_text())
+    for conv in expected["conversations"]:
+        record = daemon.get("/api/conversations/" + urllib.parse.quote(_cid(conv), safe=""))[1]
+        assert sorted(record["trace_ids"]) == sorted(conv["trace_ids"]), _cid(conv)
+    assert daemon.stop() == 0
 
 
 def test_traces_without_id_chain_by_previous_response_id(make_daemon: Any) -> None:

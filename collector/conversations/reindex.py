@@ -1,0 +1,293 @@
+"""Reindex: every conversation rebuilt from the stored rows beside the live ones, then swapped in.
+
+``Reindex(store, settings)`` -> ``prepare()`` (starts, or resumes one that a crash
+or a stop cut off) -> ``run(stop)`` (rebuilds, a chunk of traces at a time) ->
+``swap(cur)`` (one transaction). In a running daemon ``Runner`` does the same in
+a thread of its own, and the live stage runs the swap (``Conversations.swap``).
+
+It builds in a schema of its own (``reindex``: its own ``conversations``,
+``messages``, ``trace_conversations``), with a conversation stage opened there:
+the same code as the live stage, reading the rows of the main schema. Traces go
+in the order of their last commit, each chunk committed with how far it got,
+so memory stays bounded (conversations idle by the data's own arrival times end
+as they would have live, and leave memory) and a reindex cut off goes on from
+its last chunk, as long as the conversation settings did not change. The live
+conversations stay as they are until the swap, which replaces them in one
+transaction: a reindex that fails or stops half way changes nothing.
+
+It covers the commits made before it started (``upto``); the swap sets the
+conversation stage's batch mark there, so the stage rebuilds what came since.
+A transcript that changes gets the next revision (to be judged again); one that
+does not keeps its revision. Conversations with a trace whose rows retention
+deleted cannot be rebuilt whole: they are copied over as stored (``kept``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import duckdb
+
+from ..config import Conversations as Settings
+from ..metrics import Metrics
+from ..store import Store, Transaction
+from ..store.schema import TRACE_MAP
+from .stage import Conversations
+from .tables import SCHEMA as TABLES
+
+log = logging.getLogger("tracejudge.reindex")
+
+SCHEMA = "reindex"
+CHUNK = 500  # traces rebuilt and committed together
+_REBUILT = ("conversations", "messages", "trace_conversations")
+
+
+@dataclass
+class Progress:
+    """How far a reindex has got (``GET /api/reindex``, the CLI's progress bar)."""
+
+    state: str = "preparing"
+    """``preparing``, ``rebuilding``, ``swapping``, ``finished``, ``stopped`` or ``failed``."""
+    total: int = 0
+    """Traces to rebuild from."""
+    done: int = 0
+    resumed: bool = False
+    """It goes on from a reindex a crash or a stop cut off."""
+    resumed_from: int = 0
+    """Traces that one had done already."""
+    conversations: int = 0
+    kept: int = 0
+    """Conversations copied over as stored: retention deleted spans of theirs."""
+    failed: int = 0
+    """Conversations that could not be rebuilt (stored without messages, with the reason)."""
+    failure: str | None = None
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Reindex:
+    """One reindex of the conversations of ``store`` (see the module docstring)."""
+
+    def __init__(self, store: Store, settings: Settings, *, chunk: int = CHUNK,
+                 clock: Callable[[], float] = time.time, max_wait: float = 30.0) -> None:
+        self.store = store
+        self.settings = settings
+        self.chunk = chunk
+        self.clock = clock
+        self.max_wait = max_wait
+        self.progress = Progress()
+        self._now = 0.0  # the rebuilding stage's clock: the arrival time the rebuild has reached
+
+    # ------------------------------------------------------------ steps
+
+    def prepare(self) -> None:
+        """Start a reindex, or resume the one a crash or a stop cut off (same settings)."""
+        cur = self.store.cursor()
+        try:
+            fingerprint = self.settings.model_dump_json()
+            if self._resumable(cur, fingerprint):
+                done = int(self._state(cur, "reindex.done"))
+                self.progress.resumed, self.progress.resumed_from = True, done
+                log.info("resuming the reindex a stop cut off, after %d traces", done)
+            else:
+                self._start(cur, fingerprint)
+            self.progress.done = int(self._state(cur, "reindex.done"))
+            row = cur.execute(f"SELECT count(*) FROM {SCHEMA}.reindex_traces").fetchone()
+            self.progress.total = int(row[0]) if row else 0
+            self.progress.kept = int(self._state(cur, "reindex.kept"))
+        finally:
+            cur.close()
+
+    def run(self, stop: threading.Event | None = None, on_progress: Callable[[Progress], None] | None = None
+            ) -> bool:
+        """Rebuild the traces left, a chunk at a time; False if ``stop`` came first (what is done is kept)."""
+        stage = Conversations(self.store, self.settings, Metrics(), clock=lambda: self._now,
+                              max_wait=self.max_wait)
+        if stop is not None:
+            stage.stopping = stop  # its rebuild raises Stopping once it is set
+        self.progress.state = "rebuilding"
+        try:
+            stage.open(SCHEMA)
+            cur = stage.cur
+            assert cur is not None
+            while True:
+                rows = cur.execute(f"SELECT n, trace_id, arrived FROM {SCHEMA}.reindex_traces WHERE n > ? "
+                                   "ORDER BY n LIMIT ?", [self.progress.done, self.chunk]).fetchall()
+                self._now = max((at for _, _, at in rows), default=self.clock())
+                with Transaction(cur):
+                    stage.rebuild({t: at for _, t, at in rows})  # the last, empty one ends the idle ones now
+                    last = rows[-1][0] if rows else self.progress.done
+                    cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('reindex.done', ?)", [str(last)])
+                self.progress.done = last
+                if on_progress is not None:
+                    on_progress(self.progress)
+                if not rows:
+                    self.progress.failed = stage.failed
+                    return True
+        except Exception as exc:
+            if stage.stopping.is_set():
+                self.progress.state = "stopped"
+                return False
+            self._failed(exc)
+            raise
+        finally:
+            stage.stop()
+
+    def swap(self, cur: duckdb.DuckDBPyConnection) -> int:
+        """Replace the live conversations with the rebuilt ones, in one transaction; the number of conversations.
+
+        ``cur`` is on the main schema, and nothing else writes conversations meanwhile (the live stage
+        runs this in its thread: ``Conversations.swap``).
+        """
+        self.progress.state = "swapping"
+        now = dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)
+        try:
+            with Transaction(cur):
+                upto = self._state(cur, "reindex.upto")
+                # The next revision where the transcript changed, to be judged again; the same one elsewhere.
+                cur.execute(
+                    f"UPDATE {SCHEMA}.conversations AS n SET revision = CASE WHEN o.transcript_hash = "
+                    "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
+                    "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
+                cur.execute(f"UPDATE {SCHEMA}.conversations SET updated_at = ?", [now])
+                for table in _REBUILT:
+                    cur.execute(f"DELETE FROM main.{table}")
+                    cur.execute(f"INSERT INTO main.{table} SELECT * FROM {SCHEMA}.{table}")
+                cur.execute("INSERT OR REPLACE INTO main.tracejudge_state VALUES ('conversations.batch', ?)",
+                            [upto])
+                cur.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
+                row = cur.execute("SELECT count(*) FROM main.conversations").fetchone()
+        except Exception as exc:
+            self._failed(exc)
+            raise
+        self.progress.conversations = int(row[0]) if row else 0
+        self.progress.state = "finished"
+        self.progress.finished_at = time.time()
+        log.info("reindex finished: %d conversations (%d kept as stored)", self.progress.conversations,
+                 self.progress.kept)
+        return self.progress.conversations
+
+    # ------------------------------------------------------------ its schema
+
+    def _resumable(self, cur: duckdb.DuckDBPyConnection, fingerprint: str) -> bool:
+        row = cur.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
+                          "AND schema_name = ? AND table_name = 'tracejudge_state'", [SCHEMA]).fetchone()
+        if not row or not row[0]:
+            return False
+        if self._state(cur, "reindex.settings") == fingerprint and self._state(cur, "reindex.done") is not None:
+            return True
+        log.info("an earlier reindex was cut off with other conversation settings: starting again")
+        return False
+
+    def _start(self, cur: duckdb.DuckDBPyConnection, fingerprint: str) -> None:
+        """The reindex's schema, its tables, the order of the traces, and the conversations kept as stored."""
+        with Transaction(cur):
+            cur.execute(TABLES)  # a file no daemon has opened since conversations came has none yet
+            cur.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+            cur.execute(f"CREATE SCHEMA {SCHEMA}")
+        shadow = self.store.cursor(SCHEMA)
+        try:
+            with Transaction(shadow):
+                shadow.execute(TABLES)
+                shadow.execute(TRACE_MAP)
+                upto = self.store.batch_id
+                # One pass over the rows, so that each chunk reads its traces by number.
+                shadow.execute(
+                    "CREATE TABLE reindex_traces AS SELECT row_number() OVER (ORDER BY batch, arrived, trace_id) "
+                    "AS n, trace_id, arrived FROM (SELECT trace_id, epoch(max(received_at)) AS arrived, "
+                    "max(batch_id) AS batch FROM (SELECT trace_id, received_at, batch_id FROM main.span_records "
+                    "WHERE batch_id <= ? UNION ALL SELECT trace_id, received_at, batch_id FROM main.log_records "
+                    "WHERE batch_id <= ? AND trace_id IS NOT NULL) GROUP BY trace_id)", [upto, upto])
+                # A conversation with a trace whose rows are gone cannot be rebuilt whole.
+                shadow.execute(
+                    "CREATE TEMP TABLE reindex_kept AS SELECT DISTINCT conversation_id FROM main.trace_conversations t "
+                    "WHERE NOT EXISTS (SELECT 1 FROM main.span_records s WHERE s.trace_id = t.trace_id) "
+                    "AND NOT EXISTS (SELECT 1 FROM main.log_records l WHERE l.trace_id = t.trace_id)")
+                for table in _REBUILT:
+                    shadow.execute(f"INSERT INTO {table} SELECT * FROM main.{table} WHERE conversation_id IN "
+                                   "(SELECT conversation_id FROM reindex_kept)")
+                row = shadow.execute("SELECT count(*) FROM reindex_kept").fetchone()
+                shadow.execute("DROP TABLE reindex_kept")
+                for key, value in (("reindex.settings", fingerprint), ("reindex.upto", str(upto)),
+                                   ("reindex.done", "0"), ("reindex.kept", str(row[0] if row else 0))):
+                    shadow.execute("INSERT OR REPLACE INTO tracejudge_state VALUES (?, ?)", [key, value])
+        finally:
+            shadow.close()
+
+    @staticmethod
+    def _state(cur: duckdb.DuckDBPyConnection, key: str) -> Any:
+        row = cur.execute(f"SELECT value FROM {SCHEMA}.tracejudge_state WHERE key = ?", [key]).fetchone()
+        return row[0] if row else None
+
+    def _failed(self, exc: BaseException) -> None:
+        self.progress.state = "failed"
+        text = str(exc).strip().splitlines()
+        self.progress.failure = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        self.progress.finished_at = time.time()
+
+
+class AlreadyRunning(Exception):
+    """A reindex runs already in this daemon."""
+
+
+class Runner:
+    """A reindex in a running daemon, at most one at a time, in a thread of its own beside the live stage.
+
+    It gives way to ingestion as the live stage does, and its result is swapped in by the live stage
+    (``Conversations.swap``); a stop leaves what it did for the next one to go on from.
+    """
+
+    def __init__(self, store: Store, settings: Settings, live: Conversations) -> None:
+        self.store = store
+        self.settings = settings
+        self.live = live
+        self.job: Reindex | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> Progress:
+        """Start a reindex (or resume one cut off); its progress.
+
+        Raises:
+            AlreadyRunning: one runs already.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise AlreadyRunning("a reindex is running already: follow it with GET /api/reindex")
+        self.job = job = Reindex(self.store, self.settings)
+        self._thread = threading.Thread(target=self._run, args=(job,), name="tracejudge-reindex", daemon=True)
+        self._thread.start()
+        return job.progress
+
+    def _run(self, job: Reindex) -> None:
+        try:
+            job.prepare()
+            if not job.run(self._stop):
+                return
+            swapped = self.live.swap(job.swap)
+            while not self._stop.is_set():
+                try:
+                    swapped.result(timeout=0.1)
+                    return
+                except concurrent.futures.TimeoutError:
+                    continue
+            job.progress.state = "stopped"
+        except Exception as exc:  # noqa: BLE001 - reported through GET /api/reindex and the log
+            if job.progress.state != "failed":
+                job._failed(exc)
+            log.exception("reindex failed; the live conversations are unchanged")
+
+    def stop(self) -> None:
+        """Stop a running reindex (what it did is kept for the next one) and wait for its thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
