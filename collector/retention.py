@@ -156,13 +156,13 @@ class Retention(Stage):
     def _conversations_mark(self) -> int:
         """The conversation stage's stored batch mark: later commits are not taken in yet."""
         assert self.cur is not None
-        row = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
-        return int(row[0]) if row else 0
+        rows = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
+        return int(rows[0][0]) if rows else 0
 
     def _state(self, key: str, default: Any) -> Any:
         assert self.cur is not None
-        row = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = ?", [key]).fetchone()
-        return row[0] if row else default
+        rows = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = ?", [key]).fetchall()
+        return rows[0][0] if rows else default
 
     def _set_state(self, key: str, value: str) -> None:
         assert self.cur is not None
@@ -203,13 +203,13 @@ class Retention(Stage):
         done = int(self._state("retention.commits", "0"))
         # One commit has one arrival time and commits are numbered in arrival order, so every
         # commit up to the last one before the horizon is wholly expired (only older row groups are read).
-        row = cur.execute(
+        [(last,)] = cur.execute(
             "SELECT greatest((SELECT max(batch_id) FROM span_records WHERE received_at < ? AND batch_id > ?), "
             "(SELECT max(batch_id) FROM log_records WHERE received_at < ? AND batch_id > ?))",
-            [horizon, done, horizon, done]).fetchone()
-        if not row or row[0] is None:
+            [horizon, done, horizon, done]).fetchall()
+        if last is None:
             return False
-        upto = min(mark, int(row[0]))
+        upto = min(mark, int(last))
         if upto <= done:
             return False
         hi = min(upto, done + CHUNK_COMMITS)
@@ -217,10 +217,9 @@ class Retention(Stage):
         with Transaction(cur):
             n = {}
             for table in _TABLES:
-                found = cur.execute(
+                [(n[table],)] = cur.execute(
                     f"DELETE FROM {table} WHERE batch_id BETWEEN ? AND ? AND (trace_id IS NULL OR NOT "
-                    f"{mapped.format(table)})", [done + 1, hi]).fetchone()
-                n[table] = int(found[0]) if found else 0
+                    f"{mapped.format(table)})", [done + 1, hi]).fetchall()
             self._set_state("retention.commits", str(hi))
         self._count(deleted, (n["span_records"], n["log_records"]))
         return hi < upto
@@ -252,11 +251,11 @@ class Retention(Stage):
                         [ids])
             # A conversation the conversation stage reopens meanwhile makes this commit conflict:
             # all of it rolls back, and the next sweep finds it open.
-            gone = cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
-                               [ids]).fetchone()
+            [(gone,)] = cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
+                                    [ids]).fetchall()
         self._count(deleted, spans)
-        deleted["conversations"] += int(gone[0]) if gone else 0
-        self.m.deleted.inc(int(gone[0]) if gone else 0, what="conversations")
+        deleted["conversations"] += gone
+        self.m.deleted.inc(gone, what="conversations")
         return len(rows) == self.chunk
 
     def _delete_rows(self, conversations: list[str], newest: dt.datetime, mark: int) -> tuple[int, int]:
@@ -266,11 +265,11 @@ class Retention(Stage):
         out = []
         for table in _TABLES:
             # received_at bounds the scan (rows are stored in arrival order, so DuckDB skips newer row groups).
-            found = cur.execute(
+            [(found,)] = cur.execute(
                 f"DELETE FROM {table} WHERE received_at <= ? AND batch_id <= ? AND trace_id IN ("
                 "SELECT trace_id FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
-                [newest + dt.timedelta(seconds=1), mark, conversations]).fetchone()
-            out.append(int(found[0]) if found else 0)
+                [newest + dt.timedelta(seconds=1), mark, conversations]).fetchall()
+            out.append(int(found))
         return out[0], out[1]
 
     def _count(self, deleted: dict[str, int], rows: tuple[int, int]) -> None:
@@ -302,8 +301,7 @@ def oldest_rows(cur: duckdb.DuckDBPyConnection) -> dict[str, dt.datetime | None]
     """When the oldest kept row of each kind arrived (``None``: none kept)."""
     out: dict[str, dt.datetime | None] = {}
     for what, sql in _OLDEST.items():
-        row = cur.execute(sql).fetchone()
-        out[what] = row[0] if row else None
+        [(out[what],)] = cur.execute(sql).fetchall()  # fetchall: a result left open would pin the file
     return out
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import datetime as dt
 import logging
 import queue
 import threading
@@ -43,7 +44,7 @@ import duckdb
 from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
-from ..store import Committed, Store
+from ..store import Committed, Store, Transaction, registered, rows_table
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -51,13 +52,14 @@ from .record import stored_transcript
 from .rows import Light, RowCache, TraceRows, groups
 from .tables import SCHEMA
 from .tracemap import TraceMap, Tracked, is_genai
-from .transcript import Transcript
+from .transcript import Transcript, from_unix_nano
 from .writes import ConversationRow, Writes, message_rows
 
 log = logging.getLogger("tracejudge.conversations")
 
 _STOP = object()
 CATCH_UP_CHUNK = 500  # traces resolved, rebuilt and written together when catching up
+END_CHUNK = 2000  # conversations ended as stored per transaction (a restart after downtime)
 # Its pace (``collector.store.pacing``): a rebuild holds the interpreter lock, so it waits for a
 # longer pause than the evaluator's, and gives way every 20 ms of work.
 IDLE_GAP = 0.1  # seconds with nothing waiting to be stored that make a pause in ingestion
@@ -549,6 +551,32 @@ class Conversations(Stage):
         finally:
             self.rows.release()
 
+    def _end_stored(self, convs: list[Tracked], now: float) -> None:
+        """End conversations whose stored transcripts are current (open at the last stop, nothing new
+        since) as they are stored, ``END_CHUNK`` per transaction: a restart after downtime ends them
+        all without rebuilding each, and a stop in between leaves the rest open for the next start."""
+        cur = self._db()
+        stamp = dt.datetime.fromtimestamp(now, dt.timezone.utc)
+        for i in range(0, len(convs), END_CHUNK):
+            self._check_stop()
+            self._give_way()
+            part = convs[i:i + END_CHUNK]
+            # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part.
+            ends = dict(cur.execute(
+                "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_conversations t "
+                "JOIN span_records s USING (trace_id) WHERE t.conversation_id IN (SELECT unnest(?::VARCHAR[])) "
+                "AND s.end_time_unix_nano > 0 GROUP BY 1", [[c.id for c in part]]).fetchall())
+            rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
+                     dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
+            with Transaction(cur), registered(cur, "ended_now", rows_table(
+                    ("conversation_id", "ended_at", "ended_by", "closed_at", "updated_at"), rows)):
+                cur.execute("UPDATE conversations SET state = 'ended', ended_at = e.ended_at, ended_by = e.ended_by, "
+                            "closed_at = e.closed_at, updated_at = e.updated_at FROM ended_now e "
+                            "WHERE conversations.conversation_id = e.conversation_id")
+            for conv in part:
+                self._done(conv.id)
+                self._forget(conv)
+
     def _forget(self, conv: Tracked) -> None:
         """An ended conversation leaves memory; late data reads it back from DuckDB."""
         self.map.forget(conv)
@@ -561,14 +589,18 @@ class Conversations(Stage):
     def _sweep_idle(self) -> None:
         now = self.clock()
         limit = self.settings.idle_timeout
+        as_stored = []
         for conv in idle(list(self.map.convs.values()), now, limit):
             self._end(conv, "idle")
             row = self._rows_written.get(conv.id)
-            if row is None or conv.id in self._dirty:  # loaded at start, or new rows: rebuild
+            if conv.id in self._dirty:  # new rows: rebuild
                 self._rebuild_one(conv)
-                continue
-            self._done(conv.id)
-            self._writes.conversations[conv.id] = row.ended(conv, now)
-            self._forget(conv)
+            elif row is None:  # loaded at start, and nothing new: what is stored is current
+                as_stored.append(conv)
+            else:
+                self._done(conv.id)
+                self._writes.conversations[conv.id] = row.ended(conv, now)
+                self._forget(conv)
+        self._end_stored(as_stored, now)
         for tid in [t for t, at in self.map.pending.items() if now - at >= limit]:
             del self.map.pending[tid]

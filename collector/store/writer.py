@@ -423,7 +423,9 @@ class Store:
         """A cursor of its own for one reader (not shared across threads).
 
         With ``schema``, names resolve there first, then in the main schema, and new tables go there
-        (a reindex builds its conversations beside the live ones this way).
+        (a reindex builds its conversations beside the live ones this way). Read each result to its
+        end (``fetchall``): one left open pins the attached file, and attaching it again after a full
+        disk then fails.
         """
         if self._con is None:
             raise StoreUnavailable("store is closed")

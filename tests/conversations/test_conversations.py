@@ -7,6 +7,7 @@ import urllib.parse
 from typing import Any
 
 import pytest
+import yaml
 
 from ..support.conversations import comparable_message, one_timestamp_per_call
 from ..support.daemon import run_cli, wait_conversations, wait_until
@@ -151,6 +152,29 @@ def test_reindex_rebuilds_the_conversations_the_live_stage_built(make_daemon: An
     assert res.returncode == 0, res.stderr
     assert f"reindexed: {len(live[0])} conversations rebuilt" in res.stdout, res.stdout
     assert [daemon.query(q) for q in SAME] == live
+
+
+def test_a_restart_after_downtime_ends_the_overdue_conversations_as_a_rebuild_would(make_daemon: Any) -> None:
+    daemon = make_daemon(conversations={"idle_timeout": "1h"})
+    _every_fixture(daemon)
+    wait_conversations(daemon)
+    assert daemon.stop() == 0
+    opened = daemon.query("SELECT count(*) FROM conversations WHERE state = 'open'")[0][0]
+    assert opened >= len(case_names())
+
+    # Down for longer than the idle timeout: at the next start every one of them is overdue.
+    daemon.config["conversations"] = {"idle_timeout": "1s"}
+    daemon.config_path.write_text(yaml.safe_dump(daemon.config), encoding="utf-8")
+    daemon.start()
+    wait_until(lambda: not daemon.get("/api/conversations?state=open")[1]["conversations"],
+               "the overdue conversations to end")
+    assert daemon.stop() == 0
+    ended = [daemon.query(q) for q in SAME]
+    assert daemon.query("SELECT count(*) FROM conversations WHERE ended_by = 'idle' AND ended_at IS NOT NULL "
+                        "AND state = 'ended'")[0][0] == opened
+    res = run_cli("reindex", "--config", str(daemon.config_path))  # each rebuilt from its rows
+    assert res.returncode == 0, res.stderr
+    assert [daemon.query(q) for q in SAME] == ended
 
 
 def test_reindex_through_a_running_daemon_swaps_in_and_the_daemon_goes_on(make_daemon: Any) -> None:
