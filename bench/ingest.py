@@ -45,8 +45,9 @@ STORAGE_EXTRA = os.environ.get("BENCH_STORAGE", "")  # e.g. ", max_batch_spans: 
 # ----------------------------------------------------------------- payloads
 
 
-def make_requests(total_spans: int) -> list[bytes]:
-    """Distinct ExportTraceServiceRequest bodies of 512 spans each."""
+def make_requests(total_spans: int, first: int = 0) -> list[bytes]:
+    """Distinct ExportTraceServiceRequest bodies of 512 spans each (``first``: the number of the first
+    request, so that later steps of a run send new traces)."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     def attr(span: Any, key: str, value: Any) -> None:
@@ -101,7 +102,7 @@ def make_requests(total_spans: int) -> list[bytes]:
     bodies = []
     n_requests = max(1, total_spans // SPANS_PER_REQUEST)
     spans = template.resource_spans[0].scope_spans[0].spans
-    for r in range(n_requests):
+    for r in range(first, first + n_requests):
         for i, sp in enumerate(spans):
             turn = i // 4
             sp.trace_id = r.to_bytes(8, "big") + (turn + 1).to_bytes(8, "big")

@@ -83,6 +83,39 @@ def _conversation_gauges(store: Store) -> list[str]:
     ]
 
 
+def _memory_gauges(store: Store) -> list[str]:
+    """Where the daemon's memory is: its resident set, and DuckDB's share of it by what holds it."""
+    lines = ["# HELP process_resident_memory_bytes Resident memory of the daemon.",
+             "# TYPE process_resident_memory_bytes gauge",
+             f"process_resident_memory_bytes {resident_bytes()}"]
+    try:
+        cur = store.cursor()
+        try:
+            rows = cur.execute("SELECT tag, memory_usage_bytes, temporary_storage_bytes FROM duckdb_memory() "
+                               "WHERE memory_usage_bytes > 0 OR temporary_storage_bytes > 0").fetchall()
+        finally:
+            cur.close()
+    except (duckdb.Error, StoreUnavailable):
+        return lines
+    lines += ["# HELP tracejudge_duckdb_memory_bytes DuckDB's memory by what holds it (BASE_TABLE: cached "
+              "table blocks, ART_INDEX: primary keys, ...), within storage.memory_limit.",
+              "# TYPE tracejudge_duckdb_memory_bytes gauge"]
+    lines += [f'tracejudge_duckdb_memory_bytes{{tag="{tag}"}} {used}' for tag, used, _ in rows]
+    lines += ["# HELP tracejudge_duckdb_spilled_bytes DuckDB's temporary files, by what they hold.",
+              "# TYPE tracejudge_duckdb_spilled_bytes gauge"]
+    lines += [f'tracejudge_duckdb_spilled_bytes{{tag="{tag}"}} {spilled}' for tag, _, spilled in rows if spilled]
+    return lines
+
+
+def resident_bytes() -> int:
+    """The process's resident set (Linux), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class Parts:
     """What start-up has opened so far: the teardown closes exactly these."""
 
@@ -186,6 +219,7 @@ class Daemon:
             convs.start()
             store.on_commit(convs.on_commit)
             metrics.add_collector(lambda: _conversation_gauges(store))
+            metrics.add_collector(lambda: _memory_gauges(store))
             if signals.requested:
                 return False
             cur = store.cursor()
