@@ -10,7 +10,7 @@ the allocator's free lists) and what each stage holds in rows. Then it restarts
 the daemon on the same file: what memory the data itself needs. Figures are
 printed against the first step of the same run. Run by hand:
 
-    .venv/bin/python bench/memory.py [--steps 4] [--step-spans 250000]
+    .venv/bin/python bench/memory.py [--steps 4] [--step-spans 250000] [--transport grpc|http] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -84,9 +84,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--step-spans", type=int, default=250_000)
+    ap.add_argument("--transport", choices=("grpc", "http"), default="grpc")
+    ap.add_argument("--keep", type=Path, help="Keep the daemon's folder (config, DuckDB file) here, to reuse "
+                                               "the file (bench/reindex.py, bench/restart.py).")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp)
+        data = args.keep or Path(tmp)
+        data.mkdir(parents=True, exist_ok=True)
         (data / "criteria.yaml").write_text(CRITERIA)
         extra = ("conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
                  f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
@@ -96,7 +100,8 @@ def main() -> None:
             per_step = args.step_spans // ingest.SPANS_PER_REQUEST
             for step in range(args.steps):
                 bodies = ingest.make_requests(args.step_spans, first=step * per_step)
-                elapsed, lat, _ = asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+                target = info["grpc"] if args.transport == "grpc" else f"http://{info['http']}/v1/traces"
+                elapsed, lat, _ = asyncio.run(ingest.send_all(bodies, args.transport, target))
                 del bodies
                 lag = settled(info["api"])
                 row = sample(info["api"])

@@ -1,0 +1,170 @@
+"""Soak: the daemon under a paced load for a long run, with retention deleting as fast as data arrives.
+
+Sends ``bench/ingest.py``'s workload (four-turn conversations, 512 spans per
+request) over OTLP/gRPC at a paced rate, to a daemon that ends conversations
+after 2 s idle, samples 10% of them for a code check that always fails (so the
+evaluator and the review queue work) and keeps ``--retention`` of spans (twice
+that of conversations). Every ``--interval`` seconds it samples the resident
+set (and the peak so far), the DuckDB file with its WAL, the p99 latency of the
+requests answered in the interval, how far conversations lag (commits taken in
+but not yet current), rows deleted and what the stages hold; then it prints
+them as a table against the first interval, checks the targets, and says how
+long after the last ack the conversations were current. Run by hand:
+
+    .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ingest  # noqa: E402  (the workload and the daemon launcher of the ingest benchmark)
+import memory  # noqa: E402  (reading /metrics and the API)
+
+MB = 1_000_000
+IN_FLIGHT = 8  # requests outstanding at most; the pace decides when the next one goes
+
+
+async def paced(grpc_target: str, total: int, rate: float, answered: list[tuple[float, float]]) -> float:
+    """Send ``total`` spans at ``rate`` spans/s; each answer is (when, latency). The time of the last ack."""
+    import grpc
+
+    channel = grpc.aio.insecure_channel(grpc_target, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
+    call = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                               request_serializer=None, response_deserializer=None)
+    gate = asyncio.Semaphore(IN_FLIGHT)
+    every = ingest.SPANS_PER_REQUEST / rate
+    start = time.perf_counter()
+    requests = total // ingest.SPANS_PER_REQUEST
+    last_ack = start
+
+    async def one(body: bytes) -> None:
+        nonlocal last_ack
+        try:
+            while True:
+                t = time.perf_counter()
+                try:
+                    await call(body, timeout=60)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.5)  # refused (queue full): the exporter's retry
+            now = time.perf_counter()
+            answered.append((now, now - t))
+            last_ack = max(last_ack, now)
+        finally:
+            gate.release()
+
+    tasks = []
+    for r in range(requests):
+        due = start + r * every
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        body = ingest.make_requests(ingest.SPANS_PER_REQUEST, first=r)[0]
+        await gate.acquire()
+        tasks.append(asyncio.ensure_future(one(body)))
+    await asyncio.gather(*tasks)
+    await channel.close()
+    return last_ack
+
+
+def file_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path, Path(f"{path}.wal")) if p.exists())
+
+
+def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered: list[tuple[float, float]],
+            rows: list[dict[str, float]], done: list[bool]) -> None:
+    seen = 0
+    start = time.perf_counter()
+    while not done[0]:
+        time.sleep(interval)
+        now = time.perf_counter()
+        lat = [lat for at, lat in answered[seen:]]
+        seen = len(answered)
+        m = memory.sample(info["api"])
+        st = memory.get(info["api"], "/api/status")
+        deleted = st["storage"]["retention"].get("deleted", {})
+        rows.append({
+            "t": now - start, "spans stored": m["spans stored"], "rss": m["rss"],
+            "peak rss": ingest.peak_rss_mb(pid), "duckdb": m["duckdb total"], "outside duckdb": m["outside duckdb"],
+            "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
+            "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
+            "lag commits": st["committed_batch"] - st["conversations_batch"],
+            "deleted spans": deleted.get("spans", 0), "deleted convs": deleted.get("conversations", 0),
+        })
+        r = rows[-1]
+        print(f"  {r['t']:5.0f}s  {r['spans stored']:>10,.0f} stored  RSS {r['rss']:4.0f} MB (peak {r['peak rss']:.0f})"
+              f"  file {r['file']:5.0f} MB  p99 {r['p99 ms']:4.0f} ms  {r['spans/s']:>7,.0f} spans/s"
+              f"  lag {r['lag commits']:.0f} commits  deleted {r['deleted spans']:,.0f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spans", type=int, default=3_000_000)
+    ap.add_argument("--rate", type=float, default=10_000)
+    ap.add_argument("--interval", type=float, default=30)
+    ap.add_argument("--retention", default="90s")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp)
+        (data / "criteria.yaml").write_text(memory.CRITERIA)
+        keep = args.retention
+        conv_keep = f"{2 * int(keep[:-1])}{keep[-1]}"
+        extra = ("conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
+                 f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
+        ingest.STORAGE_EXTRA = f", retention: {{spans: {keep}, conversations: {conv_keep}}}"
+        proc, info = ingest.start_daemon(data, extra)
+        answered: list[tuple[float, float]] = []
+        rows: list[dict[str, float]] = []
+        done = [False]
+        watch = threading.Thread(target=sampler, args=(info, proc.pid, data / "bench.duckdb", args.interval,
+                                                       answered, rows, done), daemon=True)
+        print(f"{args.spans:,} spans at {args.rate:,.0f} spans/s; retention {keep} of spans, {conv_keep} of "
+              "conversations", flush=True)
+        try:
+            watch.start()
+            last_ack = asyncio.run(paced(info["grpc"], args.spans, args.rate, answered))
+            current = last_ack + memory.settled(info["api"], timeout=1800) - time.perf_counter()
+            lag_end = time.perf_counter() - last_ack
+            done[0] = True
+            watch.join()
+        finally:
+            proc.terminate()
+            proc.wait()
+    report(rows, lag_end, current)
+
+
+def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
+    keys = ["spans stored", "rss", "peak rss", "duckdb", "outside duckdb", "file", "p99 ms", "spans/s",
+            "lag commits", "deleted spans", "deleted convs"]
+    first = rows[0]
+    print(f"\n{'interval end (s)':18}" + "".join(f"{r['t']:>12.0f}" for r in rows))
+    for k in keys:
+        print(f"{k:18}" + "".join(f"{r[k]:>12,.0f}" for r in rows))
+    print(f"{'vs interval 1':18}")
+    for k in ("rss", "peak rss", "file", "p99 ms", "lag commits"):
+        print(f"  {k:16}" + "".join(f"{(r[k] / first[k] if first[k] else 0):>12.2f}" for r in rows))
+    if len(rows) >= 3:
+        second, last = rows[1], rows[-1]
+        print("\ntargets:")
+        print(f"  peak RSS, last vs second interval: {last['peak rss'] / second['peak rss']:.2f}x (<= 1.10), "
+              f"{last['peak rss']:.0f} MB (< 400)")
+        print(f"  p99 over every interval: {max(r['p99 ms'] for r in rows):.0f} ms (< 500)")
+        print(f"  conversation lag, last vs second interval: "
+              f"{(last['lag commits'] + 1) / (second['lag commits'] + 1):.2f}x (<= 1.2)")
+        growth = [b["file"] - a["file"] for a, b in zip(rows[len(rows) // 2:], rows[len(rows) // 2 + 1:])]
+        print(f"  file growth per interval over the second half: {statistics.mean(growth) if growth else 0:.1f} MB")
+    print(f"  conversations current {current:.1f} s after the last ack (<= 10 s at 10,000 spans/s); "
+          f"settled {lag_end:.1f} s after it")
+
+
+if __name__ == "__main__":
+    main()
