@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +28,8 @@ def serve(config_path: Path | None, log_level: str) -> None:
     from ..shutdown import StopSignals
 
     signals = StopSignals().install()  # before anything else: a signal during start-up stops it cleanly
+    # SIGUSR1 writes every thread's stack to stderr: what a daemon that does not answer is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = load(config_path)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..daemon import serve as run

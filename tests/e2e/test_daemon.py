@@ -408,3 +408,12 @@ def test_damaged_file_stops_the_start_with_one_line(make_daemon: Any, made_files
     assert "restore it from a backup" in line
     assert (_digest(daemon.duckdb), _digest(wal)) == before  # left as it was, for whoever repairs it
     assert not daemon.runtime_file.exists()
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_goes_on(daemon: DaemonProcess) -> None:
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGUSR1)
+    daemon.wait_output("most recent call first")
+    assert daemon.output().count("Thread 0x") >= 4  # the loop, the writer, the stages
+    assert daemon.get("/healthz")[0] == 200
+    assert daemon.stop() == 0

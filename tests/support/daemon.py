@@ -167,7 +167,16 @@ class DaemonProcess:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # every thread's stack, into the log
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            raise AssertionError(f"the daemon did not exit within {timeout:g}s of {signal.Signals(sig).name}; "
+                                 f"its log, ending with the stack of each thread:\n{self.output()[-20000:]}") from None
 
     def kill9(self) -> None:
         self.stop(signal.SIGKILL)
