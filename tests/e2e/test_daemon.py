@@ -29,7 +29,7 @@ from collector.daemon import Daemon
 from collector.errors import StoreUnavailable
 from collector.shutdown import StopSignals
 
-from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_conversations
+from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_conversations, wait_until
 from ..support.wire import grpc_export, post, span_request_bytes
 
 
@@ -413,7 +413,7 @@ def test_damaged_file_stops_the_start_with_one_line(make_daemon: Any, made_files
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_goes_on(daemon: DaemonProcess) -> None:
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGUSR1)
-    daemon.wait_output("most recent call first")
-    assert daemon.output().count("Thread 0x") >= 4  # the loop, the writer, the stages
+    # One thread after another: the loop, the writer, the stages (the log may be read mid-way).
+    wait_until(lambda: daemon.output().count("Thread 0x") >= 4, "the stack of every thread in the log")
     assert daemon.get("/healthz")[0] == 200
     assert daemon.stop() == 0
