@@ -8,8 +8,8 @@ something is due:
    arrived before ``now - retention.spans`` loses all its span and log rows at
    once (a conversation has all its spans or none). Its transcript, verdicts and
    review items stay; ``reindex`` keeps it as stored. The sweep goes in order of
-   last arrival and stops at the first conversation still open, so one that ends
-   later is not passed over.
+   last arrival and stops at the first conversation still open or without a
+   sampling decision (the rules read its spans), so none is passed over.
 2. **traces of no conversation** (other services' spans, traceless logs): by
    commit, a few commits at a time, once every row of the commit is older than
    the horizon.
@@ -177,14 +177,16 @@ class Retention(Stage):
         at, after = self._state("retention.spans_at", ""), self._state("retention.spans_after", "")
         since = dt.datetime.fromisoformat(at) if at else utc(0)
         rows = cur.execute(
-            "SELECT conversation_id, state, last_arrival_at FROM conversations "
-            "WHERE last_arrival_at < ? AND (last_arrival_at > ? OR (last_arrival_at = ? AND conversation_id > ?)) "
-            "ORDER BY last_arrival_at, conversation_id LIMIT ?", [horizon, since, since, after, self.chunk]).fetchall()
+            "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL FROM conversations c "
+            "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id WHERE c.last_arrival_at < ? "
+            "AND (c.last_arrival_at > ? OR (c.last_arrival_at = ? AND c.conversation_id > ?)) "
+            "ORDER BY c.last_arrival_at, c.conversation_id LIMIT ?",
+            [horizon, since, since, after, self.chunk]).fetchall()
         ids: list[str] = []
         last: tuple[dt.datetime, str] | None = None
-        for cid, state, arrived in rows:
-            if state != "ended":
-                break  # it may end with this arrival time: wait for it
+        for cid, state, arrived, decided in rows:
+            if state != "ended" or not decided:
+                break  # it may end with this arrival time, or its sampling rules read its spans: wait for it
             ids.append(cid)
             last = (arrived, cid)
         if last is None:

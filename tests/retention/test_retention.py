@@ -100,28 +100,31 @@ def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(mak
     before = {cid: rows_of(daemon, cid) for cid in ids}
     assert all(b["spans"] > 0 and b["verdicts"] == 1 for b in before.values()), before
     assert daemon.query("SELECT conversation_id FROM review_items") == [("conv-001",)]
-    # A conversation still to be judged (its judging was cut off by a crash: no progress row).
+    # A conversation the evaluator has still to decide (as if it had stopped before it came to it):
+    # its sampling rules may read its spans, and it must be judged.
     store, stage = open_retention(daemon.duckdb, clock := [time.time() + 13 * DAY], spans="14d",
                                   conversations="90d")
     try:
         cur = store.cursor()
-        cur.execute("DELETE FROM eval_progress WHERE conversation_id = 'conv-003'")
+        for table in ("eval_progress", "sampling_decisions", "verdicts"):
+            cur.execute(f"DELETE FROM {table} WHERE conversation_id = 'conv-003'")
         cur.close()
+        undecided = {**before["conv-003"], "eval_progress": 0, "sampling_decisions": 0, "verdicts": 0}
         assert stage.sweep() == {"spans": 0, "log_records": 0, "conversations": 0}  # nothing is 14 days old yet
         clock[0] += 2 * DAY
         deleted = stage.sweep()
-        assert deleted["spans"] == sum(b["spans"] for b in before.values()) and deleted["conversations"] == 0
-        assert one(store, "SELECT count(*) FROM span_records") == 0
-        for cid in ids:  # transcripts, verdicts and review items stay
-            assert rows_of(store, cid) == {**before[cid], "spans": 0, **(
-                {"eval_progress": 0} if cid == "conv-003" else {})}
-        assert stage.oldest["spans"] is None and stage.oldest["conversations"] is not None
+        assert deleted["spans"] == before["conv-001"]["spans"] + before["conv-002"]["spans"]
+        assert deleted["conversations"] == 0
+        for cid in ids[:2]:  # transcripts, verdicts and review items stay
+            assert rows_of(store, cid) == {**before[cid], "spans": 0}
+        assert rows_of(store, "conv-003") == undecided  # its spans too
+        assert stage.oldest["spans"] is not None and stage.oldest["conversations"] is not None
 
         clock[0] += 80 * DAY  # 95 days on
-        assert stage.sweep()["conversations"] == 1  # only conv-002: conv-001 is reviewed, conv-003 due judging
+        assert stage.sweep()["conversations"] == 1  # only conv-002: conv-001 is reviewed, conv-003 undecided
         assert rows_of(store, "conv-002") == dict.fromkeys(before["conv-002"], 0)
         assert rows_of(store, "conv-001") == {**before["conv-001"], "spans": 0}
-        assert rows_of(store, "conv-003")["conversations"] == 1
+        assert rows_of(store, "conv-003") == undecided
     finally:
         stage.stop()
         store.close()
@@ -131,7 +134,7 @@ def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(mak
     try:
         assert stage.sweep()["conversations"] == 1
         assert one(store, "SELECT count(*) FROM review_items") == 0
-        assert one(store, "SELECT count(*) FROM conversations") == 1  # conv-003, still due judging
+        assert one(store, "SELECT count(*) FROM conversations") == 1  # conv-003, still undecided
     finally:
         stage.stop()
         store.close()
