@@ -45,7 +45,7 @@ import duckdb
 
 from .background import Stage
 from .config import Retention as Settings
-from .evals.judging import JUDGEMENT_DUE, RETRY_DUE
+from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .listing import iso_utc
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction
@@ -66,10 +66,6 @@ _TABLES = ("span_records", "log_records")
 _OLDEST = {"spans": "SELECT min(received_at) FROM span_records",
            "log_records": "SELECT min(received_at) FROM log_records",
            "conversations": "SELECT min(last_arrival_at) FROM conversations"}
-
-
-def utc(seconds: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
 
 
 class RetentionMetrics:
