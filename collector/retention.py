@@ -99,10 +99,6 @@ class Retention(Stage):
         self.oldest: dict[str, dt.datetime | None] = {}
         self.sweeps = 0  # sweeps completed (tests wait on it through /api/status)
 
-    @property
-    def enabled(self) -> bool:
-        return self.settings.spans is not None or self.settings.conversations is not None
-
     # ------------------------------------------------------------ the loop
 
     def _run(self) -> None:
@@ -117,15 +113,13 @@ class Retention(Stage):
                 delay = self.cycle_failed("a retention sweep failed")
             self.stopping.wait(delay)
 
-    def _wake(self) -> None:
-        pass  # the loop waits on ``stopping`` itself
-
     def sweep(self) -> dict[str, int]:
         """Delete everything due now, a transaction at a time; what was deleted, by kind."""
         assert self.cur is not None
         deleted = {what: 0 for what in _OLDEST}
         now = self.clock()
-        mark = self._conversations_mark()
+        # The conversation stage's stored batch mark: later commits are not taken in yet.
+        mark = int(self._state("conversations.batch", "0"))
         if self.settings.spans is not None:
             horizon = utc(now - self.settings.spans)
             while self._turn() and self._expire_conversation_spans(horizon, mark, deleted):
@@ -148,12 +142,6 @@ class Retention(Stage):
         if not self.pacing.wait(self.stopping):
             raise _Stopping
         return True
-
-    def _conversations_mark(self) -> int:
-        """The conversation stage's stored batch mark: later commits are not taken in yet."""
-        assert self.cur is not None
-        rows = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
-        return int(rows[0][0]) if rows else 0
 
     def _state(self, key: str, default: Any) -> Any:
         assert self.cur is not None
