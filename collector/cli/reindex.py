@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -13,6 +14,9 @@ from ..config import Config
 from ..runtime import running_daemon
 from ..words import plural
 from .common import config_option, load
+
+if TYPE_CHECKING:
+    from ..conversations.reindex import Reindex
 
 POLL = 0.5  # seconds between two looks at a daemon's reindex
 
@@ -62,6 +66,16 @@ def _on_the_file(cfg: Config) -> dict[str, Any]:
     store = Store(cfg.storage.duckdb.path, memory_limit=cfg.storage.memory_limit)
     store.open()
     job = Reindex(store, cfg.conversations)
+    # DuckDB turns a Ctrl-C inside a query into an error of its own (InterruptException, or a RuntimeError
+    # "Query interrupted"), so the handler notes it, and any error after it counts as the interruption.
+    interrupted = False
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         job.prepare()
         with _bar(job.progress.to_dict()) as bar:
@@ -71,18 +85,25 @@ def _on_the_file(cfg: Config) -> dict[str, Any]:
             job.swap(cur)
         finally:
             cur.close()
+    except Exception as exc:
+        if not interrupted:  # one line, exit 1: the live conversations are whole
+            click.echo(f"tracejudge: error: reindex failed, the stored conversations are unchanged: "
+                       f"{type(exc).__name__}: {exc}", err=True)
+            sys.exit(1)
+        _interrupted(job)
     except KeyboardInterrupt:
-        p = job.progress
-        click.echo(f"tracejudge: interrupted after {p.done} of {plural(p.total, 'trace')}: the stored "
-                   "conversations are unchanged; run tracejudge reindex again to go on from there", err=True)
-        sys.exit(1)
-    except Exception as exc:  # one line, exit 1: the live conversations are whole
-        click.echo(f"tracejudge: error: reindex failed, the stored conversations are unchanged: "
-                   f"{type(exc).__name__}: {exc}", err=True)
-        sys.exit(1)
+        _interrupted(job)
     finally:
+        signal.signal(signal.SIGINT, previous)
         store.close()
     return job.progress.to_dict()
+
+
+def _interrupted(job: Reindex) -> NoReturn:
+    p = job.progress
+    click.echo(f"tracejudge: interrupted after {p.done} of {plural(p.total, 'trace')}: the stored "
+               "conversations are unchanged; run tracejudge reindex again to go on from there", err=True)
+    sys.exit(1)
 
 
 def _through_daemon(cfg: Config, api: str) -> dict[str, Any]:
