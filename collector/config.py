@@ -446,6 +446,25 @@ class Review(Section):
     """Verdict results that open a review item (every flagged fail does too; an error never does)."""
 
 
+class ScenarioRedaction(Section):
+    patterns: dict[str, Regex] = {}
+    """Extra values to mask before a scenario is drafted or written: name -> regular expression
+    (placeholder ``<NAME_n>``), beside the built-in detectors (see the README's Redaction)."""
+
+
+class Scenarios(Section):
+    out_dir: ConfigPath = Field(Path("scenarios/incoming"), validate_default=True)
+    """Where ``tracejudge scenarios export`` writes, relative to the config file: never the stable suite."""
+    on_confirm: bool = False
+    """The daemon exports each review item as it is confirmed (through the page, the API or the CLI)."""
+    draft_with_provider: bool = True
+    """Draft persona, goal, facts and a proposed fix with judges.provider when one is configured;
+    false (or no provider): a deterministic draft marked ``source.needs_edit``."""
+    max_turns: int = Field(12, ge=1, le=200)
+    """``max_turns`` of each scenario written."""
+    redact: ScenarioRedaction = ScenarioRedaction()
+
+
 class Config(BaseModel):
     """The whole configuration. Sections not built yet stay raw in ``unbuilt``."""
 
@@ -458,6 +477,7 @@ class Config(BaseModel):
     judges: Judges = Judges()
     sampling: SamplingSettings = SamplingSettings()
     review: Review = Review()
+    scenarios: Scenarios = Field(default_factory=dict, validate_default=True)  # see Scenarios.out_dir
     source: str = "<defaults>"
     unbuilt: dict[str, Any] = {}
 
@@ -477,7 +497,7 @@ class Config(BaseModel):
         return Path(str(self.storage.duckdb.path) + ".daemon.json")
 
 
-BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review")
+BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review", "scenarios")
 
 # --------------------------------------------------------------- loading
 

@@ -2,7 +2,8 @@
 
 Start: refuse if a daemon already serves this DuckDB file, open the store
 (a damaged file stops the start with one line naming it), start the
-conversation, eval and retention stages, bind every listener, write the runtime file,
+conversation, eval and retention stages (then any a downstream package adds: `serve` adds
+replay's scenarios stage), bind every listener, write the runtime file,
 print where to look.
 Stop (SIGTERM or SIGINT, see ``shutdown``; a second signal changes nothing):
 stop intake on every listener at once (in-flight requests still get their
@@ -27,6 +28,7 @@ import os
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
+from collections.abc import Callable, Sequence
 from typing import Awaitable, TextIO
 
 import duckdb
@@ -36,6 +38,7 @@ from aiohttp import web
 from judges import Criterion, Provider
 
 from .api.app import API
+from .background import Stage
 from .config import Config, is_loopback
 from .conversations import Conversations, conversation_counts
 from .conversations.reindex import Runner
@@ -126,6 +129,7 @@ class Parts:
         self.convs: Conversations | None = None
         self.evaluator: Evaluator | None = None
         self.retention: Retention | None = None
+        self.extra: list[Stage] = []
         self.reindexer: Runner | None = None
         self.api: API | None = None
         self.api_runner: web.AppRunner | None = None
@@ -154,11 +158,17 @@ async def _each(*steps: Awaitable[object]) -> None:
             log.error("a shutdown step failed: %r", result, exc_info=result)
 
 
+StageFactory = Callable[[Store, Config, Metrics], Stage]
+"""Makes a stage of a downstream package (``replay``'s scenarios) that ``collector`` does not import."""
+
+
 @dataclass
 class Daemon:
     config: Config
     out: TextIO = sys.stdout
     parts: Parts | None = None  # what the current run has opened
+    extra_stages: Sequence[StageFactory] = ()
+    """Started after the built-in stages, stopped with the evaluator."""
 
     async def run(self, signals: StopSignals) -> Stopped:
         """Start, serve until a stop signal or a broken store, then stop.
@@ -233,6 +243,10 @@ class Daemon:
             evaluator.start()
             parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
             retention.start()
+            for make in self.extra_stages:
+                stage = make(store, cfg, metrics)
+                parts.extra.append(stage)
+                stage.start()
         except duckdb.Error as exc:  # the stages' first reads find what the store's did not
             if file_fault(exc):
                 raise unreadable(store.path, exc) from None
@@ -242,7 +256,8 @@ class Daemon:
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
         parts.reindexer = reindexer = Runner(store, cfg.conversations, convs)
-        parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention), evaluator=evaluator,
+        parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention, *parts.extra),
+                              evaluator=evaluator,
                               reindexer=reindexer)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
@@ -302,6 +317,7 @@ class Daemon:
                     *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
         await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
                     *([asyncio.to_thread(parts.retention.stop)] if parts.retention is not None else []),
+                    *(asyncio.to_thread(stage.stop) for stage in parts.extra),
                     *([asyncio.to_thread(parts.reindexer.stop)] if parts.reindexer is not None else []),
                     *([asyncio.to_thread(parts.store.drain)] if parts.store is not None else []))
         if parts.api_runner is not None:
@@ -357,10 +373,10 @@ class Daemon:
             log.info("judge: %s %s", provider.name, provider.model)
 
 
-def serve(config: Config, signals: StopSignals) -> int:
+def serve(config: Config, signals: StopSignals, extra_stages: Sequence[StageFactory] = ()) -> int:
     """Run the daemon until SIGTERM/SIGINT (``signals`` installed before start-up); the exit status."""
     try:
-        stopped = asyncio.run(Daemon(config).run(signals))
+        stopped = asyncio.run(Daemon(config, extra_stages=extra_stages).run(signals))
     finally:
         signals.ignore()
     (log.info if stopped.status == 0 else log.error)(stopped.message)

@@ -25,8 +25,9 @@ def test_good_config_substitutes_env_and_resolves_paths() -> None:
     assert cfg.storage.max_queue_spans == 200_000  # default
     assert cfg.runtime_file == TESTDATA / "data" / "db.duckdb.daemon.json"
     assert cfg.sampling.rate == 0.5 and cfg.review.queue_results == ["fail"]
-    assert sorted(cfg.unbuilt) == ["scenarios"]
-    assert any("'scenarios' is not used" in w for w in warnings)
+    assert cfg.scenarios.out_dir == TESTDATA / "out" / "scenarios"
+    assert sorted(cfg.unbuilt) == ["exporters"]
+    assert any("'exporters' is not used" in w for w in warnings)
 
 
 def test_env_default_used_when_unset_and_value_when_set() -> None:
@@ -114,6 +115,8 @@ def test_an_api_on_loopback_needs_no_token(endpoint: str) -> None:
     ("unknown_key.yaml", ["storage.duckdb.mode: unknown key", "api.endpoint: 'localhost' is not host:port"]),
     ("unknown_section.yaml", ["processors: unknown section"]),
     ("not_a_mapping.yaml", ["the top level must be a mapping"]),
+    ("bad_scenarios.yaml", ["scenarios.out-dir: unknown key", "scenarios.max_turns:",
+                            "scenarios.redact.patterns.member_id: not a valid regular expression"]),
     ("bad_hosts.yaml", ["api.allowed_hosts[0]: list each name", "api.allowed_hosts[1]: 'http://tracejudge.internal/' "
                         "is not a host name", "api.allowed_hosts[2]: 'review.example:99999' is not a host name"]),
 ])

@@ -29,6 +29,7 @@ COMMANDS = {
     "stats": "collector.cli.stats:stats",
     "status": "collector.cli.status:status",
     "eval": "collector.cli.eval:eval_cmd",
+    "scenarios": "collector.cli.scenarios:scenarios",
 }
 
 

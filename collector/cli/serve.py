@@ -34,4 +34,9 @@ def serve(config_path: Path | None, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..daemon import serve as run
 
-    sys.exit(run(cfg, signals))
+    extra = []
+    if cfg.scenarios.on_confirm:  # replay sits downstream of collector: the CLI wires its stage in
+        from replay.stage import ScenarioStage
+
+        extra.append(ScenarioStage)
+    sys.exit(run(cfg, signals, extra))

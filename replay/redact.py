@@ -1,0 +1,498 @@
+"""Redaction of personal data, with consistent placeholders, before anything leaves the machine.
+
+Used before a scenario file is written or a transcript is sent to a drafting model, by
+conversation exports with ``--redact``, and by forwarding. One :class:`Redactor` serves one
+document (a scenario, or one exported conversation): the same value gets the same placeholder
+throughout it (``<PERSON_1>``, ``<PHONE_1>``, ``<EMAIL_1>``, ``<CARD_1>``, ``<IBAN_1>``,
+``<ID_1>``, ``<ADDRESS_1>``; a config pattern named ``order`` gives ``<ORDER_1>``), so a
+redacted transcript still reads ("<PERSON_1> asked to move <ADDRESS_1>").
+
+What it catches (detector names as in :class:`Finding`):
+
+- ``email``: anything shaped ``local@domain.tld``.
+- ``phone``: what ``phonenumbers`` finds valid for the number as written, as an international
+  number (with ``+`` or ``00``, or grouped digits that read as one with a ``+`` in front), or as a
+  national number of the US, GB, FR, IT, DE or ES. Order numbers, dates, times and version
+  strings are not valid numbers, so they stay.
+- ``card``: 13 to 19 digits, spaces or dashes between them, that pass the Luhn check.
+- ``iban``: a country code, two check digits and 11 to 30 letters or digits (grouped by four or
+  not) whose mod-97 checksum holds.
+- ``national_id``: US social security numbers (``ddd-dd-dddd``), UK National Insurance numbers
+  (``AB123456C``), Italian codici fiscali (16 characters), French NIR/INSEE numbers (13 digits
+  and a 2-digit key, key checked), Spanish DNI and NIE (8 digits or X/Y/Z and 7, and a letter,
+  letter checked).
+- ``address``: a house number and a street in English ("12 Baker Street", "221B Baker St"),
+  French ("5 rue de la Paix", "rue de la Paix 5"), Italian ("via Roma 12"), Spanish ("calle
+  Mayor 7"), Portuguese ("rua Augusta 10") and German ("Hauptstraße 3", "Berliner Str. 5").
+- ``person``: names learned from cues (the user says "my name is", "I'm", "je m'appelle",
+  "mi chiamo", "me llamo", "ich heiße", "meu nome é", "اسمي" ...; a greeting or sign-off
+  addresses someone: "Hi Anna,", "Thanks, Anna", "Best, Anna"; a title: "Dear Mr Rossi"; a
+  name field in a tool's JSON) and names the caller gives (``user.name``, ``enduser.id``).
+  After a weak cue ("I'm", "this is", "sono", "soy", "je suis", "ich bin") only capitalised
+  words count, on the same line, minus a stop list of common words ("I'm Sorry", "I am Having"),
+  and not on a line where nearly every word is capitalised. A learned name is replaced wherever
+  it occurs in the document, whole word and whatever the case, and so are its parts (a first
+  name alone, a surname alone).
+
+What it cannot catch: a name with no cue ("Anna said yes", "ask Marco"), a name written in
+lowercase after a weak cue ("i'm anna"), an address with no house number or a street name in
+lowercase ("baker street", "via roma 12"), postcodes and cities, ids of other countries and
+other kinds of id (passports, health insurance numbers: add a config pattern), phone numbers of
+other regions written without their country code, two phone numbers with only a space between
+them (read as one invalid number), and anything paraphrased. It errs towards redacting: a name
+that is also a word ("Will", "Rose") is replaced as the word too, a capitalised German noun after
+"ich bin" ("ich bin Lehrer") is taken for a name, and a bare run of 9 or 10 digits that is a valid
+number in one of the regions (an order number can be) counts as a phone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import phonenumbers
+import regex
+
+PATTERN_TIMEOUT = 1.0
+"""Seconds a config pattern may spend on one text before redaction gives up with TimeoutError."""
+PHONE_REGIONS: tuple[str | None, ...] = (None, "US", "GB", "FR", "IT", "DE", "ES")
+"""Regions whose national numbers are recognised; ``None`` is international numbers only."""
+NAME_ATTRIBUTES = ("user.name", "user.full_name", "enduser.id")
+"""Conversation attributes :meth:`Redactor.record` takes as names given."""
+
+_PREFIX = {"email": "EMAIL", "iban": "IBAN", "card": "CARD", "national_id": "ID",
+           "phone": "PHONE", "address": "ADDRESS", "person": "PERSON"}
+# Any placeholder, ours or another redactor's: never redacted again, never a finding.
+_PLACEHOLDER = regex.compile(r"<[A-Z][A-Z0-9_]*_\d+>")
+_PATTERN_NAME = regex.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A value a detector matches in a text: ``text[start:end]``."""
+
+    detector: str
+    """``"email"``, ``"phone"``, ``"card"``, ``"iban"``, ``"national_id"``, ``"address"``, ``"person"``,
+    or a config pattern's name."""
+    start: int
+    end: int
+
+
+# --- values with a checksum or a fixed shape -------------------------------------------------
+
+_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[^\W\d_]{2,}(?![\w-])")
+_CARD = regex.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?!\d)")
+_IBAN = regex.compile(r"\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?\b", regex.I)
+_SSN = regex.compile(r"(?<![\d-])(?!000|666|9)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\d-])")
+_NINO = regex.compile(r"\b(?!BG|GB|KN|NK|NT|TN|ZZ)[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z]"
+                      r" ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b", regex.I)
+# Omocodia swaps digits for LMNPQRSTUV, so digit positions take those letters too.
+_CODICE_FISCALE = regex.compile(r"\b[A-Z]{6}[\dL-NP-V]{2}[A-EHLMPR-T][\dL-NP-V]{2}[A-Z][\dL-NP-V]{3}[A-Z]\b",
+                                regex.I)
+_NIR = regex.compile(r"(?<!\d)[12] ?\d{2} ?\d{2} ?(?:\d{2}|2[AB]) ?\d{3} ?\d{3} ?\d{2}(?!\d)", regex.I)
+_DNI = regex.compile(r"\b(?:\d{8}|[XYZ]\d{7})-?[A-Z]\b", regex.I)
+_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?[\d(][\d \u00a0().\-/]{5,}\d")
+_INTERNATIONAL_GROUPS = regex.compile(r"\d{1,3}[ \u00a0.-]\d")
+# phonenumbers knows ISO dates before a time, not "29.11.2026 10:02": dates are never phone numbers.
+_DATE = regex.compile(r"(?<![\d./-])(?:\d{1,2}[./-]\d{1,2}[./-](?:\d{4}|\d{2})|\d{4}[./-]\d{1,2}[./-]\d{1,2})"
+                      r"(?![./-]?\d)")
+
+
+def _digits(s: str) -> str:
+    return "".join(c for c in s if c.isdigit())
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, c in enumerate(reversed(digits)):
+        d = int(c) * (2 if i % 2 else 1)
+        total += d - 9 if d > 9 else d
+    return total % 10 == 0
+
+
+def _iban_ok(compact: str) -> bool:
+    moved = compact[4:] + compact[:4]
+    return 15 <= len(compact) <= 34 and int("".join(str(int(c, 36)) for c in moved)) % 97 == 1
+
+
+def _nir_ok(compact: str) -> bool:
+    # Corsica's departments 2A and 2B count as 19 and 18 in the key.
+    body = compact[:13].replace("2A", "19").replace("2B", "18")
+    return 97 - int(body) % 97 == int(compact[13:])
+
+
+def _dni_ok(compact: str) -> bool:
+    number = compact[:-1].translate(str.maketrans("XYZ", "012"))
+    return "TRWAGMYFPDXBNJZSQVHLCKE"[int(number) % 23] == compact[-1]
+
+
+def _compact(s: str) -> str:
+    return "".join(c for c in s if c.isalnum()).upper()
+
+
+def _emails(s: str) -> Iterator[tuple[int, int, str]]:
+    for m in _EMAIL.finditer(s):
+        yield m.start(), m.end(), m.group().lower()
+
+
+def _cards(s: str) -> Iterator[tuple[int, int, str]]:
+    for m in _CARD.finditer(s):
+        if _luhn(digits := _digits(m.group())):
+            yield m.start(), m.end(), digits
+
+
+def _ibans(s: str) -> Iterator[tuple[int, int, str]]:
+    for m in _IBAN.finditer(s):
+        # A word after the number can join the last group: drop trailing groups until it checks.
+        text = m.group()
+        while text:
+            if _iban_ok(compact := _compact(text)):
+                yield m.start(), m.start() + len(text), compact
+                break
+            text = text[: text.rfind(" ")] if " " in text else ""
+
+
+def _national_ids(s: str) -> Iterator[tuple[int, int, str]]:
+    checks = ((_SSN, None), (_NINO, None), (_CODICE_FISCALE, None), (_NIR, _nir_ok), (_DNI, _dni_ok))
+    for pattern, check in checks:
+        for m in pattern.finditer(s):
+            compact = _compact(m.group())
+            if check is None or check(compact):
+                yield m.start(), m.end(), compact
+
+
+def _phones(s: str) -> Iterator[tuple[int, int, str]]:
+    # phonenumbers is slow next to a regex: only digit runs long enough to be a number go to it.
+    dates = [m.span() for m in _DATE.finditer(s)]
+    for cand in _PHONE_CANDIDATE.finditer(s):
+        if len(_digits(cand.group())) < 7:
+            continue
+        # A few characters either side let the matcher see what it checks (a time after a date).
+        base = max(cand.start() - 4, 0)
+        window = s[base: cand.end() + 4]
+        found = [m for region in PHONE_REGIONS for m in phonenumbers.PhoneNumberMatcher(window, region)]
+        # Read as international only when grouped like one ("41 44 668 18 00"): a bare run of digits
+        # with a "+" in front is too often some valid number somewhere.
+        if not found and _INTERNATIONAL_GROUPS.match(cand.group()):
+            base, window = cand.start() - 1, "+" + s[cand.start(): cand.end() + 4]
+            found = list(phonenumbers.PhoneNumberMatcher(window, None))
+        for m in found:
+            start, end = base + m.start, base + m.end
+            # Only what lies in the candidate (from the "+" put in front of it, if any) and is no date.
+            if cand.start() - 1 <= start and end <= cand.end() and all(end <= a or start >= b for a, b in dates):
+                yield max(start, cand.start()), end, _e164(m.number)
+
+
+def _e164(number: phonenumbers.PhoneNumber) -> str:
+    return phonenumbers.format_number(number, phonenumbers.PhoneNumberFormat.E164)
+
+
+# --- addresses --------------------------------------------------------------------------------
+
+_CAP = r"\p{Lu}[\p{L}'’-]*"
+_PARTICLE = r"(?:(?i:de|del|della|delle|dei|degli|di|da|dal|dalla|do|dos|das|du|des|la|le|los|las|el)\s+" \
+            r"|(?i:d|l|dell|dall)['’])"
+_STREET_NAME = rf"{_PARTICLE}*{_CAP}(?:\s+{_PARTICLE}*{_CAP}){{0,3}}"
+_HOUSE = r"\d{1,5}(?:[A-Za-z]\b|\s?(?i:bis|ter)\b)?"
+_FR_TYPES = r"rue|avenue|boulevard|bd|place|allée|impasse|chemin|quai|route|cours"
+_TYPES_FIRST = (rf"{_FR_TYPES}|via|viale|piazza|piazzale|corso|largo|vicolo|calle|c/|avenida|avda\.?|plaza"
+                r"|paseo|carretera|camino|ronda|rua|travessa|praça|estrada")
+# English street words that are also common words must be capitalised to count.
+_EN_TYPES = (r"(?i:street|road|avenue|lane|drive|boulevard)|Way|Place|Close|Court|Crescent|Terrace|Square"
+             r"|Gardens|Grove|Hill|Row|Mews|Parkway|Highway|St|Rd|Ave|Ln|Blvd|Sq|Pl|Ct")
+_ADDRESSES = [regex.compile(p) for p in (
+    rf"(?<![\d\p{{L}}]){_HOUSE},?\s+(?:(?:{_CAP}|\d+(?:st|nd|rd|th))\s+){{1,3}}(?:{_EN_TYPES})\b",
+    rf"(?<![\d\p{{L}}]){_HOUSE},?\s+(?i:{_FR_TYPES})\s+{_STREET_NAME}",
+    rf"(?<![\p{{L}}/])(?i:{_TYPES_FIRST})\s+{_STREET_NAME},?\s*(?:(?i:n[º°o.]|nº|n\.º)\s*)?{_HOUSE}(?!\d)",
+    r"(?<!\p{L})(?:\p{Lu}\p{L}*(?:straße|strasse|str\.|gasse|weg|allee|platz)"
+    r"|\p{Lu}\p{L}+\s+(?:Straße|Strasse|Str\.|Gasse|Weg|Allee|Platz))\s*\d{1,4}(?:[a-zA-Z]\b)?(?!\d)",
+)]
+
+
+def _addresses(s: str) -> Iterator[tuple[int, int, str]]:
+    for pattern in _ADDRESSES:
+        for m in pattern.finditer(s):
+            yield m.start(), m.end(), " ".join(m.group().split()).casefold()
+
+
+# --- names ------------------------------------------------------------------------------------
+
+# Capitalised words that follow "I'm", "sono", "Hi," ... without being a name.
+_STOP = frozenset("""
+sorry not having here fine good okay ok looking calling trying new going just so very really still also glad
+happy sure afraid back done ready able unable interested worried concerned pregnant diabetic allergic sick ill
+tired feeling writing asking wondering waiting home out in on at the a an and but or with from to for of your my
+his her their our this that it there everyone everybody all team support again much customer patient user bot
+assistant agent doctor nurse mum mom dad sir madam friend friends guys folks colleague today tomorrow yesterday
+monday tuesday wednesday thursday friday saturday sunday january february march april may june july august
+september october november december english british american canadian australian irish scottish italian french
+german spanish how what why when where who which can could would will please let welcome i we you is are do does
+did have has yes no thank thanks great hello hi hey dear morning afternoon evening spelled misspelled wrong
+incorrect correct right missing listed written different same already under about over regards wishes maybe
+mr mrs ms miss mx dr prof sig dott dra mme mlle sr sra srta signor
+désolé désolée pas bien là ici malade enceinte content contente prêt prête monsieur madame
+qui stanco stanca malato malata incinta bene pronto pronta sicuro sicura spiacente già ancora io un una il lo
+per di che non signore signora
+yo muy aquí nuevo nueva alérgico alérgica embarazada cliente paciente de del el la señor señora
+nicht hier neu gut krank schwanger kunde kundin patientin arzt ärztin student studentin mitglied rentner
+rentnerin diabetiker diabetikerin ein eine der die das auch noch schon sehr da leider froh frau herr
+não eu aqui bem novo nova
+""".split())
+_PARTICLES = frozenset("de del della di da dal do dos das du des la le van von der den ten ter bin ben al el".split())
+_NAME_WORD = r"\p{Lu}\p{Ll}[\p{L}'’-]*"
+_ANY_WORD = r"\p{L}[\p{L}'’-]+"
+_HONORIFIC = (r"(?:Mr|Mrs|Ms|Miss|Mx|Dr|Prof|Herr|Frau|Signor|Signora|Sig|Sig\.ra|Dott|Dott\.ssa|Mme|Mlle"
+              r"|Monsieur|Madame|Sr|Sra|Srta|Señor|Señora|Dra)\.?")
+_TITLED = rf"{_NAME_WORD}(?:[ \t]+(?:(?:{'|'.join(sorted(_PARTICLES))})[ \t]+)*{_NAME_WORD}){{0,2}}"
+_CUES = [(regex.compile(p), loose) for p, loose in (
+    # Said outright: a lowercase name counts too ("my name is anna rossi.").
+    (r"(?<!\p{L})(?i:my (?:full )?name is|my name's|(?:user|customer|patient|caller)'?s name is|je m['’]appelle"
+     r"|mon nom est|mi chiamo|il mio nome [èe]|me llamo|mi nombre es|ich hei(?:ß|ss)e|mein name ist"
+     r"|meu nome [ée]|me chamo)[ \t]+"
+     rf"(?P<name>{_TITLED}|{_ANY_WORD}[ \t]+{_ANY_WORD}(?=\s*(?:[.,;:!?)]|$|(?i:and|et|e|y|und)\b))|{_ANY_WORD})",
+     False),
+    (rf"(?<!\p{{L}})اسمي\s+(?P<name>\p{{Arabic}}{{2,}}|{_TITLED})", False),
+    # Weak cues: only a capitalised word on the same line ("I'm sorry" and "I'm. Sorry" are not names).
+    (r"(?<!\p{L})(?i:i['’]m|i am|this is|call me|je suis|sono|soy|ich bin|hier ist|eu sou|sou)[ \t]+"
+     rf"(?P<name>{_TITLED})", True),
+    # A greeting or sign-off addresses someone when punctuation or the end follows the name.
+    (r"(?<!\p{L})(?i:hi|hello|hey|dear|thanks|thank you|good (?:morning|afternoon|evening)|welcome|ciao|salve"
+     r"|buongiorno|buonasera|grazie|gentile|caro|cara|bonjour|bonsoir|salut|merci|cher|chère|hola|buenos días"
+     r"|buenas tardes|gracias|estimado|estimada|hallo|guten tag|guten morgen|danke|liebe|lieber|olá|oi"
+     r"|obrigado|obrigada|best regards|kind regards|best|regards|cheers|sincerely|cordialement|cordiali saluti"
+     r"|saluti|saludos|un saludo|atentamente|viele grüße|grüße|atenciosamente)[ \t]*,?\s+"
+     rf"(?P<name>{_TITLED})(?=[ \t]*(?:[,!.?:;)\n]|$))", True),
+    (rf"(?<!\p{{L}}){_HONORIFIC}[ \t]+(?P<name>{_TITLED})", False),
+    # A name field in a tool's JSON arguments or result.
+    (r'"(?i:first_?name|last_?name|full_?name|given_?name|family_?name|surname|customer_?name|patient_?name'
+     r'|contact_?name|nome|cognome|pr[ée]nom|nombre|apellidos?|vorname|nachname)"\s*:\s*"(?P<name>[^"\n]{2,60})"',
+     False),
+)]
+
+
+def _title_case_line(s: str, start: int, end: int) -> bool:
+    """True when most words near ``s[start:end]`` on its line are capitalised: then capitals tell nothing."""
+    line_start, line_end = s.rfind("\n", 0, start) + 1, s.find("\n", end)
+    line_end = len(s) if line_end < 0 else line_end
+    rest = s[max(line_start, start - 80):start] + " " + s[end:min(line_end, end + 80)]
+    # Two letters and more: "I" is always capitalised.
+    words = regex.findall(r"\p{L}{2,}", _PLACEHOLDER.sub(" ", rest))
+    return len(words) >= 3 and sum(w[0].isupper() for w in words) >= 0.6 * len(words)
+
+
+def _cue_names(s: str) -> Iterator[str]:
+    """The names the cues in ``s`` introduce."""
+    for pattern, weak in _CUES:
+        for m in pattern.finditer(s):
+            if weak and _title_case_line(s, *m.span("name")):
+                continue
+            words: list[str] = []
+            for w in m.group("name").split():
+                if w.casefold() in _PARTICLES and words:  # "Giovanni De Luca", "Anna de la Cruz"
+                    words.append(w)
+                elif w.casefold().rstrip(".") in _STOP:
+                    break
+                else:
+                    words.append(w)
+            while words and words[-1].casefold() in _PARTICLES:
+                words.pop()
+            if words:
+                yield " ".join(words).removesuffix("'s").removesuffix("’s")
+
+
+def _add_name(names: dict[str, str], name: str, *, given: bool) -> None:
+    """Add the name and its parts (first name, surname) to ``names``: casefolded variant -> full name."""
+    name = " ".join(name.split())
+    if len(name) < 2 or "@" in name or not regex.search(r"\p{L}", name):
+        return  # an email is the email detector's; an id of digits alone would redact every such number
+    # A name given as an id ("anna.rossi") splits on dots and underscores as well.
+    parts = [p for p in regex.split(r"[\s._]+" if given else r"\s+", name) if len(p) > 1
+             and regex.search(r"\p{L}", p) and p.casefold() not in _PARTICLES and p.casefold() not in _STOP]
+    for variant in [name, *parts]:
+        names.setdefault(variant.casefold(), name.casefold())
+
+
+@lru_cache(maxsize=64)
+def _names_regex(names: tuple[str, ...]) -> regex.Pattern[str]:
+    alternatives = (r"\s+".join(regex.escape(w) for w in n.split()) for n in sorted(names, key=len, reverse=True))
+    return regex.compile(rf"(?<![\p{{L}}\p{{N}}_])(?:{'|'.join(alternatives)})(?![\p{{L}}\p{{N}}_])",
+                         regex.IGNORECASE | regex.FULLCASE)  # so "Strauss" also finds "Strauß"
+
+
+# --- the redactor -----------------------------------------------------------------------------
+
+# In order of precedence: where two matches overlap, config patterns win, then the earlier detector here,
+# and learned names come last.
+_DETECTORS = {"email": _emails, "iban": _ibans, "card": _cards, "national_id": _national_ids,
+              "phone": _phones, "address": _addresses}
+_MAX_PASSES = 4  # a replacement can expose a shorter match beside it; text() goes again until none is left
+
+
+def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, regex.Pattern[str]]]:
+    compiled = []
+    for name, pattern in patterns.items():
+        if not _PATTERN_NAME.fullmatch(name) or name.lower() in _PREFIX:
+            raise ValueError(f"redaction pattern {name!r}: a name is letters, digits and _, and not one of "
+                             f"{', '.join(_PREFIX)}")
+        try:
+            rx = regex.compile(pattern)
+        except (regex.error, TypeError) as e:
+            raise ValueError(f"redaction pattern {name!r}: not a valid regular expression ({e}): {pattern!r}") from e
+        if rx.fullmatch(""):
+            raise ValueError(f"redaction pattern {name!r}: matches the empty string: {pattern!r}")
+        compiled.append((name, rx))
+    return compiled
+
+
+class Redactor:
+    """Consistent placeholders for one document (a scenario, or one exported conversation).
+
+    Lifecycle: make one per document, :meth:`learn` from every message (or call :meth:`record`,
+    which does), then redact with :meth:`text`, :meth:`value` or :meth:`record`; check a text
+    written later (a model's draft) with :meth:`findings`. Placeholders are numbered in the order
+    values are first replaced, so redacting the same document the same way gives the same output.
+
+    Args:
+        patterns: extra detectors, config name -> regular expression (``scenarios.redact.patterns``).
+        names: names given for the person (``user.name``, ``enduser.id``), redacted wherever they occur.
+
+    Raises:
+        ValueError: a pattern does not compile, matches the empty string, or has a bad name.
+    """
+
+    def __init__(self, patterns: Mapping[str, str] | None = None, names: Iterable[str] = ()) -> None:
+        self._patterns = _compile_patterns(patterns or {})
+        self._names: dict[str, str] = {}  # casefolded name or part -> the full name it belongs to
+        self._placeholders: dict[tuple[str, str], str] = {}
+        self._counts: dict[str, int] = {}
+        for name in names:
+            _add_name(self._names, name, given=True)
+
+    def learn(self, texts: Iterable[str]) -> None:
+        """Learn the names the cues in ``texts`` introduce; call it with every message before redacting."""
+        for s in texts:
+            for name in _cue_names(s):
+                _add_name(self._names, name, given=False)
+
+    def text(self, s: str) -> str:
+        """``s`` with every detected value, and every learned name, replaced by its placeholder.
+
+        Raises:
+            TimeoutError: a config pattern ran longer than ``PATTERN_TIMEOUT`` on ``s``.
+        """
+        for _ in range(_MAX_PASSES):
+            self.learn([s])  # again on each pass: a placeholder can change what a cue reads
+            found = self._detect(s, self._names)
+            if not found:
+                break
+            out, at = [], 0
+            for start, end, detector, key in found:
+                out += [s[at:start], self._placeholder(detector, key)]
+                at = end
+            s = "".join(out) + s[at:]
+        return s
+
+    def value(self, v: Any) -> Any:
+        """Strings redacted with :meth:`text`, dict values and list items recursively (keys kept), others as is."""
+        if isinstance(v, str):
+            return self.text(v)
+        if isinstance(v, dict):
+            return {k: self.value(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [self.value(x) for x in v]
+        return v
+
+    def record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A redacted copy of a conversation/v1 record.
+
+        Learns from the record first (its messages, tool call arguments, system, and the names
+        given in ``NAME_ATTRIBUTES``), then redacts message content, tool call arguments, system
+        and attributes. Ids, roles, tool names, timestamps, span and trace ids are left as they are.
+        """
+        attributes = record.get("attributes") or {}
+        for key in NAME_ATTRIBUTES:
+            if isinstance(attributes.get(key), str):
+                _add_name(self._names, attributes[key], given=True)
+        messages = record.get("messages") or []
+        self.learn([record.get("system") or "", *(m.get("content") or "" for m in messages),
+                    *(json.dumps(c.get("arguments"), ensure_ascii=False)
+                      for m in messages for c in m.get("tool_calls") or [])])
+        out = dict(record)
+        if isinstance(record.get("system"), str):
+            out["system"] = self.text(record["system"])
+        if "attributes" in record:
+            out["attributes"] = self.value(record["attributes"])
+        if "messages" in record:
+            out["messages"] = [self._message(m) for m in messages]
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Placeholders made so far, by detector (detectors that made none are left out)."""
+        return dict(self._counts)
+
+    def findings(self, s: str) -> list[Finding]:
+        """What the detectors, the learned names and the name cues in ``s`` still match, in order.
+
+        Placeholders never match. Empty for what :meth:`text` returns. Learns nothing.
+        """
+        names = dict(self._names)
+        for name in _cue_names(s):
+            _add_name(names, name, given=False)
+        return [Finding(detector, start, end) for start, end, detector, _ in self._detect(s, names)]
+
+    def _message(self, message: dict[str, Any]) -> dict[str, Any]:
+        out = dict(message)
+        if isinstance(message.get("content"), str):
+            out["content"] = self.text(message["content"])
+        if message.get("tool_calls"):
+            out["tool_calls"] = [{**c, "arguments": self.value(c.get("arguments"))} if "arguments" in c else c
+                                 for c in message["tool_calls"]]
+        return out
+
+    def _placeholder(self, detector: str, key: str) -> str:
+        if (detector, key) not in self._placeholders:
+            n = self._counts[detector] = self._counts.get(detector, 0) + 1
+            self._placeholders[detector, key] = f"<{_PREFIX.get(detector, detector.upper())}_{n}>"
+        return self._placeholders[detector, key]
+
+    def _detect(self, s: str, names: Mapping[str, str]) -> list[tuple[int, int, str, str]]:
+        """Non-overlapping (start, end, detector, key) in ``s``, by position; on overlap, precedence decides."""
+        candidates: list[tuple[int, int, int, str, str]] = []  # precedence, start, end, detector, key
+        at = 0
+        # Detect between placeholders only, so a placeholder never matches nor joins two values.
+        for segment_end, next_at in [*(m.span() for m in _PLACEHOLDER.finditer(s)), (len(s), len(s))]:
+            found = self._segment(s[at:segment_end], names)
+            candidates += ((rank, at + a, at + b, det, key) for rank, det, a, b, key in found)
+            at = next_at
+        accepted: list[tuple[int, int, str, str]] = []
+        for _, start, end, detector, key in sorted(candidates, key=lambda c: (c[0], c[1], c[1] - c[2])):
+            if end > start and all(end <= a or start >= b for a, b, _, _ in accepted):
+                accepted.append((start, end, detector, key))
+        return sorted(accepted)
+
+    def _segment(self, s: str, names: Mapping[str, str]) -> Iterator[tuple[int, str, int, int, str]]:
+        if not s.strip():
+            return
+        for rank, (name, rx) in enumerate(self._patterns):
+            try:
+                for m in rx.finditer(s, timeout=PATTERN_TIMEOUT):
+                    yield rank, name, m.start(), m.end(), m.group()
+            except TimeoutError as e:
+                raise TimeoutError(f"redaction pattern {name!r} ran longer than {PATTERN_TIMEOUT}s "
+                                   f"on a {len(s)}-character text") from e
+        base = len(self._patterns)
+        for rank, (detector, find) in enumerate(_DETECTORS.items(), start=base):
+            for start, end, key in find(s):
+                yield rank, detector, start, end, key
+        if names:
+            for m in _names_regex(tuple(sorted(names))).finditer(s):
+                key = names.get(" ".join(m.group().split()).casefold(), m.group())
+                yield base + len(_DETECTORS), "person", m.start(), m.end(), key
+
+
+def detect(s: str, patterns: Mapping[str, str] | None = None) -> list[Finding]:
+    """What the detectors (and the name cues in ``s``) match in ``s``, with no names learned before."""
+    return Redactor(patterns).findings(s)
