@@ -17,7 +17,9 @@ def iso_utc(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
             value = value.replace(tzinfo=dt.timezone.utc)
-        return value.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        elif value.tzinfo is not dt.timezone.utc:
+            value = value.astimezone(dt.timezone.utc)
+        return value.isoformat().replace("+00:00", "Z")
     return value
 
 

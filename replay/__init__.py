@@ -1,4 +1,9 @@
-"""replay: conversation/v1 export and import, scenario writing, sim-vs-real comparison.
+"""replay: what production teaches the offline suite, and how real users compare with simulated ones.
 
-Built by a later issue; reads data through collector's store read API.
+- ``scenarios``: confirmed failures as scenario YAML, case JSONL and a proposed fix (``stage``: the
+  daemon's ``scenarios.on_confirm``); ``redact``: personal data out before anything is drafted or written.
+- ``export`` / ``imports``: production conversations out as conversation/v1, simulated ones in.
+- ``compare`` (``report``): the descriptive comparison of the two.
+
+It reads data through collector's store read API (the daemon's JSON API, else the file).
 """

@@ -17,11 +17,15 @@ from urllib.parse import quote, urlencode
 
 import duckdb
 from aiohttp import web
+from pydantic import ValidationError
+
+from judges import Conversation
 
 from .. import config, conversations
 from ..errors import StoreUnavailable, UserError
 from ..background import Stage
 from ..conversations.reindex import AlreadyRunning, Runner
+from ..evals import simulations
 from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
 from ..listing import MAX_LIMIT, iso_utc, parse_since
@@ -30,6 +34,7 @@ from ..review import page as review_page
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..store import Store
+from . import export
 from .errors import APIError, error_middleware
 from .guards import HostCheck, host_check, html_response, origin_check, token_check
 
@@ -62,10 +67,12 @@ class API:
         r.add_get("/api/spans/count", self.spans_count)
         r.add_get("/api/traces/{trace_id}", self.trace)
         r.add_get("/api/conversations", self.conversations)
+        r.add_get("/api/export/conversations", self.export_conversations)
         r.add_get("/api/conversations/{conversation_id}", self.conversation)
         r.add_get("/api/verdicts", self.verdicts)
         r.add_get("/api/stats", self.stats)
         r.add_post("/api/evals", self.eval_start)
+        r.add_post("/api/simulations", self.simulations_import)
         r.add_get("/api/evals/{eval_id}", self.eval_progress)
         r.add_post("/api/reindex", self.reindex_start)
         r.add_get("/api/reindex", self.reindex_progress)
@@ -188,6 +195,44 @@ class API:
         return web.json_response(record, dumps=_dumps)
 
 
+    async def export_conversations(self, request: web.Request) -> web.StreamResponse:
+        """``?since=&state=&sampled_only=1&criterion_failed=C``: conversation/v1 JSON lines, streamed a page
+        at a time (``export``), each page read on a cursor of its own in a worker thread."""
+        q = request.query
+        state = q.get("state") or None
+        if state not in (None, "open", "ended"):
+            raise APIError(400, "bad_parameter", f"state must be open or ended, not {state!r}")
+        sampled = q.get("sampled_only", "")
+        if sampled not in ("", "0", "1", "false", "true"):
+            raise APIError(400, "bad_parameter", f"sampled_only must be 1 or 0, not {sampled[:40]!r}")
+        f = export.ExportFilter(since=_since(q), state=state, sampled_only=sampled in ("1", "true"),
+                                criterion_failed=q.get("criterion_failed") or None)
+        # The first page before the answer starts: an error there still gets its status and JSON shape.
+        total, (lines, after) = await self.read(lambda cur: (export.count(cur, f), export.page(cur, f, None)))
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson; charset=utf-8",
+                                           export.TOTAL_HEADER: str(total)})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        try:
+            while True:
+                if lines:
+                    await resp.write(b"".join(lines))
+                if after is None:
+                    break
+                mark = after
+                lines, after = await self.read(lambda cur: export.page(cur, f, mark))
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client left
+        except Exception:
+            # Too late for an error status: the stream is cut without its last chunk, which the client
+            # reads as an incomplete answer, never as a whole export.
+            log.exception("the conversation export was cut off")
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("export cut off") from None
+        await resp.write_eof()
+        return resp
+
     # ------------------------------------------------------------ evals and review (JSON)
 
     async def verdicts(self, request: web.Request) -> web.Response:
@@ -207,22 +252,45 @@ class API:
     async def stats(self, request: web.Request) -> web.Response:
         q = request.query
         since = _since(q)
-        body = await self.read(lambda cur: review_stats.stats(cur, since=since, criterion=q.get("criterion") or None))
+        source = q.get("source") or "production"
+        if source not in review_stats.SOURCES:
+            raise APIError(400, "bad_parameter", f"source must be production or simulation, not {source[:40]!r}")
+        body = await self.read(lambda cur: review_stats.stats(cur, since=since, criterion=q.get("criterion") or None,
+                                                              source=source))
         return web.json_response(body, dumps=_dumps)
+
+    async def simulations_import(self, request: web.Request) -> web.Response:
+        """Store simulated conversations: ``{"records": [conversation/v1, ...]}``; ``{"stored", "already_imported"}``."""
+        body = await _json_object(request, {"records"})
+        records = body.get("records")
+        if not isinstance(records, list):
+            raise APIError(400, "bad_request", "records must be a list of conversation/v1 records")
+        try:
+            convs = [Conversation.model_validate(r) for r in records]
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            raise APIError(400, "bad_request", f"records: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None
+        try:
+            done = await self.read(lambda cur: simulations.store_simulations(cur, convs))
+        except simulations.SimulationError as exc:
+            raise APIError(400, "bad_request", str(exc)) from None
+        return web.json_response(done.to_dict())
 
     async def eval_start(self, request: web.Request) -> web.Response:
         """Start a ``tracejudge eval`` pass: ``{"since": "7d", "criteria": ["id", ...]}`` (both optional)."""
         if self.evaluator is None:
             raise APIError(503, "not_ready", "the evaluator is not running")
-        body = await _json_object(request, {"since", "criteria"})
+        body = await _json_object(request, {"since", "criteria", "source"})
         since, criteria = body.get("since"), body.get("criteria") or []
+        if body.get("source", "production") not in ("production", "simulation"):
+            raise APIError(400, "bad_request", "source must be production or simulation")
         if not isinstance(criteria, list) or not all(isinstance(c, str) for c in criteria):
             raise APIError(400, "bad_request", "criteria must be a list of criterion ids")
         if since is not None and not isinstance(since, str):
             raise APIError(400, "bad_request", "since must be a string such as 7d or an ISO 8601 time")
         when = _since({"since": since} if since else {})
         try:
-            progress = self.evaluator.start_backfill(when, criteria)
+            progress = self.evaluator.start_backfill(when, criteria, simulated=body.get("source") == "simulation")
         except UserError as exc:
             raise APIError(400, "bad_request", str(exc)) from None
         return web.json_response(progress.to_dict(), status=202)

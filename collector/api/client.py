@@ -9,25 +9,29 @@ to read, read-write only to record a review decision.
 from __future__ import annotations
 
 import datetime as dt
+import http.client
 import json
 import os
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from .. import conversations
 from ..config import Config, Retention
 from ..errors import UserError
-from ..evals import verdicts
+from ..evals import simulations, verdicts
 from ..listing import parse_since
 from ..retention import oldest_rows, storage_status
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..runtime import running_daemon
 from ..store import connect
+from . import export
+from .export import Export, ExportFilter
 
 
 DEMO_DIR = Path("tracejudge-demo")
@@ -50,9 +54,14 @@ class Client(Protocol):
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
                  since: str | None, limit: int) -> list[dict[str, Any]]: ...
 
-    def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]: ...
+    def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]: ...
+
+    def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
+                             criterion_failed: str | None) -> Export: ...
 
     def close(self) -> None: ...
 
@@ -76,26 +85,33 @@ class APIClient:
             UserError: the daemon answered with an error (its message), or did not answer.
         """
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method="GET" if body is None else "POST")
+        try:
+            with self._open(path, data) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404 and missing_ok:
+                return None
+            raise self._answered(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise UserError(f"cannot reach the daemon at {self.base}: {exc}") from None
+
+    def _open(self, path: str, data: bytes | None = None) -> Any:
+        req = urllib.request.Request(self.base + path, data=data, method="GET" if data is None else "POST")
         if data is not None:
             req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
+        return urllib.request.urlopen(req, timeout=60)  # noqa: S310 (the daemon's API)
+
+    def _answered(self, exc: urllib.error.HTTPError) -> UserError:
+        """The error the daemon answered, as the one line to print."""
         try:
-            with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 (the daemon's API)
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            try:
-                err = json.loads(exc.read())["error"]
-            except (ValueError, KeyError, TypeError):
-                err = {"code": str(exc.code), "message": exc.reason}
-            if exc.code == 404 and missing_ok:
-                return None
-            if exc.code in (400, 404, 409):  # the request was wrong: the daemon's words are the message
-                raise UserError(err["message"]) from None
-            raise UserError(f"the daemon at {self.base} answered {exc.code}: {err['message']}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise UserError(f"cannot reach the daemon at {self.base}: {exc}") from None
+            err = json.loads(exc.read())["error"]
+        except (ValueError, KeyError, TypeError):
+            err = {"code": str(exc.code), "message": exc.reason}
+        if exc.code in (400, 404, 409):  # the request was wrong: the daemon's words are the message
+            return UserError(err["message"])
+        return UserError(f"the daemon at {self.base} answered {exc.code}: {err['message']}")
 
     def get(self, path: str) -> Any:
         return self.request(path)
@@ -130,14 +146,57 @@ class APIClient:
                                                  since=since, limit=limit))
         return list(body["verdicts"])
 
-    def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion))
+    def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
+        body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion,
+                                                               source=None if source == "production" else source))
         return body
+
+    def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]:
+        done: dict[str, int] = self.request("/api/simulations", {"records": records}, missing_ok=False)
+        return done
 
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = self.get("/api/status")
         body["daemon"] = self.base
         return body
+
+    def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
+                             criterion_failed: str | None) -> Export:
+        """``GET /api/export/conversations``: the lines as the daemon streams them.
+
+        Raises:
+            UserError: the daemon refused the request, could not be reached, or the stream was cut
+                off (the daemon's log says why); raised while iterating for a cut.
+        """
+        path = "/api/export/conversations" + _query(
+            since=since, state=state, sampled_only=1 if sampled_only else None, criterion_failed=criterion_failed)
+        try:
+            resp = self._open(path)
+        except urllib.error.HTTPError as exc:
+            raise self._answered(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise UserError(f"cannot reach the daemon at {self.base}: {exc}") from None
+        return Export(int(resp.headers.get(export.TOTAL_HEADER) or 0), self._stream(resp), resp.close)
+
+    def _stream(self, resp: Any) -> Iterator[bytes]:
+        # Read in blocks, never line by line: http.client's readline takes a chunked answer cut short
+        # (the daemon failed mid-way) for its end, where read raises IncompleteRead.
+        parts: list[bytes] = []  # of the line not ended yet
+        try:
+            with resp:
+                while block := resp.read(1 << 16):
+                    start = 0
+                    while (end := block.find(b"\n", start)) != -1:
+                        parts.append(block[start:end + 1])
+                        yield b"".join(parts)
+                        parts, start = [], end + 1
+                    if start < len(block):
+                        parts.append(block[start:])
+        except (http.client.HTTPException, OSError) as exc:
+            raise UserError(f"the export from the daemon at {self.base} was cut off ({type(exc).__name__}); "
+                            "its log says why") from None
+        if parts:  # the daemon ends every line; a last one without its newline is a cut too
+            raise UserError(f"the export from the daemon at {self.base} ended inside a line")
 
     def close(self) -> None:
         return None
@@ -205,13 +264,40 @@ class FileClient:
         return verdicts.list_verdicts(self.con, result=result, criterion=criterion, conversation=conversation,
                                    since=_since(since), limit=limit)
 
-    def stats(self, *, since: str | None, criterion: str | None) -> dict[str, Any]:
+    def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
         if not self._evals():
             ended = self.con.execute("SELECT count(*) FROM conversations WHERE state = 'ended'").fetchone()
+            counts: dict[str, Any] = ({"imported": 0, "judged": 0} if source == "simulation" else
+                      {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0, "skipped": {}, "judged": 0})
             return {"criteria": [], "groups": [], "tokens": {"input_tokens": 0, "output_tokens": 0},
-                    "conversations": {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0,
-                                      "skipped": {}, "judged": 0}}
-        return review_stats.stats(self.con, since=_since(since), criterion=criterion)
+                    "conversations": counts}
+        return review_stats.stats(self.con, since=_since(since), criterion=criterion,
+                                  source="simulation" if source == "simulation" else "production")
+
+    def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]:
+        from judges import Conversation
+
+        convs = [Conversation.model_validate(r) for r in records]
+        self.con.close()
+        con = connect(self.path)  # a write without the daemon, as for decisions
+        try:
+            simulations.ensure_schema(con)
+            return simulations.store_simulations(con, convs).to_dict()
+        finally:
+            con.close()
+            self.con = connect(self.path, read_only=True)
+            self.tables.add("simulated_conversations")
+
+    def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
+                             criterion_failed: str | None) -> Export:
+        if state not in (None, "open", "ended"):
+            raise UserError(f"state must be open or ended, not {state!r}")
+        f = ExportFilter(since=_since(since), state=state, sampled_only=sampled_only,
+                         criterion_failed=criterion_failed or None)
+        # Every page scans the messages: without a limit DuckDB would keep the whole file cached as it goes.
+        self.con.execute(f"SET memory_limit = '{export.FILE_MEMORY_LIMIT}'")
+        evals = self._evals()
+        return Export(export.count(self.con, f, evals=evals), export.lines(self.con, f, evals=evals))
 
     def status(self) -> dict[str, Any]:
         row = self.con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()

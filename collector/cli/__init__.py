@@ -29,6 +29,7 @@ COMMANDS = {
     "stats": "collector.cli.stats:stats",
     "status": "collector.cli.status:status",
     "eval": "collector.cli.eval:eval_cmd",
+    "replay": "collector.cli.replay:replay",
     "scenarios": "collector.cli.scenarios:scenarios",
 }
 

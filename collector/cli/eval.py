@@ -47,8 +47,12 @@ class _Bar:
             self.bar.__exit__(None, None, None)
 
 
-def _through_daemon(api: APIClient, since: str | None, criteria: list[str], bar: _Bar) -> dict[str, Any]:
-    progress = api.request("/api/evals", {"since": since, "criteria": criteria}, missing_ok=False)
+def _through_daemon(api: APIClient, since: str | None, criteria: list[str], simulated: bool,
+                    bar: _Bar) -> dict[str, Any]:
+    body: dict[str, Any] = {"since": since, "criteria": criteria}
+    if simulated:
+        body["source"] = "simulation"
+    progress = api.request("/api/evals", body, missing_ok=False)
     while not progress["finished"]:
         bar.update(progress["done"], progress["total"])
         time.sleep(0.5)
@@ -57,7 +61,7 @@ def _through_daemon(api: APIClient, since: str | None, criteria: list[str], bar:
     return dict(progress)
 
 
-def _in_process(cfg: Config, since: str | None, criteria: list[str], bar: _Bar) -> dict[str, Any]:
+def _in_process(cfg: Config, since: str | None, criteria: list[str], simulated: bool, bar: _Bar) -> dict[str, Any]:
     when = parse_since(since) if since else None
     all_criteria = load_configured_criteria(cfg)
     if not all_criteria:
@@ -78,7 +82,7 @@ def _in_process(cfg: Config, since: str | None, criteria: list[str], bar: _Bar) 
             judging.bind()
             chosen = judging.subset(criteria) if criteria else judging
             progress = Backfill(id=1)
-            task = asyncio.ensure_future(run_backfill(con, chosen, backfill_jobs(con, when), progress,
+            task = asyncio.ensure_future(run_backfill(con, chosen, backfill_jobs(con, when, simulated=simulated), progress,
                                                       parallel=2 * cfg.judges.concurrency))
             try:
                 while not task.done():
@@ -100,7 +104,10 @@ def _in_process(cfg: Config, since: str | None, criteria: list[str], bar: _Bar) 
 @click.option("--since", help="Only conversations ended since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--criterion", "criteria", multiple=True,
               help="Only this criterion id (repeatable) [default: every criterion in judges.criteria].")
-def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteria: tuple[str, ...]) -> None:
+@click.option("--source", type=click.Choice(["production", "simulation"]), default="production", show_default=True,
+              help="simulation: judge the simulated conversations tracejudge replay import stored instead.")
+def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteria: tuple[str, ...],
+             source: str) -> None:
     """Judge the sampled conversations already stored, with the criteria of the config.
 
     Backfills a new criterion, or a new version of one, over past traffic:
@@ -108,6 +115,8 @@ def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteri
     criteria that have no verdict on its current transcript yet; what already
     has one is not judged again. Runs inside the daemon when one serves this
     config (through its API), else on the DuckDB file, by the same code.
+    With --source simulation it judges the stored simulated conversations
+    (imported since --since) instead; their fails open no review items.
     """
     cfg = load(config_path)
     if since:
@@ -116,12 +125,14 @@ def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteri
         except ValueError as exc:
             raise UserError(str(exc)) from None
     bar = _Bar()
+    simulated = source == "simulation"
     info = running_daemon(cfg.runtime_file)
     run: Callable[[], dict[str, Any]]
     if info is not None:
-        run = lambda: _through_daemon(APIClient(info.api, cfg.api.auth.bearer_token), since, list(criteria), bar)
+        run = lambda: _through_daemon(APIClient(info.api, cfg.api.auth.bearer_token), since, list(criteria),
+                                      simulated, bar)
     else:
-        run = lambda: _in_process(cfg, since, list(criteria), bar)
+        run = lambda: _in_process(cfg, since, list(criteria), simulated, bar)
     try:
         result = run()
     finally:
@@ -129,7 +140,8 @@ def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteri
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(f"judged {result['done']} of {plural(result['total'], 'sampled conversation')}: "
+        what = "simulated conversation" if simulated else "sampled conversation"
+        click.echo(f"judged {result['done']} of {plural(result['total'], what)}: "
                    f"{plural(result['verdicts'], 'new verdict')}, {result['skipped']} already judged on the same "
                    f"transcript, {result['not_run']} not run, {plural(result['errors'], 'error')}"
                    + (" (tracejudge verdicts --result error)" if result["errors"] else ""))

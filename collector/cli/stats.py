@@ -56,17 +56,55 @@ def render(stats: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
+def render_by_source(by: dict[str, dict[str, Any]]) -> str:
+    """Offline and online failure rates of the same criteria, side by side."""
+    prod, sim = by["production"], by["simulation"]
+    out = [f"production: {prod['conversations']['judged']} conversations judged; simulation: "
+           f"{sim['conversations']['judged']} of {sim['conversations']['imported']} imported judged"]
+    entries = {side: {e["criterion_id"]: e for e in body["criteria"]} for side, body in by.items()}
+    ids = sorted(set(entries["production"]) | set(entries["simulation"]))
+    if not ids:
+        out.append("no verdicts yet")
+        return "\n\n".join(out)
+
+    def cell(e: dict[str, Any] | None) -> list[str]:
+        if e is None:
+            return ["-", "-", "-"]
+        r = e["failure_rate"]
+        return [str(e["judged"]), str(e["fail"]), "-" if r is None else rate_text(r["estimate"], r["low"], r["high"],
+                                                                                  r["method"])]
+
+    rows = [["criterion", "prod judged", "prod fail", "production failure rate (95% CI)", "sim judged",
+             "sim fail", "simulation failure rate (95% CI)"]]
+    rows += [[cid, *cell(entries["production"].get(cid)), *cell(entries["simulation"].get(cid))] for cid in ids]
+    out.append(table(rows, align="lrrlrrl"))
+    out.append("production rates weigh each verdict by 1/inclusion probability; simulated conversations weigh 1 "
+               "each (tracejudge replay import, then tracejudge eval --source simulation)")
+    return "\n\n".join(out)
+
+
 @click.command()
 @config_option
 @json_option
 @click.option("--since", help="Only verdicts since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--criterion", help="Only this criterion id.")
-def stats(config_path: Path | None, as_json: bool, since: str | None, criterion: str | None) -> None:
+@click.option("--by", "by", type=click.Choice(["source"]),
+              help="source: production and simulated conversations side by side ({\"by_source\": {...}} in JSON).")
+def stats(config_path: Path | None, as_json: bool, since: str | None, criterion: str | None,
+          by: str | None) -> None:
     """Counts, failure rates for all production traffic (weighted, with 95% intervals) and review outcomes.
 
     Counts are raw counts of current verdicts (one per conversation and
     criterion, on its newest transcript). The failure rate is among applicable
     verdicts (pass + fail), each weighted by 1 / its inclusion probability.
+    Simulated conversations (tracejudge replay import) are never counted in
+    production's figures; --by source shows theirs beside them.
     """
+    if by == "source":
+        both = ask(config_path, lambda c: {s: c.stats(since=since, criterion=criterion, source=s)
+                                           for s in ("production", "simulation")})
+        click.echo(json.dumps({"by_source": both}, ensure_ascii=False, indent=2) if as_json
+                   else render_by_source(both))
+        return
     body = ask(config_path, lambda c: c.stats(since=since, criterion=criterion))
     click.echo(json.dumps(body, ensure_ascii=False, indent=2) if as_json else render(body))

@@ -2,7 +2,9 @@
 
 ``conversation_v1`` turns a ``Transcript`` into the record; ``conversation_record``
 reads a stored conversation back into a ``Transcript`` (``stored_transcript``)
-and hands it to the same builder. The API, the CLI, the evaluator, the review page and exports all read
+and hands it to the same builder (``stored_record``). ``stored_transcripts`` is
+the same read for many conversations at once (a page of an export), their
+messages in one query. The API, the CLI, the evaluator, the review page and exports all read
 conversations through it, so what a judge is shown is what a reviewer and an
 export see.
 """
@@ -10,7 +12,7 @@ export see.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import duckdb
 import orjson
@@ -59,6 +61,34 @@ def conversation_v1(transcript: Transcript, conversation_id: str, ended_by: str 
     return record
 
 
+STORED_COLUMNS = (
+    "conversation_id", "service", "started_at", "ended_at", "state", "ended_by", "system", "models", "input_tokens",
+    "output_tokens", "trace_ids", "llm_calls", "content_captured", "no_content_reason", "revision", "transcript_hash",
+    "user_turns", "unparsed_spans", "unparsed_logs", "sources",
+)
+"""The ``conversations`` columns ``stored_transcripts`` reads a transcript from, in the order it takes them."""
+
+
+class StoredFacts(NamedTuple):
+    """What a stored conversation says beside its transcript."""
+
+    state: str
+    ended_by: str | None
+    revision: int
+    transcript_hash: str
+    user_turns: int
+
+
+def stored_select(alias: str = "") -> str:
+    """The select list of ``STORED_COLUMNS``, each prefixed with ``alias`` (``"c."``)."""
+    return ", ".join(f"timezone('UTC', {alias}{c}) AS {c}" if c in _TIMES else alias + c for c in STORED_COLUMNS)
+
+
+# Times are read as UTC wall-clock TIMESTAMPs: DuckDB hands a TIMESTAMPTZ to Python in the session's zone,
+# a conversion that costs more than the rest of a message's read.
+_TIMES = frozenset({"started_at", "ended_at"})
+
+
 def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> dict[str, Any] | None:
     """The conversation/v1 record of a stored conversation, or None.
 
@@ -67,44 +97,88 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
     stored = stored_transcript(cur, conversation_id)
     if stored is None:
         return None
-    transcript, (state, ended_by, revision, digest, user_turns) = stored
-    return conversation_v1(transcript, conversation_id, ended_by if state == "ended" and ended_by else "open",
-                           attributes={"revision": revision, "transcript_hash": digest, "user_turns": user_turns})
+    return stored_record(conversation_id, *stored)
+
+
+def stored_record(conversation_id: str, transcript: Transcript, facts: StoredFacts, *,
+                  sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The conversation/v1 record of a transcript read back by ``stored_transcripts`` (``conversation_v1``
+    with the stored ``ended_by`` and the stored facts under ``attributes``)."""
+    ended_by = facts.ended_by if facts.state == "ended" and facts.ended_by else "open"
+    return conversation_v1(transcript, conversation_id, ended_by, sampling=sampling,
+                           attributes={"revision": facts.revision, "transcript_hash": facts.transcript_hash,
+                                       "user_turns": facts.user_turns})
 
 
 def stored_transcript(cur: duckdb.DuckDBPyConnection, conversation_id: str
-                      ) -> tuple[Transcript, tuple[str, str | None, int, str, int]] | None:
+                      ) -> tuple[Transcript, StoredFacts] | None:
     """A stored conversation read back into a ``Transcript``, with its (state, ended_by, revision,
     transcript_hash, user_turns); None when it is not stored."""
-    row = cur.execute(
-        "SELECT service, started_at, ended_at, state, ended_by, system, models, input_tokens, output_tokens, "
-        "trace_ids, llm_calls, content_captured, no_content_reason, revision, transcript_hash, user_turns, "
-        "unparsed_spans, unparsed_logs, sources FROM conversations WHERE conversation_id = ?",
-        [conversation_id]).fetchone()
-    if row is None:
-        return None
-    (service, started, ended, state, ended_by, system, models, inp, out, trace_ids, llm_calls, captured,
-     reason, revision, digest, user_turns, unparsed_spans, unparsed_logs, sources) = row
-    messages = tuple(
-        TranscriptMessage(role=role, content=content or "", tool_calls=tuple(
-            ToolCall(tc.get("id"), tc["name"], tc.get("arguments")) for tc in orjson.loads(tool_calls or "[]")),
-            tool_call_id=tool_call_id or None, name=name or None, at=_utc(at), span_id=span_id or None,
-            source=source, truncated=bool(truncated))
-        for role, content, tool_calls, tool_call_id, name, at, span_id, source, truncated in cur.execute(
-            "SELECT role, content, tool_calls, tool_call_id, name, \"at\", span_id, source, truncated FROM messages "
-            "WHERE conversation_id = ? ORDER BY seq", [conversation_id]).fetchall())
-    transcript = Transcript(
-        messages=messages, system=system, models=tuple(orjson.loads(models or "[]")),
-        usage=None if inp is None and out is None else Usage(inp or 0, out or 0),
-        trace_ids=tuple(orjson.loads(trace_ids or "[]")), service=service, started_at=_utc(started),
-        ended_at=_utc(ended), llm_calls=llm_calls, content_captured=bool(captured), no_content_reason=reason,
-        unparsed_spans=unparsed_spans or 0, unparsed_logs=unparsed_logs or 0,
-        sources=tuple(orjson.loads(sources or "[]")))
-    return transcript, (state, ended_by, revision, digest, user_turns)
+    rows = cur.execute(f"SELECT {stored_select()} FROM conversations WHERE conversation_id = ?",
+                       [conversation_id]).fetchall()
+    found = stored_transcripts(cur, rows)
+    return (found[0][1], found[0][2]) if found else None
+
+
+def stored_transcripts(cur: duckdb.DuckDBPyConnection, rows: Sequence[Sequence[Any]]
+                       ) -> list[tuple[str, Transcript, StoredFacts]]:
+    """Stored conversations read back into ``Transcript``s, their messages in one query.
+
+    Args:
+        rows: ``conversations`` rows selected as ``stored_select`` lists the columns (more columns
+            after those are ignored), in the order wanted.
+
+    Returns:
+        ``(conversation_id, transcript, facts)`` in the order of ``rows``.
+    """
+    if not rows:
+        return []
+    ids = [r[0] for r in rows]
+    if len(ids) == 1:
+        found = cur.execute(f"SELECT {_MESSAGE_SELECT} FROM messages WHERE conversation_id = ? ORDER BY seq",
+                            ids).fetchall()
+    else:
+        # The range lets the scan skip row groups outside it (a keyset page's ids are neighbours); the list
+        # keeps only these conversations (a filtered page leaves others between them).
+        found = cur.execute(
+            f"SELECT {_MESSAGE_SELECT} FROM messages WHERE conversation_id BETWEEN ? AND ? "
+            "AND conversation_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY conversation_id, seq",
+            [min(ids), max(ids), ids]).fetchall()
+    messages: dict[str, list[TranscriptMessage]] = {}
+    for cid, role, content, tool_calls, tool_call_id, name, at, span_id, source, truncated in found:
+        messages.setdefault(cid, []).append(TranscriptMessage(
+            role=role, content=content or "", tool_calls=_tool_calls(tool_calls), tool_call_id=tool_call_id or None,
+            name=name or None, at=_utc(at), span_id=span_id or None, source=source, truncated=bool(truncated)))
+    out = []
+    for row in rows:
+        (cid, service, started, ended, state, ended_by, system, models, inp, out_tokens, trace_ids, llm_calls,
+         captured, reason, revision, digest, user_turns, unparsed_spans, unparsed_logs, sources) = row[:_STORED]
+        transcript = Transcript(
+            messages=tuple(messages.get(cid, ())), system=system, models=tuple(orjson.loads(models or "[]")),
+            usage=None if inp is None and out_tokens is None else Usage(inp or 0, out_tokens or 0),
+            trace_ids=tuple(orjson.loads(trace_ids or "[]")), service=service, started_at=_utc(started),
+            ended_at=_utc(ended), llm_calls=llm_calls, content_captured=bool(captured), no_content_reason=reason,
+            unparsed_spans=unparsed_spans or 0, unparsed_logs=unparsed_logs or 0,
+            sources=tuple(orjson.loads(sources or "[]")))
+        out.append((cid, transcript, StoredFacts(state, ended_by, revision, digest, user_turns)))
+    return out
+
+
+_STORED = len(STORED_COLUMNS)
+_MESSAGE_SELECT = ("conversation_id, role, content, tool_calls, tool_call_id, name, timezone('UTC', \"at\") AS \"at\", "
+                   "span_id, source, truncated")
+
+
+def _tool_calls(text: str | None) -> tuple[ToolCall, ...]:
+    if not text or text == "[]":
+        return ()
+    return tuple(ToolCall(tc.get("id"), tc["name"], tc.get("arguments")) for tc in orjson.loads(text))
 
 
 def _utc(value: dt.datetime | None) -> dt.datetime | None:
     # DuckDB hands TIMESTAMPTZ back in the session's zone (naive ones are UTC); the record speaks UTC.
     if value is None:
         return None
-    return (value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)).astimezone(dt.timezone.utc)
+    if value.tzinfo is None:
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value if value.tzinfo is dt.timezone.utc else value.astimezone(dt.timezone.utc)

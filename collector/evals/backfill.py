@@ -1,7 +1,8 @@
 """``tracejudge eval``: judge stored conversations (a new criterion, a provider that came late).
 
-A pass judges sampled, ended conversations on the criteria that have no
-verdict on their current transcript yet, with the daemon's ``Judging``,
+A pass judges sampled, ended conversations (or, with ``--source simulation``,
+the stored simulated ones) on the criteria that have no verdict on their
+current transcript yet, with the daemon's ``Judging``,
 updating a ``Backfill`` as each conversation ends, inside the daemon when one
 runs (``Evaluator.start_backfill``) or on the file.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import duckdb
 
 from .judging import Job, Judging
+from .simulations import simulation_ids
 
 
 @dataclass
@@ -39,8 +41,12 @@ class Backfill:
         return dict(self.__dict__)
 
 
-def backfill_jobs(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None) -> list[Job]:
-    """Sampled, ended conversations (closed at or after ``since``), oldest first."""
+def backfill_jobs(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, *,
+                  simulated: bool = False) -> list[Job]:
+    """Sampled, ended conversations (closed at or after ``since``), oldest first; or with ``simulated``
+    the stored simulated conversations (imported at or after ``since``)."""
+    if simulated:
+        return [Job.simulation(cid) for cid in simulation_ids(cur, since)]
     params: list[Any] = []
     where = "c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL"
     if since is not None:

@@ -212,7 +212,8 @@ class Evaluator(Stage):
             with contextlib.suppress(RuntimeError):  # its loop has ended already
                 self._loop.call_soon_threadsafe(self._woken.set)
 
-    def start_backfill(self, since: dt.datetime | None, criterion_ids: Sequence[str]) -> Backfill:
+    def start_backfill(self, since: dt.datetime | None, criterion_ids: Sequence[str], *,
+                       simulated: bool = False) -> Backfill:
         """Start a ``tracejudge eval`` pass on this stage's loop; poll the returned progress.
 
         Raises:
@@ -227,7 +228,7 @@ class Evaluator(Stage):
         cur = self.cur
 
         async def run() -> None:
-            jobs = backfill_jobs(cur, since)
+            jobs = backfill_jobs(cur, since, simulated=simulated)
             try:
                 await run_backfill(cur, judging, jobs, progress, parallel=self.max_in_flight)
             except Exception:  # noqa: BLE001

@@ -34,7 +34,7 @@ from judges import (
 from ..conversations.record import conversation_record
 from ..errors import UserError
 from ..store.transactions import Transaction
-from . import verdicts
+from . import simulations, verdicts
 
 PROGRESS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS eval_progress (
@@ -97,6 +97,12 @@ class Job:
     """The sampling rule that picked it: ``rules[0]``, ... or ``default``."""
     only_errors: bool = False
     """A retry: only the criteria whose current verdict is an error."""
+    simulated: bool = False
+    """A simulated conversation (``simulations``): read from there, and its fails open no review item."""
+
+    @classmethod
+    def simulation(cls, conversation_id: str) -> "Job":
+        return cls(conversation_id, 0, 1.0, simulations.RULE, simulated=True)
 
 
 @dataclass
@@ -177,10 +183,14 @@ class Judging:
 
     def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None:
         """The conversation record, and the criteria that still need a verdict on its current transcript."""
-        record = conversation_record(cur, job.conversation_id)
+        if job.simulated:
+            record = simulations.simulated_record(cur, job.conversation_id)
+        else:
+            record = conversation_record(cur, job.conversation_id)
+            if record is not None:
+                record["sampling"] = {"probability": job.probability, "rule": job.rule}
         if record is None:
             return None
-        record["sampling"] = {"probability": job.probability, "rule": job.rule}
         conversation = Conversation.model_validate(record)
         sha = transcript_sha256(conversation.messages)
         rows = cur.execute(
@@ -220,7 +230,7 @@ class Judging:
                 job, run = o.job, o.run
                 o.stored = verdicts.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
                                                    now=now, current={job.conversation_id: o.sha256})
-                if self.on_stored is not None:
+                if self.on_stored is not None and not job.simulated:  # reviewers review production
                     self.on_stored(cur, o.stored, now)
                 if run.not_run:
                     verdicts.store_not_run(cur, run.not_run, now=now)
@@ -244,4 +254,5 @@ class Judging:
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     """The tables of the evals stage: verdicts and the rest (``verdicts``), and the progress rows."""
     verdicts.ensure_schema(cur)
+    simulations.ensure_schema(cur)
     cur.execute(PROGRESS_SCHEMA)

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter, defaultdict
-from typing import Any
+from typing import Any, Literal
 
 import duckdb
 
 from judges import weighted_proportion
 
+from ..evals import simulations
+from ..evals.simulations import simulated_sql
 from ..evals.verdicts import verdict_filters, where_clause
+
+Source = Literal["production", "simulation"]
+SOURCES: tuple[Source, ...] = ("production", "simulation")
 
 _COUNTED = ("pass", "fail", "not_applicable", "error", "not_run", "pass_unverified", "flagged")
 
@@ -68,17 +73,28 @@ class _Tally:
         }
 
 
-def _current(since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
+def _of_source(cur: duckdb.DuckDBPyConnection, source: Source, column: str = "conversation_id") -> str:
+    if not simulations.present(cur):
+        return "TRUE" if source == "production" else "FALSE"
+    return simulated_sql(column, negate=source != "simulation")
+
+
+def _current(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
+             source: Source) -> tuple[str, list[Any]]:
     """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
     where, params = verdict_filters(criterion=criterion, since=since)
-    where.append("NOT superseded")
+    where += ["NOT superseded", _of_source(cur, source)]
     return (f"SELECT * FROM verdicts {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
             "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
 
 def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
-          criterion: str | None = None) -> dict[str, Any]:
+          criterion: str | None = None, source: Source = "production") -> dict[str, Any]:
     """Counts, honest failure rates and review outcomes, per criterion and per group.
+
+    Of production traffic by default; ``source="simulation"`` gives the same figures for the
+    simulated conversations ``replay import`` stored (each verdict weighs 1: a suite is not a sample),
+    whose ``conversations`` are ``{"imported", "judged"}``.
 
     Counts are raw counts of current verdicts: for each conversation and
     criterion the verdict on its current transcript with the newest criterion
@@ -92,6 +108,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
     Args:
         since: only verdicts judged (and conversations ended, decided, not run) at or after this time.
         criterion: only this criterion id.
+        source: ``production`` or ``simulation``.
 
     Returns:
         ``{"criteria": [...], "groups": [...], "conversations": {"ended", "sampled",
@@ -104,7 +121,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         ``errors`` (by reason code) and ``not_run_reasons``; group entries have
         ``group`` in place of the criterion's id, version and group.
     """
-    current, params = _current(since, criterion)
+    current, params = _current(cur, since, criterion, source)
     # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
     rows = cur.execute(
         "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
@@ -114,7 +131,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
         params).fetchall()
     nr_where = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
+                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)", _of_source(cur, source, "n.conversation_id")]
     nr_params: list[Any] = []
     if criterion is not None:
         nr_where.append("n.criterion_id = ?")
@@ -142,13 +159,16 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
             t.counts["not_run"] += n
             t.not_run_reasons[reason] += n
-    judged = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
+    judged_row = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
+    judged = int(judged_row[0]) if judged_row else 0
+    conversations = ({"imported": simulations.count(cur), "judged": judged} if source == "simulation"
+                     else {**_conversation_counts(cur, since), "judged": judged})
     return {
         "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
                       **crits[cid].entry()} for cid in sorted(crits)],
         "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
-        "conversations": {**_conversation_counts(cur, since), "judged": int(judged[0]) if judged else 0},
-        "tokens": _tokens(cur, since, criterion),
+        "conversations": conversations,
+        "tokens": _tokens(cur, since, criterion, source),
     }
 
 
@@ -175,9 +195,11 @@ def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | No
     }
 
 
-def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None) -> dict[str, int]:
+def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
+            source: Source) -> dict[str, int]:
     # Tokens are money spent: superseded verdicts count too.
     where, params = verdict_filters(criterion=criterion, since=since)
+    where.append(_of_source(cur, source))
     row = cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
                       f"{where_clause(where)}", params).fetchone()
     return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}

@@ -8,14 +8,13 @@ step is kept beside the test's daemon, in its tmp folder).
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ..support.browser import chromium
 from ..support.daemon import DaemonProcess
 from ..support.review import (
     CARRIER,
@@ -27,30 +26,12 @@ from ..support.review import (
     wait_items,
 )
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium and chromium-driver are missing: .ci/run installs them")
-        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--window-size=1400,1000", f"--user-data-dir={tmp_path / 'chromium'}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    try:
+    with chromium(tmp_path / "chromium", window="1400,1000", extra=()) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def _decide(browser: Any, daemon: DaemonProcess, url: str, decision: str, shots: Path) -> None:

@@ -1,0 +1,112 @@
+"""``tracejudge replay import``, ``eval --source simulation`` and ``stats --by source``: simulated conversations
+stored beside real ones, never sampled, judged on demand with the same criteria, compared side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.daemon import DaemonProcess, clean_env, run_cli
+from tests.support.review import CARRIER, CARRIER_ANSWER, carrier_conversation, send_conversations, start_daemon, \
+    stop_daemon, wait_items
+
+
+def _sim(i: int, *, fail: bool) -> dict[str, Any]:
+    return {"schema": "conversation/v1", "id": f"sim-{i}", "source": "simulation", "persona_id": f"case-{i % 3}",
+            "ended_by": "goal_reached", "messages": [
+                {"role": "user", "content": "Where is my parcel?"},
+                {"role": "assistant", "content": CARRIER_ANSWER if fail else "It is at the depot."}]}
+
+
+def _write(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _cli(config: Path, *args: str, rc: int = 0) -> Any:
+    res = run_cli(*args, "--config", str(config), env=clean_env())
+    assert res.returncode == rc, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    return res
+
+
+def _json(config: Path, *args: str) -> Any:
+    return json.loads(_cli(config, *args, "--json").stdout)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Any:
+    d = start_daemon(tmp_path)
+    yield d
+    stop_daemon(d)
+
+
+def _entry(stats: dict[str, Any], criterion: str) -> dict[str, Any]:
+    return next(e for e in stats["criteria"] if e["criterion_id"] == criterion)
+
+
+def test_simulated_conversations_are_imported_judged_on_demand_and_compared(daemon: DaemonProcess,
+                                                                             tmp_path: Path) -> None:
+    send_conversations(daemon.grpc, [carrier_conversation("real-1")])
+    wait_items(daemon, {("real-1", CARRIER)})
+    sims = _write(tmp_path / "sim.jsonl", [_sim(i, fail=i < 3) for i in range(10)])
+    cfg = daemon.config_path
+
+    assert _json(cfg, "replay", "import", str(sims)) == {"stored": 10, "already_imported": 0}
+    assert _json(cfg, "replay", "import", str(sims)) == {"stored": 0, "already_imported": 10}  # idempotent by id
+    status = daemon.get("/api/stats")[1]
+    assert status["conversations"]["sampled"] == 1  # the evaluator never samples them
+
+    judged = _json(cfg, "eval", "--source", "simulation")
+    assert judged["total"] == 10 and judged["done"] == 10 and judged["errors"] == 0
+    by = _json(cfg, "stats", "--by", "source")["by_source"]
+    prod, sim = _entry(by["production"], CARRIER), _entry(by["simulation"], CARRIER)
+    assert (prod["judged"], prod["fail"]) == (1, 1)
+    assert (sim["judged"], sim["fail"], sim["pass"]) == (10, 3, 7)
+    assert sim["failure_rate"]["estimate"] == pytest.approx(0.3)
+    assert by["simulation"]["conversations"] == {"imported": 10, "judged": 10}
+    assert by["production"]["conversations"]["judged"] == 1
+    # Production's figures are production's alone, and simulated fails open no review item.
+    assert _entry(daemon.get("/api/stats")[1], CARRIER)["judged"] == 1
+    items = daemon.get("/api/review?state=all&limit=1000")[1]["items"]
+    assert not [i for i in items if i["conversation_id"].startswith("sim-")]
+    text = _cli(cfg, "stats", "--by", "source").stdout
+    assert "simulation failure rate" in text and CARRIER in text
+
+    # The same on the file, with no daemon: the new ones only, judged once.
+    stop_daemon(daemon)
+    more = _write(tmp_path / "more.jsonl", [_sim(i, fail=True) for i in range(8, 12)])
+    assert _json(cfg, "replay", "import", str(more)) == {"stored": 2, "already_imported": 2}
+    again = _json(cfg, "eval", "--source", "simulation")
+    # Four criteria: the two new ones are judged on each, the ten judged before on none.
+    assert again["total"] == 12 and again["verdicts"] == 2 * 4 and again["skipped"] == 10 * 4
+    sim = _entry(_json(cfg, "stats", "--by", "source")["by_source"]["simulation"], CARRIER)
+    assert (sim["judged"], sim["fail"]) == (12, 5)
+
+
+@pytest.mark.parametrize("line, error", [
+    ("{not json", "sim.jsonl:2: not JSON"),
+    (json.dumps({**_sim(9, fail=False), "schema": "conversation/v2"}), "sim.jsonl:2: schema is 'conversation/v2'"),
+    (json.dumps({k: v for k, v in _sim(9, fail=False).items() if k != "messages"}), "sim.jsonl:2: messages"),
+    (json.dumps({**_sim(9, fail=False), "source": "production"}), "has source 'production'"),
+    ("[1, 2]", "sim.jsonl:2: expected a JSON object"),
+])
+def test_a_bad_line_is_named_and_nothing_is_stored(daemon: DaemonProcess, tmp_path: Path, line: str,
+                                                   error: str) -> None:
+    cfg = daemon.config_path
+    sims = _write(tmp_path / "sim.jsonl", [_sim(1, fail=False), line])
+    res = _cli(cfg, "replay", "import", str(sims), rc=2)
+    assert error in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert _json(cfg, "replay", "import", str(_write(tmp_path / "ok.jsonl", [_sim(1, fail=False)]))) == {
+        "stored": 1, "already_imported": 0}  # the good line of the bad file was not stored before
+
+
+def test_a_simulated_id_that_is_a_production_conversation_is_refused(daemon: DaemonProcess, tmp_path: Path) -> None:
+    send_conversations(daemon.grpc, [carrier_conversation("real-2")])
+    wait_items(daemon, {("real-2", CARRIER)})
+    sims = _write(tmp_path / "sim.jsonl", [{**_sim(1, fail=False), "id": "real-2"}])
+    res = _cli(daemon.config_path, "replay", "import", str(sims), rc=2)
+    assert "'real-2' is a production conversation's id" in res.stderr
