@@ -214,6 +214,8 @@ Where to look:
   verdicts      {prog} stats {cfg_arg}      (within a minute: each ended conversation is judged
                 on {criteria}; LLM criteria run once ANTHROPIC_API_KEY is set)
   review queue  {api}/review   or   {prog} review list {cfg_arg}
+  scenarios     {prog} scenarios export {cfg_arg}   (each failure a reviewer confirms becomes a
+                scenario for your offline suite, personal data masked)
   as JSON       curl {api}/api/conversations   {api}/api/stats   {api}/api/review
   metrics       curl {api}/metrics
   one trace     curl {api}/api/traces/<trace id>
