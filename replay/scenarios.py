@@ -304,20 +304,27 @@ def _json_object(text: str) -> str:
 # ------------------------------------------------------------------ expectations
 
 
-_CODE_TEXT = re.compile(r"^Code check (\w+)(?: (\{.*?\}))?(?:; applies if .*)?$", re.S)
+def _code_check(text: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The check and its parameters of a code criterion's stored text (``Code check NAME {json}; applies
+    if {json}``, as the evals stage stores it); None for an LLM criterion's prompt."""
+    if not text or not text.startswith("Code check "):
+        return None
+    head = text[len("Code check "):].split("; applies if ", 1)[0]
+    check, _, raw = head.partition(" ")
+    try:
+        params = json.loads(raw) if raw else {}
+    except ValueError:
+        params = {}
+    return check, params if isinstance(params, dict) else {}
 
 
 def expectations(criterion_id: str, criterion_text: str | None) -> dict[str, Any]:
     """``expected:``: the failed criterion, and for a code check what it checks, as deterministic expectations."""
     out: dict[str, Any] = {"criteria": [criterion_id]}
-    m = _CODE_TEXT.match(criterion_text or "")
-    if not m:
+    code = _code_check(criterion_text)
+    if code is None:
         return out
-    check = m.group(1)
-    try:
-        params = json.loads(m.group(2)) if m.group(2) else {}
-    except ValueError:
-        return out
+    check, params = code
     if check == "tool_called" and params.get("name"):
         out["tool_called"] = params["name"]
         if params.get("args"):
@@ -337,8 +344,8 @@ def describe_criterion(text: str | None) -> str:
     """A criterion in words: a code check as a sentence, an LLM criterion as its prompt."""
     if not text:
         return "(the criterion's text was not stored)"
-    m = _CODE_TEXT.match(text)
-    if not m:
+    code = _code_check(text)
+    if code is None:
         return text.strip()
     exp = expectations("-", text)
     if "tool_called" in exp:
@@ -353,7 +360,8 @@ def describe_criterion(text: str | None) -> str:
             role, _, rule = key.partition("_must_")
             return (f"{role.capitalize()} messages must {'not ' if rule == 'not_match' else ''}match "
                     f"the pattern `{value}`.")
-    return f"Code check `{m.group(1)}`" + (f" with {m.group(2)}" if m.group(2) else "") + "."
+    check, params = code
+    return f"Code check `{check}`" + (f" with {json.dumps(params)}" if params else "") + "."
 
 
 # ------------------------------------------------------------------ the proposed fix

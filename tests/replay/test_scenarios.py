@@ -206,3 +206,23 @@ def test_on_confirm_the_daemon_writes_the_scenario(make_daemon: Any, tmp_path: P
 def test_bad_since_is_one_line() -> None:
     res = run_cli("scenarios", "export", "--since", "last tuesday")
     assert res.returncode == 2 and "since: 'last tuesday'" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("text, expected, words", [
+    ('Code check tool_called {"name":"lookup_order","args":{"order_id":"B-1"}}; applies if {"user_matches":"order"}',
+     {"tool_called": "lookup_order", "tool_args": {"order_id": "B-1"}},
+     'The bot must call `lookup_order` with arguments including {"order_id": "B-1"}.'),
+    ('Code check regex {"pattern":"(?i)carrier will (call|contact)","must":"not_match"}',
+     {"assistant_must_not_match": "(?i)carrier will (call|contact)"},
+     "Assistant messages must not match the pattern `(?i)carrier will (call|contact)`."),
+    ('Code check ended_by {"one_of":["handover","bot_closed"]}', {"ended_by": ["handover", "bot_closed"]},
+     "The conversation must end by `handover` or `bot_closed`."),
+    ('Code check max_user_turns {"max":4}', {"max_user_turns": 4}, "The user must need at most 4 messages."),
+    ("Code check mine", {}, "Code check `mine`."),
+    ("Fail when the bot promises a refund.", {}, "Fail when the bot promises a refund."),
+])
+def test_code_checks_give_expectations_and_a_sentence(text: str, expected: dict[str, Any], words: str) -> None:
+    from replay.scenarios import describe_criterion, expectations
+
+    assert expectations("c", text) == {"criteria": ["c"], **expected}
+    assert describe_criterion(text) == words
