@@ -26,7 +26,7 @@ What it catches (detector names as in :class:`Finding`):
   Mayor 7"), Portuguese ("rua Augusta 10") and German ("Hauptstraße 3", "Berliner Str. 5").
 - ``person``: names learned from cues (the user says "my name is", "I'm", "je m'appelle",
   "mi chiamo", "me llamo", "ich heiße", "meu nome é", "اسمي" ...; a greeting or sign-off
-  addresses someone: "Hi Anna,", "Thanks, Anna", "Best, Anna"; a title: "Dear Mr Rossi"; a
+  addresses someone: "Hi Anna,", "Thanks, Anna", "Best, Anna", "sorry, Tom."; a title: "Dear Mr Rossi"; a
   name field in a tool's JSON) and names the caller gives (``user.name``, ``enduser.id``).
   After a weak cue ("I'm", "this is", "sono", "soy", "je suis", "ich bin") only capitalised
   words count, on the same line, minus a stop list of common words ("I'm Sorry", "I am Having"),
@@ -263,7 +263,10 @@ _CUES = [(regex.compile(p), loose) for p, loose in (
      r"|buongiorno|buonasera|grazie|gentile|caro|cara|bonjour|bonsoir|salut|merci|cher|chère|hola|buenos días"
      r"|buenas tardes|gracias|estimado|estimada|hallo|guten tag|guten morgen|danke|liebe|lieber|olá|oi"
      r"|obrigado|obrigada|best regards|kind regards|best|regards|cheers|sincerely|cordialement|cordiali saluti"
-     r"|saluti|saludos|un saludo|atentamente|viele grüße|grüße|atenciosamente)[ \t]*,?\s+"
+     r"|saluti|saludos|un saludo|atentamente|viele grüße|grüße|atenciosamente"
+     # An apology or a yes that addresses the user ("I am very sorry, Tom.").
+     r"|sorry|okay|ok|sure|of course|bye|goodbye|take care|scusa|scusi|mi dispiace|désolé|désolée"
+     r"|lo siento|perdón|entschuldigung|tut mir leid|desculpe)[ \t]*,?\s+"
      rf"(?P<name>{_TITLED})(?=[ \t]*(?:[,!.?:;)\n]|$))", True),
     (rf"(?<!\p{{L}}){_HONORIFIC}[ \t]+(?P<name>{_TITLED})", False),
     # A name field in a tool's JSON arguments or result.

@@ -137,6 +137,8 @@ def test_placeholders_are_never_redacted_again_nor_found() -> None:
     ("اسمي أحمد", "أحمد"),
     ("Hi Anna, how can I help?", "Anna"),
     ("Thanks, Anna!", "Anna"),
+    ("I am very sorry, Tom. Order B-7781 is stuck at the depot", "Tom"),
+    ("Okay, Maria, I will check.", "Maria"),
     ("Dear Mr Rossi, your appointment", "Rossi"),
     ("Best regards,\nSarah Connor", "Sarah Connor"),
     ('{"first_name": "Anna", "plan": "gold"}', "Anna"),
@@ -155,6 +157,7 @@ def test_names_introduced_by_a_cue_are_found(message: str, name: str) -> None:
     "Good Morning, This Is Reception Speaking",   # every word capitalised: the capitals tell nothing
     "Hi, How are you? Thanks Again.",
     "Dear Customer, Hello Team, hi there",
+    "Sorry, I did not get that. Sure, I can help. Of course, Sir.",
     "my name is spelled wrong on the invoice",
     "call me back tomorrow, Call me Maybe",
     "je suis malade, sono stanco, soy alérgico, ich bin Arzt",
