@@ -168,6 +168,6 @@ class Metrics:
                      self.queue_depth, self.commit_seconds, self.conversations_ended,
                      self.conversations_reopened, self.stage_errors, self.stage_held):
             lines.extend(inst.render())
-        for fn in self._extra:
-            lines.extend(fn())
+        for collect in self._extra:
+            lines.extend(collect())
         return "\n".join(lines) + "\n"

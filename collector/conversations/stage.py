@@ -285,7 +285,7 @@ class Conversations(Stage):
         if idle_waiters:
             self._idle_event.set()
 
-    def _swap(self, swaps: list[tuple[Callable[[duckdb.DuckDBPyConnection], None],
+    def _swap(self, swaps: list[tuple[Callable[[duckdb.DuckDBPyConnection], object],
                                       concurrent.futures.Future[None]]]) -> None:
         """Write what is rebuilt, run each swap, then start again from the stored state (``_resync``)."""
         try:
@@ -349,7 +349,7 @@ class Conversations(Stage):
         self._sweep_idle()
         self._flush()
 
-    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], None]) -> concurrent.futures.Future[None]:
+    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]:
         """Have ``fn`` run on the stage's cursor in its thread, between two cycles, then start again from
         what is stored (a reindex swaps its conversations in this way, with nothing of the stage's in
         flight). The future resolves once it ran, with what it raised; a stop first leaves it unresolved.

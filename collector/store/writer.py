@@ -108,7 +108,7 @@ class Store:
         self._batch_id = 0
         self._emptied_at = 0.0  # time.monotonic() when the queue last became empty
         self._listeners: list[Callable[[Committed], None]] = []
-        self._broken_listeners: list[Callable[[str], None]] = []
+        self._broken_listeners: list[Callable[[str], object]] = []
         self._failure: str | None = None
         self._broken: str | None = None
         self._invalid = False  # DuckDB invalidated the attached file: attach it again before writing
@@ -162,7 +162,7 @@ class Store:
         """Call ``listener`` in the writer thread after each commit (keep it quick)."""
         self._listeners.append(listener)
 
-    def on_broken(self, listener: Callable[[str], None]) -> None:
+    def on_broken(self, listener: Callable[[str], object]) -> None:
         """Call ``listener(reason)`` in the writer thread if the writer stops for good."""
         self._broken_listeners.append(listener)
 
