@@ -72,11 +72,11 @@ FROM range(?, ?) t(i), range({MESSAGES}) s(k)
 
 BASELINE = """
 import sys, duckdb
-from collector.conversations.record import _MESSAGE_SELECT, stored_select
+from collector.conversations.record import message_select, stored_select
 con = duckdb.connect(sys.argv[1], read_only=True)
 n = 0
 for sql in (f"SELECT {stored_select()} FROM conversations ORDER BY conversation_id",
-            f"SELECT {_MESSAGE_SELECT} FROM messages ORDER BY conversation_id, seq"):
+            f"SELECT {message_select(text_times=True)} FROM messages ORDER BY conversation_id, seq"):
     cur = con.cursor()
     cur.execute(sql)
     while True:

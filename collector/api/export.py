@@ -136,7 +136,7 @@ def page(cur: duckdb.DuckDBPyConnection, f: ExportFilter, after: str | None, *, 
                "ORDER BY p.conversation_id")
     rows = cur.execute(sql, [*params, size]).fetchall()
     lines = []
-    for (cid, transcript, facts), row in zip(stored_transcripts(cur, rows), rows):
+    for (cid, transcript, facts), row in zip(stored_transcripts(cur, rows, text_times=True), rows):
         sampling = None
         if evals and row[_N] is not None:
             sampling = {"probability": row[_N], "rule": row[_N + 1] or ""}

@@ -120,13 +120,16 @@ def stored_transcript(cur: duckdb.DuckDBPyConnection, conversation_id: str
     return (found[0][1], found[0][2]) if found else None
 
 
-def stored_transcripts(cur: duckdb.DuckDBPyConnection, rows: Sequence[Sequence[Any]]
-                       ) -> list[tuple[str, Transcript, StoredFacts]]:
+def stored_transcripts(cur: duckdb.DuckDBPyConnection, rows: Sequence[Sequence[Any]], *,
+                       text_times: bool = False) -> list[tuple[str, Transcript, StoredFacts]]:
     """Stored conversations read back into ``Transcript``s, their messages in one query.
 
     Args:
         rows: ``conversations`` rows selected as ``stored_select`` lists the columns (more columns
             after those are ignored), in the order wanted.
+        text_times: each message's ``at`` as the record's RFC 3339 text, formatted by DuckDB, for
+            transcripts only turned into records (an export): a third of the time of a page goes into
+            making and formatting those datetimes in Python otherwise.
 
     Returns:
         ``(conversation_id, transcript, facts)`` in the order of ``rows``.
@@ -134,21 +137,23 @@ def stored_transcripts(cur: duckdb.DuckDBPyConnection, rows: Sequence[Sequence[A
     if not rows:
         return []
     ids = [r[0] for r in rows]
+    select = message_select(text_times)
     if len(ids) == 1:
-        found = cur.execute(f"SELECT {_MESSAGE_SELECT} FROM messages WHERE conversation_id = ? ORDER BY seq",
+        found = cur.execute(f"SELECT {select} FROM messages WHERE conversation_id = ? ORDER BY seq",
                             ids).fetchall()
     else:
         # The range lets the scan skip row groups outside it (a keyset page's ids are neighbours); the list
         # keeps only these conversations (a filtered page leaves others between them).
         found = cur.execute(
-            f"SELECT {_MESSAGE_SELECT} FROM messages WHERE conversation_id BETWEEN ? AND ? "
+            f"SELECT {select} FROM messages WHERE conversation_id BETWEEN ? AND ? "
             "AND conversation_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY conversation_id, seq",
             [min(ids), max(ids), ids]).fetchall()
     messages: dict[str, list[TranscriptMessage]] = {}
     for cid, role, content, tool_calls, tool_call_id, name, at, span_id, source, truncated in found:
         messages.setdefault(cid, []).append(TranscriptMessage(
             role=role, content=content or "", tool_calls=_tool_calls(tool_calls), tool_call_id=tool_call_id or None,
-            name=name or None, at=_utc(at), span_id=span_id or None, source=source, truncated=bool(truncated)))
+            name=name or None, at=at if text_times else _utc(at), span_id=span_id or None, source=source,
+            truncated=bool(truncated)))
     out = []
     for row in rows:
         (cid, service, started, ended, state, ended_by, system, models, inp, out_tokens, trace_ids, llm_calls,
@@ -165,8 +170,18 @@ def stored_transcripts(cur: duckdb.DuckDBPyConnection, rows: Sequence[Sequence[A
 
 
 _STORED = len(STORED_COLUMNS)
-_MESSAGE_SELECT = ("conversation_id, role, content, tool_calls, tool_call_id, name, timezone('UTC', \"at\") AS \"at\", "
-                   "span_id, source, truncated")
+
+
+def message_select(text_times: bool = False) -> str:
+    """The select list of the ``messages`` columns a transcript is read from (see ``stored_transcripts``)."""
+    at = _AT_TEXT if text_times else _AT
+    return f"conversation_id, role, content, tool_calls, tool_call_id, name, {at} AS \"at\", span_id, source, truncated"
+
+
+_AT = "timezone('UTC', \"at\")"
+# As ``listing.iso_utc`` writes it: seconds, then the microseconds only when there are some, then Z.
+_AT_TEXT = ("CASE WHEN microsecond(\"at\") % 1000000 = 0 THEN strftime(timezone('UTC', \"at\"), '%Y-%m-%dT%H:%M:%SZ') "
+            "ELSE strftime(timezone('UTC', \"at\"), '%Y-%m-%dT%H:%M:%S.%fZ') END")
 
 
 def _tool_calls(text: str | None) -> tuple[ToolCall, ...]:

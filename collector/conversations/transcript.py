@@ -47,7 +47,8 @@ class TranscriptMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
-    at: datetime | None = None
+    at: datetime | str | None = None
+    """When it was sent; RFC 3339 text when read back only to be exported (``stored_transcripts``)."""
     span_id: str | None = None
     source: str | None = None
     truncated: bool = False
