@@ -508,7 +508,7 @@ class ScenarioWriter:
             raise ScenarioRefused(f"{sid}: conversation {cid} is no longer stored; nothing to draft from")
         redactor = Redactor(patterns=self.patterns)
         clean = redactor.record(dict(record))
-        draft = self._draft(detail, clean["messages"])
+        draft = self._draft(detail, clean["messages"], redactor)
         scenario = self._scenario(sid, detail, draft, redactor)
         fix = fix_markdown(scenario, detail, draft, redactor)
         # The reviewer is provenance, a colleague's name kept as written, never user data.
@@ -538,11 +538,11 @@ class ScenarioWriter:
 
     # ------------------------------------------------------------ steps
 
-    def _draft(self, detail: Mapping[str, Any], messages: list[dict[str, Any]]) -> Draft:
+    def _draft(self, detail: Mapping[str, Any], messages: list[dict[str, Any]], redactor: Redactor) -> Draft:
         if self.provider is None:
             return deterministic_draft(messages, self.no_provider)
         verdict, item = detail["verdict"], detail["item"]
-        redactor = Redactor(patterns=self.patterns)  # for the reasoning and note the model is shown
+        # The scenario's redactor: the reasoning's <PERSON_1> is the transcript's <PERSON_1>.
         request = draft_request(describe_criterion(detail["criterion"].get("text")), messages,
                                 redactor.text(verdict.get("reasoning") or ""), redactor.text(item.get("note") or ""))
         if self._loop is None:

@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import conversations
 from ..config import Config, Retention
@@ -32,6 +32,9 @@ from ..runtime import running_daemon
 from ..store import connect
 from . import export
 from .export import Export, ExportFilter
+
+if TYPE_CHECKING:
+    import duckdb
 
 
 DEMO_DIR = Path("tracejudge-demo")
@@ -218,6 +221,7 @@ class FileClient:
         self.path = path
         self.retention = retention or Retention()
         self.con = connect(path, read_only=True)
+        self._writer: "duckdb.DuckDBPyConnection | None" = None  # opened by the first import, in place of con
         self.tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "conversations" not in self.tables:
             self.con.close()
@@ -278,15 +282,12 @@ class FileClient:
         from judges import Conversation
 
         convs = [Conversation.model_validate(r) for r in records]
-        self.con.close()
-        con = connect(self.path)  # a write without the daemon, as for decisions
-        try:
-            simulations.ensure_schema(con)
-            return simulations.store_simulations(con, convs).to_dict()
-        finally:
-            con.close()
-            self.con = connect(self.path, read_only=True)
+        if self._writer is None:  # one read-write connection for every chunk of an import
+            self.con.close()
+            self._writer = self.con = connect(self.path)
+            simulations.ensure_schema(self._writer)
             self.tables.add("simulated_conversations")
+        return simulations.store_simulations(self._writer, convs).to_dict()
 
     def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
                              criterion_failed: str | None) -> Export:
@@ -306,6 +307,7 @@ class FileClient:
 
     def close(self) -> None:
         self.con.close()
+        self._writer = None
 
 
 def client(cfg: Config) -> Client:

@@ -73,17 +73,18 @@ class _Tally:
         }
 
 
-def _of_source(cur: duckdb.DuckDBPyConnection, source: Source, column: str = "conversation_id") -> str:
-    if not simulations.present(cur):
+def _of_source(present: bool, source: Source, column: str = "conversation_id") -> str:
+    """SQL: the row is of ``source``; ``present``: the file has simulated conversations' table."""
+    if not present:
         return "TRUE" if source == "production" else "FALSE"
     return simulated_sql(column, negate=source != "simulation")
 
 
-def _current(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
+def _current(present: bool, since: dt.datetime | None, criterion: str | None,
              source: Source) -> tuple[str, list[Any]]:
     """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
     where, params = verdict_filters(criterion=criterion, since=since)
-    where += ["NOT superseded", _of_source(cur, source)]
+    where += ["NOT superseded", _of_source(present, source)]
     return (f"SELECT * FROM verdicts {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
             "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
@@ -121,7 +122,8 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         ``errors`` (by reason code) and ``not_run_reasons``; group entries have
         ``group`` in place of the criterion's id, version and group.
     """
-    current, params = _current(cur, since, criterion, source)
+    present = simulations.present(cur)
+    current, params = _current(present, since, criterion, source)
     # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
     rows = cur.execute(
         "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
@@ -131,7 +133,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
         params).fetchall()
     nr_where = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)", _of_source(cur, source, "n.conversation_id")]
+                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)", _of_source(present, source, "n.conversation_id")]
     nr_params: list[Any] = []
     if criterion is not None:
         nr_where.append("n.criterion_id = ?")
@@ -168,7 +170,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
                       **crits[cid].entry()} for cid in sorted(crits)],
         "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
         "conversations": conversations,
-        "tokens": _tokens(cur, since, criterion, source),
+        "tokens": _tokens(cur, since, criterion, _of_source(present, source)),
     }
 
 
@@ -196,10 +198,10 @@ def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | No
 
 
 def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
-            source: Source) -> dict[str, int]:
+            of_source: str) -> dict[str, int]:
     # Tokens are money spent: superseded verdicts count too.
     where, params = verdict_filters(criterion=criterion, since=since)
-    where.append(_of_source(cur, source))
+    where.append(of_source)
     row = cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
                       f"{where_clause(where)}", params).fetchone()
     return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}
