@@ -2,17 +2,19 @@
 
 Fills a fresh store with N synthetic conversations (``--conversations``, a
 million by default) written as rows with SQL, not through OTLP: 8 messages each
-(4 user, 4 assistant, one tool call), ids that are not in insertion order (as in
-production, where conversations interleave), then measures, each in a process
+(4 user, 4 assistant, one tool call), each conversation's messages together
+(as the conversation stage writes them, a conversation at a time), ids that are
+not in insertion order (as in production, where conversations interleave), and
+a sampling decision for each (one in ten picked), then measures, each in a process
 of its own and with no daemon running:
 
   baseline   a plain ``SELECT`` of the same rows and columns, the conversations
              and their messages, each in one query ordered by conversation id,
              fetched into Python a batch at a time: the read an export cannot
              avoid
-  export     ``tracejudge replay export --out FILE``: keyset pages of 2,000
-             conversations, each record built by the one conversation/v1
-             builder and written as a JSON line
+  export     ``tracejudge replay export --out FILE``: a walk of the store by
+             storage position (``collector.api.export``), each record built by
+             the one conversation/v1 builder and written as a JSON line
 
 and prints conversations/s and peak RSS of each, the export as a ratio of the
 baseline (targets: at least 5,000 conversations/s, peak RSS under 300 MB).
@@ -35,12 +37,6 @@ from pathlib import Path
 # Run as a script, this file's folder leads sys.path and this file would shadow the replay package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import duckdb  # noqa: E402
-
-from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA  # noqa: E402
-from collector.evals import judging  # noqa: E402
-from collector.review import queue as review_queue  # noqa: E402
-from collector.store import Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MESSAGES = 8
@@ -68,6 +64,15 @@ SELECT 'c-' || md5(i::VARCHAR), k, CASE WHEN k % 2 = 0 THEN 'user' ELSE 'assista
        NULL, NULL, TIMESTAMPTZ '2026-11-01 00:00:00+00' + i * INTERVAL 1 SECOND + k * INTERVAL 5 SECOND,
        substr(md5('span' || i || k), 1, 16), 'otel_genai', false
 FROM range(?, ?) t(i), range({MESSAGES}) s(k)
+ORDER BY i, k
+"""
+
+# A sampling decision per conversation, one in ten picked, as the sampler leaves them.
+FILL_DECISIONS = """
+INSERT INTO sampling_decisions
+SELECT 'c-' || md5(i::VARCHAR), 1, md5('hash' || i), i % 10 = 0, 0.1, 'default', NULL,
+       TIMESTAMPTZ '2026-11-01 00:00:00+00' + i * INTERVAL 1 SECOND
+FROM range(?, ?) t(i)
 """
 
 BASELINE = """
@@ -89,7 +94,18 @@ print(n)
 
 
 def fill(folder: Path, n: int) -> Path:
-    """A store in ``folder`` holding ``n`` conversations; its config file."""
+    """A store in ``folder`` holding ``n`` conversations; its config file.
+
+    Run in a process of its own (``--fill``): a child's peak RSS, as the kernel reports it, starts at its
+    parent's, so the process that starts the measured commands must stay small.
+    """
+    import duckdb
+
+    from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
+    from collector.evals import judging
+    from collector.review import queue as review_queue
+    from collector.store import Store
+
     db = folder / "bench.duckdb"
     store = Store(db)
     store.open()
@@ -104,6 +120,7 @@ def fill(folder: Path, n: int) -> Path:
     for start in range(0, n, step):
         con.execute(FILL_CONVERSATIONS, [start, min(n, start + step)])
         con.execute(FILL_MESSAGES, [start, min(n, start + step)])
+        con.execute(FILL_DECISIONS, [start, min(n, start + step)])
         print(f"  filled {min(n, start + step):,} of {n:,}", file=sys.stderr, flush=True)
     con.execute("CHECKPOINT")
     con.close()
@@ -130,13 +147,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=1_000_000)
     ap.add_argument("--keep", type=Path, help="Build the store in this folder and leave it there.")
+    ap.add_argument("--fill", type=Path, help=argparse.SUPPRESS)  # the child that fills the store
     args = ap.parse_args()
     n = args.conversations
+    if args.fill:
+        fill(args.fill, n)
+        return
     with tempfile.TemporaryDirectory(prefix="tracejudge-bench-replay-") as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        cfg = fill(folder, n)
+        subprocess.run([sys.executable, __file__, "--fill", str(folder), "--conversations", str(n)], check=True,
+                       cwd=REPO)
+        cfg = folder / "otel-config.yaml"
         print(f"store: {n:,} conversations, {n * MESSAGES:,} messages, "
               f"{(folder / 'bench.duckdb').stat().st_size / 2**20:.0f} MB, filled in {time.perf_counter() - t:.0f}s")
         base_s, base_cpu, base_rss, _ = timed([sys.executable, "-c", BASELINE, str(folder / "bench.duckdb")])

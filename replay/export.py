@@ -3,7 +3,7 @@
 The conversations come through collector's store read API
 (``collector.api.client``): a running daemon's ``GET /api/export/conversations``
 streams them, else the DuckDB file is read, read-only; both read with
-``collector.api.export.page``, so they give the same lines. Nothing here holds
+``collector.api.export.Walk``, so they give the same lines. Nothing here holds
 more than one line: a million conversations stream through.
 
 A file is written beside its target under a temporary name and renamed over it

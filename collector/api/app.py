@@ -100,8 +100,11 @@ class API:
             finally:
                 cur.close()
 
+        return await self._in_thread(run)
+
+    async def _in_thread(self, fn: Callable[[], Any]) -> Any:
         try:
-            return await asyncio.to_thread(run)
+            return await asyncio.to_thread(fn)
         except (StoreUnavailable, duckdb.Error) as exc:
             # While the file cannot be written (a full disk) or is being attached again, reads may fail
             # too: that is the store's state, retryable, not a bug in the request.
@@ -197,7 +200,8 @@ class API:
 
     async def export_conversations(self, request: web.Request) -> web.StreamResponse:
         """``?since=&state=&sampled_only=1&criterion_failed=C``: conversation/v1 JSON lines, streamed a page
-        at a time (``export``), each page read on a cursor of its own in a worker thread."""
+        at a time (``export.Walk``), on a cursor of its own held for the walk, each page read in a worker
+        thread."""
         q = request.query
         state = q.get("state") or None
         if state not in (None, "open", "ended"):
@@ -207,31 +211,33 @@ class API:
             raise APIError(400, "bad_parameter", f"sampled_only must be 1 or 0, not {sampled[:40]!r}")
         f = export.ExportFilter(since=_since(q), state=state, sampled_only=sampled in ("1", "true"),
                                 criterion_failed=q.get("criterion_failed") or None)
-        # The first page before the answer starts: an error there still gets its status and JSON shape.
-        total, (lines, after) = await self.read(lambda cur: (export.count(cur, f), export.page(cur, f, None)))
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson; charset=utf-8",
-                                           export.TOTAL_HEADER: str(total)})
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
+        cur = await self._in_thread(self.store.cursor)
         try:
-            while True:
-                if lines:
-                    await resp.write(b"".join(lines))
-                if after is None:
-                    break
-                mark = after
-                lines, after = await self.read(lambda cur: export.page(cur, f, mark))
-        except (ConnectionError, asyncio.CancelledError):
-            raise  # the client left
-        except Exception:
-            # Too late for an error status: the stream is cut without its last chunk, which the client
-            # reads as an incomplete answer, never as a whole export.
-            log.exception("the conversation export was cut off")
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("export cut off") from None
-        await resp.write_eof()
-        return resp
+            # The first page before the answer starts: an error there still gets its status and JSON shape.
+            walk = await self._in_thread(lambda: export.Walk(cur, f))
+            lines = await self._in_thread(walk.page)
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson; charset=utf-8",
+                                               export.TOTAL_HEADER: str(walk.total)})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            try:
+                while lines is not None:
+                    if lines:
+                        await resp.write(b"".join(lines))
+                    lines = await self._in_thread(walk.page)
+            except (ConnectionError, asyncio.CancelledError):
+                raise  # the client left
+            except Exception:
+                # Too late for an error status: the stream is cut without its last chunk, which the client
+                # reads as an incomplete answer, never as a whole export.
+                log.exception("the conversation export was cut off")
+                if request.transport is not None:
+                    request.transport.abort()
+                raise ConnectionResetError("export cut off") from None
+            await resp.write_eof()
+            return resp
+        finally:
+            await asyncio.to_thread(cur.close)  # ends the walk's transaction too
 
     # ------------------------------------------------------------ evals and review (JSON)
 

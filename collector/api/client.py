@@ -295,10 +295,10 @@ class FileClient:
             raise UserError(f"state must be open or ended, not {state!r}")
         f = ExportFilter(since=_since(since), state=state, sampled_only=sampled_only,
                          criterion_failed=criterion_failed or None)
-        # Every page scans the messages: without a limit DuckDB would keep the whole file cached as it goes.
+        # The walk reads the whole file: without a limit DuckDB would keep all of it cached as it goes.
         self.con.execute(f"SET memory_limit = '{export.FILE_MEMORY_LIMIT}'")
-        evals = self._evals()
-        return Export(export.count(self.con, f, evals=evals), export.lines(self.con, f, evals=evals))
+        walk = export.Walk(self.con, f, evals=self._evals())
+        return Export(walk.total, iter(walk), walk.close)
 
     def status(self) -> dict[str, Any]:
         row = self.con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()

@@ -79,9 +79,11 @@ class StoredFacts(NamedTuple):
     user_turns: int
 
 
-def stored_select(alias: str = "") -> str:
-    """The select list of ``STORED_COLUMNS``, each prefixed with ``alias`` (``"c."``)."""
-    return ", ".join(f"timezone('UTC', {alias}{c}) AS {c}" if c in _TIMES else alias + c for c in STORED_COLUMNS)
+def stored_select(alias: str = "", text_times: bool = False) -> str:
+    """The select list of ``STORED_COLUMNS``, each prefixed with ``alias`` (``"c."``); with ``text_times``
+    the times as the record's RFC 3339 text (see ``stored_transcripts``)."""
+    time = _utc_text if text_times else (lambda c: f"timezone('UTC', {c})")
+    return ", ".join(f"{time(alias + c)} AS {c}" if c in _TIMES else alias + c for c in STORED_COLUMNS)
 
 
 # Times are read as UTC wall-clock TIMESTAMPs: DuckDB hands a TIMESTAMPTZ to Python in the session's zone,
@@ -149,24 +151,34 @@ def stored_transcripts(cur: duckdb.DuckDBPyConnection, rows: Sequence[Sequence[A
             "AND conversation_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY conversation_id, seq",
             [min(ids), max(ids), ids]).fetchall()
     messages: dict[str, list[TranscriptMessage]] = {}
-    for cid, role, content, tool_calls, tool_call_id, name, at, span_id, source, truncated in found:
-        messages.setdefault(cid, []).append(TranscriptMessage(
-            role=role, content=content or "", tool_calls=_tool_calls(tool_calls), tool_call_id=tool_call_id or None,
-            name=name or None, at=at if text_times else _utc(at), span_id=span_id or None, source=source,
-            truncated=bool(truncated)))
-    out = []
-    for row in rows:
-        (cid, service, started, ended, state, ended_by, system, models, inp, out_tokens, trace_ids, llm_calls,
-         captured, reason, revision, digest, user_turns, unparsed_spans, unparsed_logs, sources) = row[:_STORED]
-        transcript = Transcript(
-            messages=tuple(messages.get(cid, ())), system=system, models=tuple(orjson.loads(models or "[]")),
-            usage=None if inp is None and out_tokens is None else Usage(inp or 0, out_tokens or 0),
-            trace_ids=tuple(orjson.loads(trace_ids or "[]")), service=service, started_at=_utc(started),
-            ended_at=_utc(ended), llm_calls=llm_calls, content_captured=bool(captured), no_content_reason=reason,
-            unparsed_spans=unparsed_spans or 0, unparsed_logs=unparsed_logs or 0,
-            sources=tuple(orjson.loads(sources or "[]")))
-        out.append((cid, transcript, StoredFacts(state, ended_by, revision, digest, user_turns)))
-    return out
+    for m in found:
+        messages.setdefault(m[0], []).append(stored_message(m, text_times))
+    return [(row[0], *stored_conversation(row, messages.get(row[0], ()))) for row in rows]
+
+
+def stored_message(row: Sequence[Any], text_times: bool = False) -> TranscriptMessage:
+    """One message of a transcript from a ``messages`` row selected as ``message_select`` lists the columns."""
+    _, role, content, tool_calls, tool_call_id, name, at, span_id, source, truncated = row
+    return TranscriptMessage(
+        role=role, content=content or "", tool_calls=_tool_calls(tool_calls), tool_call_id=tool_call_id or None,
+        name=name or None, at=at if text_times else _utc(at), span_id=span_id or None, source=source,
+        truncated=bool(truncated))
+
+
+def stored_conversation(row: Sequence[Any], messages: Sequence[TranscriptMessage]
+                        ) -> tuple[Transcript, StoredFacts]:
+    """A stored conversation's transcript and facts, from its ``conversations`` row (selected as
+    ``stored_select`` lists the columns; more after those are ignored) and its messages in order."""
+    (_, service, started, ended, state, ended_by, system, models, inp, out_tokens, trace_ids, llm_calls,
+     captured, reason, revision, digest, user_turns, unparsed_spans, unparsed_logs, sources) = row[:_STORED]
+    transcript = Transcript(
+        messages=tuple(messages), system=system, models=tuple(orjson.loads(models or "[]")),
+        usage=None if inp is None and out_tokens is None else Usage(inp or 0, out_tokens or 0),
+        trace_ids=tuple(orjson.loads(trace_ids or "[]")), service=service, started_at=_utc(started),
+        ended_at=_utc(ended), llm_calls=llm_calls, content_captured=bool(captured), no_content_reason=reason,
+        unparsed_spans=unparsed_spans or 0, unparsed_logs=unparsed_logs or 0,
+        sources=tuple(orjson.loads(sources or "[]")))
+    return transcript, StoredFacts(state, ended_by, revision, digest, user_turns)
 
 
 _STORED = len(STORED_COLUMNS)
@@ -174,14 +186,15 @@ _STORED = len(STORED_COLUMNS)
 
 def message_select(text_times: bool = False) -> str:
     """The select list of the ``messages`` columns a transcript is read from (see ``stored_transcripts``)."""
-    at = _AT_TEXT if text_times else _AT
+    at = _utc_text('"at"') if text_times else "timezone('UTC', \"at\")"
     return f"conversation_id, role, content, tool_calls, tool_call_id, name, {at} AS \"at\", span_id, source, truncated"
 
 
-_AT = "timezone('UTC', \"at\")"
-# As ``listing.iso_utc`` writes it: seconds, then the microseconds only when there are some, then Z.
-_AT_TEXT = ("CASE WHEN microsecond(\"at\") % 1000000 = 0 THEN strftime(timezone('UTC', \"at\"), '%Y-%m-%dT%H:%M:%SZ') "
-            "ELSE strftime(timezone('UTC', \"at\"), '%Y-%m-%dT%H:%M:%S.%fZ') END")
+def _utc_text(column: str) -> str:
+    # As ``listing.iso_utc`` writes it: seconds, then the microseconds only when there are some, then Z.
+    utc = f"timezone('UTC', {column})"
+    return (f"CASE WHEN microsecond({column}) % 1000000 = 0 THEN strftime({utc}, '%Y-%m-%dT%H:%M:%SZ') "
+            f"ELSE strftime({utc}, '%Y-%m-%dT%H:%M:%S.%fZ') END")
 
 
 def _tool_calls(text: str | None) -> tuple[ToolCall, ...]:
@@ -190,10 +203,11 @@ def _tool_calls(text: str | None) -> tuple[ToolCall, ...]:
     return tuple(ToolCall(tc.get("id"), tc["name"], tc.get("arguments")) for tc in orjson.loads(text))
 
 
-def _utc(value: dt.datetime | None) -> dt.datetime | None:
+def _utc(value: Any) -> Any:
     # DuckDB hands TIMESTAMPTZ back in the session's zone (naive ones are UTC); the record speaks UTC.
-    if value is None:
-        return None
+    # Text (``text_times``) is the record's already.
+    if not isinstance(value, dt.datetime):
+        return value
     if value.tzinfo is None:
         return value.replace(tzinfo=dt.timezone.utc)
     return value if value.tzinfo is dt.timezone.utc else value.astimezone(dt.timezone.utc)

@@ -86,7 +86,8 @@ class Transcript:
             when no call reported any.
         trace_ids: contributing traces, oldest first.
         service: ``service.name`` of the first span that has one.
-        started_at / ended_at: first span start, last span end (UTC).
+        started_at / ended_at: first span start, last span end (UTC); RFC 3339 text when read back only to
+            be exported (``stored_transcripts``), as a message's ``at``.
         llm_calls: number of distinct LLM calls.
         content_captured: False when no message content exists at all; such a
             conversation is stored and counted but never judged.

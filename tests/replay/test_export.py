@@ -166,19 +166,129 @@ def test_a_file_without_the_evals_tables_has_nothing_sampled_or_failed(tmp_path:
     assert exported(tmp_path, "--sampled-only") == [] and exported(tmp_path, "--criterion-failed", "C") == []
 
 
-def test_pages_join_up_whatever_their_size(tmp_path: Path) -> None:
-    db = file_store(tmp_path, real_conversations(230))
-    con = duckdb.connect(str(db), read_only=True)
+def _walk_world(db: Path) -> list[StoredConversation]:
+    """A store as the conversation stage leaves it, and then some: 230 conversations, one longer than any
+    window below, one without messages, and one whose messages were written apart (no writer does that
+    today; the walk must still write it once)."""
+    convs = real_conversations(230)
+    convs.append(StoredConversation("long-one", text_messages([(f"question {n}", f"answer {n}") for n in range(40)])))
+    convs.append(StoredConversation("no-messages", []))
+    create_store(db)
+    write(db, convs[:100])
+    apart = StoredConversation("apart", text_messages([("first", "one"), ("second", "two"), ("third", "three")]))
+    row, messages = apart.rows()
+    con = duckdb.connect(str(db))
     try:
-        whole = list(export.lines(con, export.ExportFilter()))
-        assert len(whole) == 230
-        for size in (1, 7, 229, 230, 231):
-            assert list(export.lines(con, export.ExportFilter(), size=size)) == whole, size
-        ended = export.ExportFilter(state="ended")
-        assert list(export.lines(con, ended, size=9)) == list(export.lines(con, ended))
-        assert export.count(con, ended) == len(list(export.lines(con, ended))) < 230
+        con.execute(f"INSERT INTO conversations VALUES ({', '.join('?' * len(row))})", row)
+        con.executemany(f"INSERT INTO messages VALUES ({', '.join('?' * len(messages[0]))})", messages[:4])
     finally:
         con.close()
+    write(db, convs[100:])
+    con = duckdb.connect(str(db))
+    try:
+        con.executemany(f"INSERT INTO messages VALUES ({', '.join('?' * len(messages[0]))})", messages[4:])
+    finally:
+        con.close()
+    return [*convs, apart]
+
+
+def test_both_walks_write_every_conversation_once_whatever_the_page_and_window(tmp_path: Path) -> None:
+    db = tmp_path / "t.duckdb"
+    convs = _walk_world(db)
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        by_id = list(export.lines(con, export.ExportFilter()))
+        records = [json.loads(line) for line in by_id]
+        assert [r["id"] for r in records] == sorted(c.conversation_id for c in convs)
+        for r in records:
+            assert r == conversation_record(con, r["id"]), r["id"]
+        assert len(next(r for r in records if r["id"] == "apart")["messages"]) == 6
+        for size in (1, 7, 232, 233, 234):
+            assert list(export.lines(con, export.ExportFilter(), size=size)) == by_id, size
+        for window in (1, 3, 7, 64, 100_000):
+            walk = export.Walk(con, export.ExportFilter(), window=window, by_id_max=0)
+            lines = list(walk)
+            assert len(lines) == walk.written == walk.total == len(convs), window
+            assert sorted(lines) == sorted(by_id), window
+        # Conversations come in the order their messages were stored; those without messages last.
+        ids = [json.loads(line)["id"] for line in export.lines(con, export.ExportFilter(), window=5, by_id_max=0)]
+        assert ids[:100] == [c.conversation_id for c in convs[:100]] and ids[-1] == "no-messages"
+        ended = export.ExportFilter(state="ended")
+        some = list(export.lines(con, ended, window=9, by_id_max=0))
+        assert sorted(some) == list(export.lines(con, ended)) and len(some) == export.count(con, ended) < 233
+    finally:
+        con.close()
+
+
+def test_every_filter_by_storage_position_selects_what_by_id_selects(tmp_path: Path) -> None:
+    convs, rows = _filter_world()
+    db = file_store(tmp_path, convs, **rows)
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        for args, ids in FILTERS:
+            f = export.ExportFilter(
+                since=dt.datetime.fromisoformat(args[1]) if "--since" in args else None,
+                state=args[args.index("--state") + 1] if "--state" in args else None,
+                sampled_only="--sampled-only" in args,
+                criterion_failed=args[args.index("--criterion-failed") + 1] if "--criterion-failed" in args else None)
+            walked = [json.loads(line)["id"] for line in export.lines(con, f, window=2, by_id_max=0)]
+            assert sorted(walked) == ids.split(), args
+    finally:
+        con.close()
+
+
+def test_a_walk_writes_the_store_as_it_was_when_it_began(tmp_path: Path) -> None:
+    """The daemon rebuilds, adds and deletes conversations while an export is under way: the export still writes each conversation selected at its start exactly once, as it was then."""
+    from collector.conversations.tables import CONVERSATION_COLUMNS
+    from collector.conversations.writes import ConversationRow, Writes
+    from collector.store import Store
+
+    db = tmp_path / "t.duckdb"
+    convs = real_conversations(300)
+    create_store(db)
+    write(db, convs)
+    con = duckdb.connect(str(db), read_only=True)
+    before = sorted(export.lines(con, export.ExportFilter()))
+    con.close()
+    store = Store(db)
+    store.open()
+    try:
+        cur = store.cursor()
+        walk = export.Walk(cur, export.ExportFilter(), window=50, by_id_max=0)
+        first = walk.page()
+        assert first and walk.total == 300
+        # As the conversation stage writes: the messages of a rebuilt conversation go and come back at the
+        # end; one is deleted, one is new. Some were written already, some not yet.
+        w = store.cursor()
+        writes = Writes()
+        for c in (convs[0], convs[1], convs[150], convs[299]):
+            c.messages = [*c.messages, *text_messages([("one more thing", "sure")])]
+            row, messages = c.rows()
+            writes.conversations[c.conversation_id] = ConversationRow(**dict(zip(CONVERSATION_COLUMNS, row)))
+            writes.messages[c.conversation_id] = messages
+            writes.replace.add(c.conversation_id)
+        writes.delete(convs[200].conversation_id)
+        new = StoredConversation("new-one", text_messages([("hello", "hi")]))
+        row, messages = new.rows()
+        writes.conversations["new-one"] = ConversationRow(**dict(zip(CONVERSATION_COLUMNS, row)))
+        writes.messages["new-one"] = messages
+        writes.flush(w, 1)
+        w.close()
+        rest = [line for lines in iter(walk.page, None) for line in lines]
+        walk.close()
+        cur.close()
+        assert sorted(first + rest) == before
+    finally:
+        store.close()
+    con = duckdb.connect(str(db), read_only=True)
+    try:  # the next walk sees the changes
+        after = [json.loads(line) for line in export.lines(con, export.ExportFilter(), window=50, by_id_max=0)]
+    finally:
+        con.close()
+    ids = [r["id"] for r in after]
+    assert len(ids) == len(set(ids)) == 300 and "new-one" in ids and convs[200].conversation_id not in ids
+    assert len(next(r for r in after if r["id"] == convs[150].conversation_id)["messages"]) == \
+        len(convs[150].messages)
 
 
 def test_out_dash_writes_the_lines_to_stdout_and_json_says_what_was_written(tmp_path: Path) -> None:
@@ -455,16 +565,17 @@ def test_an_export_the_daemon_cannot_finish_is_an_error_never_a_short_file(
     write(db, real_conversations(30))
     store = Store(db)
     store.open()
-    real_page = export.page
+    real_page = export.Walk.page
 
     fail_at_once = False
 
-    def failing(cur: Any, f: export.ExportFilter, after: str | None, **kw: Any) -> Any:
-        if after is not None or fail_at_once:
+    def failing(walk: export.Walk) -> Any:
+        if walk.written or fail_at_once:
             raise RuntimeError("the disk went away")
-        return real_page(cur, f, after, size=10)
+        walk.size = 10
+        return real_page(walk)
 
-    monkeypatch.setattr(export, "page", failing)
+    monkeypatch.setattr(export.Walk, "page", failing)
     try:
         with served(API(store, Metrics(), Config.model_validate({}).api).app) as base:
             client = APIClient(base, None)
