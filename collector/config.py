@@ -465,6 +465,108 @@ class Scenarios(Section):
     redact: ScenarioRedaction = ScenarioRedaction()
 
 
+_SIZE_UNIT = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
+              "TB": 1000**4, "TiB": 1024**4}
+
+
+def parse_size(value: Any) -> int:
+    """``512MB`` / ``1GiB`` -> bytes."""
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$", str(value))
+    if isinstance(value, bool) or not m:
+        raise ValueError(f"{value!r} is not a size; write it like 512MB or 1GiB")
+    return int(float(m.group(1)) * _SIZE_UNIT[m.group(2)])
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+EXPORTER_TYPES = ("opik", "langsmith", "langwatch", "otlphttp")
+DEFAULT_ENDPOINTS = {
+    "opik": "https://www.comet.com/opik/api/v1/private/otel/v1/traces",
+    "langsmith": "https://api.smith.langchain.com/otel/v1/traces",
+    "langwatch": "https://app.langwatch.ai/api/otel/v1/traces",
+}
+"""The cloud traces URL of each backend type (``../reference/backends.md``); otlphttp has none."""
+
+
+class ExporterQueue(Section):
+    max_size: ByteSize = Field(parse_size("1GiB"), gt=0)
+    """The on-disk queue's bound in bytes of requests (``512MB``, ``1GiB``)."""
+    on_full: Literal["backpressure", "drop_oldest"] = "backpressure"
+    """backpressure: the receivers answer 503 / UNAVAILABLE, as a full writer does, until there is room;
+    drop_oldest: the oldest queued requests are dropped (counted) to make room."""
+
+
+class Exporter(Section):
+    type: Literal["opik", "langsmith", "langwatch", "otlphttp"]
+    """Which backend: its auth header and conventions (see the README's Forwarding)."""
+    endpoint: str | None = None
+    """The traces URL (ending in /v1/traces); logs go to the same URL with /v1/logs. Each type but otlphttp
+    has its cloud URL as default."""
+    api_key: str | None = None
+    """The backend's key (``${env:NAME:-}``); required by langsmith and langwatch, and by opik on Comet's
+    cloud."""
+    project: str | None = None
+    """LangSmith: Langsmith-Project; Opik: projectName."""
+    workspace: str | None = None
+    """Opik: Comet-Workspace (required on Comet's cloud)."""
+    headers: dict[str, str] = {}
+    """Extra headers sent with every request."""
+    signals: list[Literal["traces", "logs"]] | None = Field(None, min_length=1)
+    """What is forwarded: traces (the spans) and logs (log records, and verdicts as
+    gen_ai.evaluation.result events). Default: traces and logs for langwatch and otlphttp, traces for
+    opik and langsmith (no evidence they read evaluation events)."""
+    queue: ExporterQueue = ExporterQueue()
+    redact: Literal["none", "content"] = "none"
+    """content: message content (prompts, completions, log bodies) passed through the redaction module
+    before it leaves; ids and everything else unchanged."""
+    timeout: Duration = Field(10.0, gt=0)
+    """How long one send may take before it is retried."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        url = urlsplit(value)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        if not url.path.rstrip("/").endswith("/v1/traces"):
+            raise ValueError(f"{value!r} is not a traces URL: it ends in /v1/traces (logs go to /v1/logs)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> "Exporter":
+        if self.type == "otlphttp" and self.endpoint is None:
+            raise ValueError("an otlphttp exporter needs its endpoint (the traces URL)")
+        key = (self.api_key or "").strip()
+        host = urlsplit(self.url).hostname or ""
+        if not key and (self.type in ("langsmith", "langwatch") or (self.type == "opik" and host.endswith("comet.com"))):
+            raise ValueError(f"api_key is missing or empty: {self.type} refuses requests without one "
+                             "(set it, e.g. api_key: ${env:NAME:-} with NAME set)")
+        if self.type == "opik" and host.endswith("comet.com") and not self.workspace:
+            raise ValueError("workspace is missing: Opik on Comet's cloud needs Comet-Workspace")
+        return self
+
+    @property
+    def url(self) -> str:
+        """The traces URL."""
+        return self.endpoint or DEFAULT_ENDPOINTS.get(self.type, "")
+
+    @property
+    def sends(self) -> tuple[str, ...]:
+        """The signals forwarded (``signals`` or the type's default)."""
+        if self.signals is not None:
+            return tuple(dict.fromkeys(self.signals))
+        return ("traces", "logs") if self.type in ("langwatch", "otlphttp") else ("traces",)
+
+
+def _check_exporter_name(value: dict[str, Any]) -> dict[str, Any]:
+    for name in value:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", str(name)):
+            raise ValueError(f"exporter name {name!r}: use letters, digits, _ . - (it names its queue file)")
+    return value
+
+
 class Config(BaseModel):
     """The whole configuration. Sections not built yet stay raw in ``unbuilt``."""
 
@@ -478,6 +580,8 @@ class Config(BaseModel):
     sampling: SamplingSettings = SamplingSettings()
     review: Review = Review()
     scenarios: Scenarios = Field(default_factory=dict, validate_default=True)  # see Scenarios.out_dir
+    exporters: Annotated[dict[str, Exporter], AfterValidator(_check_exporter_name)] = {}
+    """Where every accepted request is forwarded, each by a name of the user's."""
     source: str = "<defaults>"
     unbuilt: dict[str, Any] = {}
 
@@ -492,12 +596,17 @@ class Config(BaseModel):
         return self
 
     @property
+    def forward_dir(self) -> Path:
+        """Where the exporters' on-disk queues are kept (one SQLite file each), beside the DuckDB file."""
+        return Path(str(self.storage.duckdb.path) + ".forward")
+
+    @property
     def runtime_file(self) -> Path:
         """Where a running daemon says where it listens."""
         return Path(str(self.storage.duckdb.path) + ".daemon.json")
 
 
-BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review", "scenarios")
+BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review", "scenarios", "exporters")
 
 # --------------------------------------------------------------- loading
 

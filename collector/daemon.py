@@ -25,6 +25,7 @@ import asyncio
 import datetime as dt
 import logging
 import os
+import sqlite3
 import sys
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -45,6 +46,7 @@ from .conversations.reindex import Runner
 from .errors import StoreUnavailable, UserError
 from .evals.evaluator import Evaluator
 from .evals.setup import daemon_provider, load_configured_criteria
+from .forward import Forwarder
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
 from .metrics import Metrics
@@ -135,6 +137,7 @@ class Parts:
         self.api_runner: web.AppRunner | None = None
         self.gserver: grpc.aio.Server | None = None
         self.http_runner: web.AppRunner | None = None
+        self.forwarder: Forwarder | None = None
 
 
 @dataclass(frozen=True)
@@ -253,12 +256,19 @@ class Daemon:
             raise
         if signals.requested:
             return False
+        if cfg.exporters:
+            try:
+                parts.forwarder = forwarder = Forwarder(cfg, metrics)
+            except sqlite3.Error as exc:
+                raise UserError(f"cannot open the forward queues in {cfg.forward_dir}: {exc}") from None
+            forwarder.start()
         rcv = cfg.receivers.otlp
-        intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token)
+        intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token,
+                        forward=parts.forwarder, retry_after=cfg.storage.retry_after)
         parts.reindexer = reindexer = Runner(store, cfg.conversations, convs)
         parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention, *parts.extra),
                               evaluator=evaluator,
-                              reindexer=reindexer)
+                              reindexer=reindexer, forwarder=parts.forwarder)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:
@@ -315,7 +325,8 @@ class Daemon:
         # after their commit; one the gRPC grace cuts off is committed all the same.
         await _each(*([parts.gserver.stop(grace=GRPC_GRACE)] if parts.gserver is not None else []),
                     *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
-        await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
+        await _each(*([parts.forwarder.stop()] if parts.forwarder is not None else []),
+                    *([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
                     *([asyncio.to_thread(parts.retention.stop)] if parts.retention is not None else []),
                     *(asyncio.to_thread(stage.stop) for stage in parts.extra),
                     *([asyncio.to_thread(parts.reindexer.stop)] if parts.reindexer is not None else []),

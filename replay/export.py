@@ -35,16 +35,16 @@ PROGRESS_EVERY = 100
 
 
 def redaction() -> Callable[[Iterable[bytes]], Iterator[bytes]]:
-    """What ``--redact`` does to the lines: each record passed through a fresh ``replay.redact.Redactor``
+    """What ``--redact`` does to the lines: each record passed through a fresh ``collector.redact.Redactor``
     (one per conversation, so that what it learns of one conversation's names stays in it).
 
     Raises:
-        UserError: ``replay.redact`` cannot be imported.
+        UserError: ``collector.redact`` cannot be imported.
     """
     try:
-        from .redact import Redactor
+        from collector.redact import Redactor
     except ImportError as exc:
-        raise UserError(f"--redact needs the replay.redact module, which cannot be imported: {exc}") from None
+        raise UserError(f"--redact needs the collector.redact module, which cannot be imported: {exc}") from None
 
     def redacted(lines: Iterable[bytes]) -> Iterator[bytes]:
         for line in lines:

@@ -9,7 +9,7 @@ three things in ``scenarios.out_dir`` (never the stable suite)::
     cases.jsonl   one case line per scenario; also the ledger that makes exporting idempotent
 
 The id is ``prod-<criterion>-<6 hex of the conversation id's sha256>``: the same
-failure confirmed twice is one scenario. Everything is redacted (``replay.redact``,
+failure confirmed twice is one scenario. Everything is redacted (``collector.redact``,
 one ``Redactor`` per scenario) before it is sent to a drafting model or written,
 and a scenario whose files still match a detector is refused, never written.
 
@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from judges import JudgeRequest, Message, Provider, ProviderError, locate_evidence, render_transcript
 
-from .redact import Redactor
+from collector.redact import Redactor
 
 log = logging.getLogger("tracejudge.scenarios")
 

@@ -26,8 +26,8 @@ def test_good_config_substitutes_env_and_resolves_paths() -> None:
     assert cfg.runtime_file == TESTDATA / "data" / "db.duckdb.daemon.json"
     assert cfg.sampling.rate == 0.5 and cfg.review.queue_results == ["fail"]
     assert cfg.scenarios.out_dir == TESTDATA / "out" / "scenarios"
-    assert sorted(cfg.unbuilt) == ["exporters"]
-    assert any("'exporters' is not used" in w for w in warnings)
+    assert cfg.exporters == {} and cfg.unbuilt == {}  # every section is built
+    assert not any("is not used" in w for w in warnings)
 
 
 def test_env_default_used_when_unset_and_value_when_set() -> None:
@@ -180,6 +180,8 @@ def _every_field_written(model: type, raw: dict, where: str) -> None:  # type: i
             continue
         assert name in raw, f"otel-config.yaml does not spell out {where}{name}"
         sub = field.annotation
+        if getattr(sub, "__origin__", None) is dict:
+            continue  # entries named by the user (exporters): the shipped file has none, an example in comments
         args = getattr(sub, "__args__", ())
         target = next((a for a in (sub, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if target is not None and isinstance(raw[name], dict) and name != "tls":

@@ -28,6 +28,7 @@ from ..conversations.reindex import AlreadyRunning, Runner
 from ..evals import simulations
 from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
+from ..forward import Forwarder
 from ..listing import MAX_LIMIT, iso_utc, parse_since
 from ..metrics import Metrics
 from ..review import page as review_page
@@ -48,8 +49,9 @@ class API:
 
     def __init__(self, store: Store, metrics: Metrics, settings: config.API,
                  stages: Sequence[Stage] = (), evaluator: Evaluator | None = None,
-                 reindexer: Runner | None = None) -> None:
+                 reindexer: Runner | None = None, forwarder: Forwarder | None = None) -> None:
         self.store = store
+        self.forwarder = forwarder
         self.reindexer = reindexer
         self.stages = stages
         """The daemon's background stages: how far each has got, and whether it still runs."""
@@ -143,6 +145,8 @@ class API:
         for stage in self.stages:
             body.update(stage.status())
         body["stages"] = {stage.name: stage.state for stage in self.stages}
+        if self.forwarder is not None:
+            body.update(self.forwarder.status())
         return web.json_response(body)
 
     async def spans_count(self, request: web.Request) -> web.Response:

@@ -35,7 +35,7 @@ def replay() -> None:
 @click.option("--sampled-only", is_flag=True, help="Only conversations the sampler picked for judging.")
 @click.option("--criterion-failed", metavar="CRITERION",
               help="Only conversations whose current verdict on this criterion is fail.")
-@click.option("--redact", is_flag=True, help="Pass each record through replay.redact.Redactor before writing it.")
+@click.option("--redact", is_flag=True, help="Pass each record through collector.redact.Redactor before writing it.")
 @click.option("--out", required=True, metavar="FILE", help="The JSONL file to write; - for standard output.")
 def export_cmd(config_path: Path | None, as_json: bool, since: str | None, state: str | None, sampled_only: bool,
                criterion_failed: str | None, redact: bool, out: str) -> None:

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import zlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 from aiohttp import web
@@ -73,15 +73,26 @@ def _response(signal: str, rejected: int, message: str) -> Any:
     return resp
 
 
+class Forward(Protocol):
+    """What the receivers need of the forwarding stage (``collector.forward.Forwarder``)."""
+
+    def refusal(self, signal: str, size: int) -> str | None: ...
+
+    async def accept(self, signal: str, body: bytes) -> None: ...
+
+
 class Intake:
     """Transport-independent handling of one OTLP export request."""
 
     def __init__(self, consumer: Consumer, metrics: Metrics, max_request_bytes: int,
-                 bearer_token: str | None) -> None:
+                 bearer_token: str | None, forward: Forward | None = None, retry_after: float = 1.0) -> None:
         self.consumer = consumer
         self.metrics = metrics
         self.max_bytes = max_request_bytes
         self.token = bearer_token or None
+        self.forward = forward
+        """Queues each committed request for the exporters before it is answered (``collector.forward``)."""
+        self.retry_after = retry_after
 
     def authorized(self, header: str | None) -> bool:
         return bearer_ok(header, self.token)
@@ -107,12 +118,17 @@ class Intake:
                 m.metric_points.inc(decode.count_data_points(decode.parse_metrics(body, json_body)))
                 m.requests.inc(transport=transport, signal=signal, outcome="ok")
                 return Outcome("ok", response=_response(signal, 0, ""))
+            request = decode.parse_traces(body, json_body) if signal == "traces" else decode.parse_logs(body, json_body)
             if signal == "traces":
-                batch, rejected, reason = decode.span_batch(decode.parse_traces(body, json_body))
+                batch, rejected, reason = decode.span_batch(request)  # type: ignore[arg-type]
             else:
-                batch, rejected, reason = decode.log_batch(decode.parse_logs(body, json_body))  # type: ignore[assignment]
+                batch, rejected, reason = decode.log_batch(request)  # type: ignore[assignment, arg-type]
         except decode.DecodeFailure as exc:
             return self.refuse(transport, signal, Outcome("invalid", str(exc)))
+        full = self.forward.refusal(signal, len(body)) if self.forward is not None else None
+        if full is not None:
+            return self.refuse(transport, signal, Outcome("unavailable", full, reason="backpressure",
+                                                         retry_after=self.retry_after), items=len(batch))
         received, refused = (m.spans_received, m.spans_rejected) if signal == "traces" else (
             m.logs_received, m.logs_rejected)
         received.inc(len(batch) + rejected)
@@ -125,6 +141,14 @@ class Intake:
             return self.refuse(transport, signal, Outcome("unavailable", str(exc), reason=exc.reason,
                                                              retry_after=exc.retry_after),
                                items=len(batch))
+        if self.forward is not None:
+            try:
+                await self.forward.accept(signal, request.SerializeToString() if json_body else body)
+            except Exception as exc:  # committed, not queued: the client's retry is stored once and queued
+                log.error("a committed request could not be queued for forwarding: %s", exc)
+                return self.refuse(transport, signal, Outcome(
+                    "unavailable", f"the forward queue cannot be written: {exc}", reason="storage_error",
+                    retry_after=self.retry_after), items=len(batch))
         self.metrics.requests.inc(transport=transport, signal=signal, outcome="ok")
         message = f"{rejected} rejected: {reason}" if rejected else ""
         return Outcome("ok", response=_response(signal, rejected, message))

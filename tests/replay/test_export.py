@@ -363,7 +363,7 @@ def test_bad_input_gets_one_line(tmp_path: Path) -> None:
 
 
 def test_redact_passes_each_record_through_a_fresh_redactor(tmp_path: Path) -> None:
-    from replay.redact import Redactor
+    from collector.redact import Redactor
 
     convs = [StoredConversation(f"r-{n}", text_messages([
         (f"Hi, my name is Anna Rossi, call me on +44 20 7946 0958 about order B-{n}", "Sure Anna."),

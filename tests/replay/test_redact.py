@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay import redact
-from replay.redact import Finding, Redactor, detect
+from collector import redact
+from collector.redact import Finding, Redactor, detect
 
 
 def found(s: str, **kw: Any) -> list[tuple[str, str]]:

@@ -1,0 +1,124 @@
+"""What an exporter changes in a request before it leaves, and nothing more.
+
+- LangSmith builds threads from ``langsmith.metadata.thread_id``, not from
+  ``gen_ai.conversation.id``: each span that carries a conversation id (one
+  of ``conversations.id_attributes``) gets that attribute too, unless it has it.
+- ``redact: content`` passes message content (the attributes below, and log
+  bodies) through ``collector.redact``, one ``Redactor`` per request, so a
+  value gets the same placeholder throughout it.
+
+Ids, timestamps and every other attribute stay as they were. A request that
+needs neither is sent as the bytes that came in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from ..redact import Redactor
+
+THREAD_ATTRIBUTE = "langsmith.metadata.thread_id"
+
+CONTENT_PREFIXES = (
+    "gen_ai.input.", "gen_ai.output.", "gen_ai.prompt", "gen_ai.completion", "gen_ai.system_instructions",
+    "gen_ai.tool.call.arguments", "gen_ai.tool.call.result", "input.value", "output.value", "llm.input_messages",
+    "llm.output_messages", "traceloop.entity.input", "traceloop.entity.output", "langwatch.input",
+    "langwatch.output", "content", "message", "body",
+)
+"""Attribute keys (and their prefixes) that hold message content: the semantic conventions' and those of the
+instrumentation libraries the fixtures come from; ``content`` / ``message`` / ``body`` as events carry it."""
+
+
+def _content_key(key: str) -> bool:
+    return key.startswith(CONTENT_PREFIXES)
+
+
+def _strings(value: AnyValue) -> Iterator[str]:
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        yield value.string_value
+    elif kind == "array_value":
+        for v in value.array_value.values:
+            yield from _strings(v)
+    elif kind == "kvlist_value":
+        for kv in value.kvlist_value.values:
+            yield from _strings(kv.value)
+
+
+def _redact(value: AnyValue, redactor: Redactor) -> None:
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        value.string_value = redactor.text(value.string_value)
+    elif kind == "array_value":
+        for v in value.array_value.values:
+            _redact(v, redactor)
+    elif kind == "kvlist_value":
+        for kv in value.kvlist_value.values:
+            _redact(kv.value, redactor)
+
+
+def _content(attributes: Iterable[KeyValue]) -> Iterator[AnyValue]:
+    return (kv.value for kv in attributes if _content_key(kv.key))
+
+
+def rewrite(signal: str, body: bytes, *, thread_from: Sequence[str] = (), redact: bool = False) -> bytes:
+    """``body`` (an OTLP protobuf export request of ``signal``) as this exporter sends it.
+
+    Args:
+        thread_from: add ``THREAD_ATTRIBUTE`` from the first of these attributes a span carries
+            (LangSmith); empty: add nothing.
+        redact: redact message content.
+    """
+    if not thread_from and not redact:
+        return body
+    values: list[AnyValue] = []
+    if signal == "traces":
+        traces = ExportTraceServiceRequest.FromString(body)
+        added = 0
+        for rs in traces.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    if thread_from:
+                        added += _add_thread(span.attributes, thread_from)
+                    if redact:
+                        values += _content(span.attributes)
+                        for event in span.events:
+                            values += _content(event.attributes)
+        if not added and not values:
+            return body
+        out = traces
+    else:
+        logs = ExportLogsServiceRequest.FromString(body)
+        for rl in logs.resource_logs:
+            for sl in rl.scope_logs:
+                for record in sl.log_records:
+                    if redact:
+                        values.append(record.body)
+                        values += _content(record.attributes)
+        if not values:
+            return body
+        out = logs  # type: ignore[assignment]
+    if values:
+        redactor = Redactor()
+        redactor.learn(s for v in values for s in _strings(v))
+        for v in values:
+            _redact(v, redactor)
+    return out.SerializeToString()
+
+
+def _add_thread(attributes: object, thread_from: Sequence[str]) -> int:
+    attrs = {kv.key: kv.value for kv in attributes}  # type: ignore[attr-defined]
+    if THREAD_ATTRIBUTE in attrs:
+        return 0
+    for key in thread_from:
+        value = attrs.get(key)
+        if value is not None and value.WhichOneof("value") in ("string_value", "int_value"):
+            text = value.string_value if value.WhichOneof("value") == "string_value" else str(value.int_value)
+            if text:
+                attributes.add(key=THREAD_ATTRIBUTE, value=AnyValue(string_value=text))  # type: ignore[attr-defined]
+                return 1
+    return 0

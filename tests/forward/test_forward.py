@@ -1,0 +1,278 @@
+"""Forwarding: the real daemon, real OTLP in, and local HTTP servers standing in for each backend type."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from collector.config import validate_config
+from collector.errors import ConfigError
+from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite
+
+from ..support.daemon import DaemonProcess, base_config, wait_until
+from ..support.review import stop_daemon
+from ..support.wire import add_attributes, post, span_request_bytes
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    status: int = 0
+    """What the sink answered."""
+
+
+@dataclass
+class Sink:
+    """A backend on loopback: records each request, answers what ``answer`` says (200 by default)."""
+
+    answer: Callable[[Received], tuple[int, dict[str, str]]] = lambda r: (200, {})
+    received: list[Received] = field(default_factory=list)
+    base: str = ""
+
+    def at(self, path: str) -> list[Received]:
+        return [r for r in self.received if r.path == path]
+
+    def delivered(self) -> list[bytes]:
+        """The bodies answered 200, in arrival order."""
+        return [r.body for r in self.received if r.status == 200]
+
+
+@contextmanager
+def sink() -> Iterator[Sink]:
+    s = Sink()
+    loop = asyncio.new_event_loop()
+
+    async def handle(request: web.Request) -> web.Response:
+        r = Received(request.path, {k.lower(): v for k, v in request.headers.items()}, await request.read())
+        s.received.append(r)
+        status, headers = s.answer(r)
+        r.status = status
+        return web.Response(status=status, headers=headers)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_route("POST", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    s.base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield s
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def traces(seed: int, n: int = 4, conversation: str | None = "conv-1") -> bytes:
+    """A protobuf traces request of ``n`` spans, each carrying ``conversation`` as gen_ai.conversation.id."""
+    body, _ = span_request_bytes(n, trace_seed=seed, attr_bytes=200)
+    if conversation is None:
+        return body
+    req = ExportTraceServiceRequest.FromString(body)
+    for span in req.resource_spans[0].scope_spans[0].spans:
+        add_attributes(span.attributes, {"gen_ai.conversation.id": conversation})
+    return req.SerializeToString()
+
+
+def logs_request(text: str) -> bytes:
+    req = ExportLogsServiceRequest()
+    rec = req.resource_logs.add().scope_logs.add().log_records.add()
+    rec.time_unix_nano = 1_764_478_800_000_000_000
+    rec.body.string_value = text
+    return req.SerializeToString()
+
+
+def send(daemon: DaemonProcess, body: bytes, signal: str = "traces") -> int:
+    status, _, _ = post(daemon.http, f"/v1/{signal}", body)
+    return status
+
+
+def forwarded(daemon: DaemonProcess, exporter: str) -> dict[str, Any]:
+    return daemon.get("/api/status")[1]["exporters"][exporter]
+
+
+def test_each_backend_type_gets_its_path_headers_and_the_request(tmp_path: Path) -> None:
+    with sink() as s:
+        exporters = {
+            "raw": {"type": "otlphttp", "endpoint": f"{s.base}/raw/v1/traces", "headers": {"X-Team": "support"}},
+            "ls": {"type": "langsmith", "endpoint": f"{s.base}/ls/otel/v1/traces", "api_key": "ls-key",
+                   "project": "support-bot"},
+            "opik": {"type": "opik", "endpoint": f"{s.base}/opik/api/v1/private/otel/v1/traces", "api_key": "op-key",
+                     "workspace": "acme", "project": "bot"},
+            "lw": {"type": "langwatch", "endpoint": f"{s.base}/lw/api/otel/v1/traces", "api_key": "lw-key"},
+        }
+        daemon = DaemonProcess(tmp_path, base_config(tmp_path, exporters=exporters)).start()
+        try:
+            body = traces(1)
+            assert send(daemon, body) == 200
+            assert send(daemon, logs_request("a log line"), "logs") == 200
+            wait_until(lambda: len(s.received) >= 6, "4 traces and 2 logs requests forwarded")
+            raw, = s.at("/raw/v1/traces")
+            assert raw.body == body and raw.headers["x-team"] == "support"
+            assert raw.headers["content-type"] == "application/x-protobuf"
+            assert s.at("/raw/v1/logs")[0].body == logs_request("a log line")
+            ls, = s.at("/ls/otel/v1/traces")
+            assert ls.headers["x-api-key"] == "ls-key" and ls.headers["langsmith-project"] == "support-bot"
+            got = ExportTraceServiceRequest.FromString(ls.body)
+            for span in got.resource_spans[0].scope_spans[0].spans:  # the thread id, and nothing else
+                assert span.attributes[-1].key == THREAD_ATTRIBUTE
+                assert span.attributes[-1].value.string_value == "conv-1"
+                del span.attributes[-1]
+            assert got == ExportTraceServiceRequest.FromString(body)
+            op, = s.at("/opik/api/v1/private/otel/v1/traces")
+            assert op.body == body and op.headers["authorization"] == "op-key"
+            assert op.headers["comet-workspace"] == "acme" and op.headers["projectname"] == "bot"
+            lw, = s.at("/lw/api/otel/v1/traces")
+            assert lw.body == body and lw.headers["authorization"] == "Bearer lw-key"
+            assert len(s.at("/lw/api/otel/v1/logs")) == 1
+            assert not s.at("/ls/otel/v1/logs") and not s.at("/opik/api/v1/private/otel/v1/logs")
+            wait_until(lambda: daemon.metric("tracejudge_forward_sent_total") == 6, "6 sends counted")
+            assert forwarded(daemon, "ls")["queued_requests"] == 0 and forwarded(daemon, "ls")["sent"] == 1
+            assert daemon.stop() == 0
+        finally:
+            stop_daemon(daemon)
+
+
+def test_a_backend_down_across_a_restart_gets_everything_in_order_once(tmp_path: Path) -> None:
+    with sink() as s:
+        down = True
+        s.answer = lambda r: (503, {"Retry-After": "1"}) if down else (200, {})
+        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{s.base}/v1/traces"}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        sent = [traces(seed) for seed in range(1, 11)]
+        for body in sent[:5]:
+            assert send(daemon, body) == 200
+        wait_until(lambda: forwarded(daemon, "raw")["retried"] >= 2, "the sender retrying")
+        assert forwarded(daemon, "raw")["state"] == "retrying"
+        assert daemon.stop() == 0  # SIGTERM while the backend is down
+        daemon.start()
+        try:
+            assert forwarded(daemon, "raw")["queued_requests"] >= 5
+            for body in sent[5:]:
+                assert send(daemon, body) == 200
+            down = False
+            wait_until(lambda: forwarded(daemon, "raw")["queued_requests"] == 0, "the queue emptied")
+            # Queued requests go out together (concatenated protobuf is the request holding both), in order.
+            assert b"".join(s.delivered()) == b"".join(sent), "every request once, in order"
+            assert sum(r.status == 503 for r in s.received) >= 2 and s.received[-1].status == 200
+            assert daemon.stop() == 0
+        finally:
+            stop_daemon(daemon)
+
+
+def test_kill9_while_requests_are_queued_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    with sink() as s:
+        down = True
+        s.answer = lambda r: (503, {"Retry-After": "1"}) if down else (200, {})
+        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{s.base}/v1/traces"}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        sent = [traces(seed) for seed in range(1, 9)]
+        for body in sent:
+            assert send(daemon, body) == 200
+        daemon.kill9()
+        down = False
+        daemon.start()
+        try:
+            wait_until(lambda: forwarded(daemon, "raw")["queued_requests"] == 0, "the queue emptied")
+            # Nothing was delivered before the kill: after it, each request once, in order.
+            assert b"".join(s.delivered()) == b"".join(sent)
+            # The requests tried before the kill are counted as sent again (duplicates, had a try got through).
+            assert 1 <= forwarded(daemon, "raw")["resent_after_restart"] <= len(sent)
+            assert daemon.stop() == 0
+        finally:
+            stop_daemon(daemon)
+
+
+def test_a_permanent_400_is_dropped_counted_and_never_retried(tmp_path: Path) -> None:
+    bad = traces(1)
+    with sink() as s:
+        s.answer = lambda r: (400, {}) if r.body == bad else (200, {})
+        cfg = base_config(tmp_path, exporters={"lw": {"type": "langwatch", "endpoint": f"{s.base}/api/otel/v1/traces",
+                                                      "api_key": "k"}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        try:
+            good = traces(2)
+            assert send(daemon, bad) == 200 and send(daemon, good) == 200
+            wait_until(lambda: forwarded(daemon, "lw")["queued_requests"] == 0, "the queue emptied")
+            assert [r.body for r in s.received].count(bad) == 1
+            assert good in [r.body for r in s.received]
+            st = forwarded(daemon, "lw")
+            assert st["dropped"] == 1 and st["retried"] == 0 and st["sent"] == 1
+            assert "answered 400 for a traces request" in daemon.output()
+            assert daemon.metric('tracejudge_forward_dropped_total{exporter="lw",reason="http_400"}') == 1
+            assert daemon.stop() == 0
+        finally:
+            stop_daemon(daemon)
+
+
+def test_a_full_queue_pushes_back_with_503_and_loses_nothing(tmp_path: Path) -> None:
+    with sink() as s:
+        down = True
+        s.answer = lambda r: (503, {"Retry-After": "1"}) if down else (200, {})
+        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{s.base}/v1/traces",
+                                                       "queue": {"max_size": "20KB"}}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        try:
+            accepted, refused = [], 0
+            for seed in range(1, 40):
+                body = traces(seed)
+                status, headers, _ = post(daemon.http, "/v1/traces", body)
+                if status == 200:
+                    accepted.append(body)
+                else:
+                    assert status == 503 and int(headers["retry-after"]) >= 1
+                    refused += 1
+            assert accepted and refused
+            assert daemon.metric('tracejudge_spans_rejected_total{reason="backpressure"}') == refused * 4
+            down = False
+            wait_until(lambda: forwarded(daemon, "raw")["queued_requests"] == 0, "the queue emptied")
+            assert b"".join(s.delivered()) == b"".join(accepted)
+            assert daemon.stop() == 0
+        finally:
+            stop_daemon(daemon)
+        assert daemon.query("SELECT count(*) FROM span_records")[0][0] == 4 * len(accepted)
+
+
+@pytest.mark.parametrize(("exporter", "problem"), [
+    ({"type": "langsmith", "api_key": ""}, "exporters.x: api_key is missing"),
+    ({"type": "otlphttp"}, "needs its endpoint"),
+    ({"type": "otlphttp", "endpoint": "localhost:4318"}, "exporters.x.endpoint"),
+    ({"type": "otlphttp", "endpoint": "http://h/v1/logs"}, "not a traces URL"),
+    ({"type": "langwatch", "api_key": "k", "signal": ["logs"]}, "exporters.x.signal: unknown key"),
+    ({"type": "opik", "api_key": "k"}, "Comet-Workspace"),
+    ({"type": "datadog"}, "exporters.x.type"),
+    ({"type": "otlphttp", "endpoint": "http://h/v1/traces", "queue": {"max_size": "lots"}}, "max_size"),
+])
+def test_a_bad_exporter_is_an_error_naming_its_key(exporter: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem.replace(".", r"\.")):
+        validate_config({"exporters": {"x": exporter}}, Path("."), "otel-config.yaml")
+
+
+def test_rewrite_redacts_content_and_leaves_ids_alone() -> None:
+    req = ExportTraceServiceRequest.FromString(traces(1, n=1))
+    span = req.resource_spans[0].scope_spans[0].spans[0]
+    add_attributes(span.attributes, {"gen_ai.output.messages": "Call Anna Rossi on +44 20 7946 0958, anna@example.com"})
+    out = ExportTraceServiceRequest.FromString(rewrite("traces", req.SerializeToString(), redact=True))
+    got = {kv.key: kv.value.string_value for kv in out.resource_spans[0].scope_spans[0].spans[0].attributes}
+    assert "+44 20 7946 0958" not in got["gen_ai.output.messages"] and "<PHONE_1>" in got["gen_ai.output.messages"]
+    assert "<EMAIL_1>" in got["gen_ai.output.messages"]
+    assert got["gen_ai.conversation.id"] == "conv-1"
+    assert out.resource_spans[0].scope_spans[0].spans[0].span_id == span.span_id
+    plain = traces(2, conversation=None)
+    assert rewrite("traces", plain, thread_from=("gen_ai.conversation.id",)) == plain  # nothing to add: the bytes
