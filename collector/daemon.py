@@ -47,6 +47,7 @@ from .errors import StoreUnavailable, UserError
 from .evals.evaluator import Evaluator
 from .evals.setup import daemon_provider, load_configured_criteria
 from .forward import Forwarder
+from .forward.verdicts import VerdictEvents
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
 from .metrics import Metrics
@@ -262,6 +263,10 @@ class Daemon:
             except sqlite3.Error as exc:
                 raise UserError(f"cannot open the forward queues in {cfg.forward_dir}: {exc}") from None
             forwarder.start()
+            if forwarder.sends("logs"):  # verdicts go out as evaluation events with the logs
+                events = VerdictEvents(store, metrics, lambda body: forwarder.put("logs", body))
+                parts.extra.append(events)
+                events.start()
         rcv = cfg.receivers.otlp
         intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token,
                         forward=parts.forwarder, retry_after=cfg.storage.retry_after)
@@ -325,12 +330,13 @@ class Daemon:
         # after their commit; one the gRPC grace cuts off is committed all the same.
         await _each(*([parts.gserver.stop(grace=GRPC_GRACE)] if parts.gserver is not None else []),
                     *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
-        await _each(*([parts.forwarder.stop()] if parts.forwarder is not None else []),
-                    *([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
+        await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
                     *([asyncio.to_thread(parts.retention.stop)] if parts.retention is not None else []),
                     *(asyncio.to_thread(stage.stop) for stage in parts.extra),
                     *([asyncio.to_thread(parts.reindexer.stop)] if parts.reindexer is not None else []),
                     *([asyncio.to_thread(parts.store.drain)] if parts.store is not None else []))
+        if parts.forwarder is not None:  # after the receivers and the verdict events: nothing more to queue
+            await _each(parts.forwarder.stop())
         if parts.api_runner is not None:
             await _each(parts.api_runner.cleanup())
         if parts.convs is not None:  # after the drain: it takes in the last commits

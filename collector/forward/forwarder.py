@@ -42,6 +42,7 @@ class Forwarder:
         metrics.add_instruments(self.sent, self.retried, self.dropped)
         metrics.add_collector(self._gauges)
         self.senders: list[Sender] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         try:
             for name, exp in config.exporters.items():
@@ -58,6 +59,7 @@ class Forwarder:
 
     def start(self) -> None:
         """Start every sender on the running loop (each resumes its queue where it stopped)."""
+        self._loop = asyncio.get_running_loop()
         for s in self.senders:
             if s.queue.requests:
                 log.info("exporter %s: %d requests (%d bytes) queued from before are sent first",
@@ -101,6 +103,22 @@ class Forwarder:
         for s, fut in waits:
             await fut
             s.wake.set()
+
+    def sends(self, signal: str) -> bool:
+        """Whether any exporter forwards ``signal``."""
+        return any(signal in s.exp.sends for s in self.senders)
+
+    def put(self, signal: str, body: bytes) -> None:
+        """``accept`` from a thread other than the loop's (a stage): returns once the request is on disk.
+
+        Raises:
+            sqlite3.Error: a queue could not be written.
+        """
+        chosen = [s for s in self.senders if signal in s.exp.sends]
+        for s, fut in [(s, s.queue.put(signal, body)) for s in chosen]:
+            fut.result()
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(s.wake.set)
 
     async def stop(self) -> None:
         """Stop the senders (a send in flight is cut: its request stays queued), then close the queues."""

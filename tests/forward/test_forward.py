@@ -276,3 +276,63 @@ def test_rewrite_redacts_content_and_leaves_ids_alone() -> None:
     assert out.resource_spans[0].scope_spans[0].spans[0].span_id == span.span_id
     plain = traces(2, conversation=None)
     assert rewrite("traces", plain, thread_from=("gen_ai.conversation.id",)) == plain  # nothing to add: the bytes
+
+
+def _events(s: Sink) -> list[tuple[bytes, bytes, dict[str, Any]]]:
+    """Every gen_ai.evaluation.result event the sink was sent: (trace id, span id, attributes)."""
+    out = []
+    for r in s.received:
+        if not r.path.endswith("/v1/logs") or r.status != 200:
+            continue
+        req = ExportLogsServiceRequest.FromString(r.body)
+        for rl in req.resource_logs:
+            for sl in rl.scope_logs:
+                for rec in sl.log_records:
+                    if rec.event_name == "gen_ai.evaluation.result":
+                        attrs = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in rec.attributes}
+                        out.append((rec.trace_id, rec.span_id, attrs))
+    return out
+
+
+def test_verdicts_and_review_decisions_go_out_as_evaluation_events(tmp_path: Path) -> None:
+    from ..support.api_http import post_json
+    from ..support.review import CARRIER, carrier_conversation, send_conversations, start_daemon, wait_items
+
+    with sink() as s:
+        daemon = start_daemon(tmp_path, exporters={
+            "lw": {"type": "langwatch", "endpoint": f"{s.base}/api/otel/v1/traces", "api_key": "k"},
+            "ls": {"type": "langsmith", "endpoint": f"{s.base}/ls/otel/v1/traces", "api_key": "k"}})
+        try:
+            send_conversations(daemon.grpc, [carrier_conversation("ev-1")])
+            item, = [i for i in wait_items(daemon, {("ev-1", CARRIER)}) if i["criterion_id"] == CARRIER]
+
+            def carrier_events() -> list[dict[str, Any]]:
+                return [a for _, _, a in _events(s) if a["gen_ai.evaluation.name"] == CARRIER]
+
+            wait_until(lambda: carrier_events(), "the carrier verdict as an event")
+            trace_id, span_id, attrs = next(e for e in _events(s) if e[2]["gen_ai.evaluation.name"] == CARRIER)
+            assert attrs["gen_ai.evaluation.score.label"] == "fail" and attrs["gen_ai.evaluation.score.value"] == 0.0
+            assert attrs["tracejudge.conversation.id"] == "ev-1" and attrs["tracejudge.criterion.version"] == 1
+            assert attrs["tracejudge.review.state"] == "pending" and attrs["tracejudge.evidence_verified"] is True
+            assert "carrier will call" in attrs["gen_ai.evaluation.explanation"]
+            # Parented to the conversation's last LLM call: a trace and a span the bot sent.
+            assert len(trace_id) == 16 and len(span_id) == 8 and any(
+                sp.span_id == span_id for r in s.at("/api/otel/v1/traces")
+                for rs in ExportTraceServiceRequest.FromString(r.body).resource_spans
+                for ss in rs.scope_spans for sp in ss.spans)
+            assert not s.at("/ls/otel/v1/logs")  # LangSmith: traces only, by default
+            reply = post_json(daemon.api, f"/api/review/{item['id']}/decision",
+                              {"decision": "confirm", "reviewer": "Dr. Amal"})
+            assert reply.status == 200, reply.body
+            wait_until(lambda: any(a["tracejudge.review.state"] == "confirmed" for a in carrier_events()),
+                       "the decision as an event")
+            assert daemon.stop() == 0
+            daemon.start()  # a restart goes on from where it got: nothing is sent again
+            before = len(_events(s))
+            send_conversations(daemon.grpc, [carrier_conversation("ev-2")])
+            wait_until(lambda: any(a["tracejudge.conversation.id"] == "ev-2" for _, _, a in _events(s)),
+                       "the next conversation's events")
+            assert all(a["tracejudge.conversation.id"] == "ev-2" for _, _, a in _events(s)[before:])
+            assert daemon.stop() == 0
+        finally:
+            stop_daemon(daemon)
