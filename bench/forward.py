@@ -1,0 +1,133 @@
+"""Forwarding benchmark: ingest with two exporters on, next to none, in the same run.
+
+The workload is ``bench/ingest.py``'s (realistic GenAI spans, 512 per request,
+8 concurrent senders over OTLP/gRPC). Each round runs the daemon twice:
+
+  none   no exporters
+  two    an otlphttp exporter and a langsmith one (which decodes each request to
+         add langsmith.metadata.thread_id, then encodes it again), both sending
+         to a fast local sink (a separate process answering 200 at once)
+
+The sink has every request when both exporters' status says so.
+
+and prints spans/s, p50/p99 request latency and peak RSS of each, ``two`` as a
+ratio of ``none``, and how long after the last ack the sink had every request
+(targets: at least 80% of the throughput without exporters, p99 under 500 ms).
+Run by hand:
+
+    .venv/bin/python bench/forward.py [--spans 200000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import ingest  # bench/ingest.py: the workload and the senders
+
+
+def serve_sink() -> None:
+    """A backend that takes every request and counts its bytes; prints its port."""
+    from aiohttp import web
+
+    received = {"bytes": 0, "requests": 0}
+
+    async def take(request: web.Request) -> web.Response:
+        received["bytes"] += len(await request.read())
+        received["requests"] += 1
+        return web.Response()
+
+    async def count(request: web.Request) -> web.Response:
+        return web.json_response(received)
+
+    async def main() -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/{tail:.*}", take)
+        app.router.add_get("/count", count)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(runner.addresses[0][1], flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def run_one(mode: str, bodies: list[bytes], workdir: Path, sink: str) -> dict[str, Any]:
+    extra = ""
+    if mode == "two":
+        extra = (f"exporters:\n  raw: {{type: otlphttp, endpoint: '{sink}/raw/v1/traces'}}\n"
+                 f"  ls: {{type: langsmith, endpoint: '{sink}/ls/otel/v1/traces', api_key: bench}}\n")
+    proc, info = ingest.start_daemon(Path(tempfile.mkdtemp(dir=workdir)), extra)
+    try:
+        elapsed, lat, failures = asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+        acked = time.perf_counter()
+        drained = None
+        if mode == "two":  # until both exporters have delivered every request
+            while True:
+                with urllib.request.urlopen(info["api"] + "/api/status") as resp:
+                    exporters = json.loads(resp.read())["exporters"]
+                if all(e["sent"] >= len(bodies) and not e["queued_requests"] for e in exporters.values()):
+                    break
+                time.sleep(0.1)
+            drained = time.perf_counter() - acked
+        rss = ingest.peak_rss_mb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait()
+    spans = len(bodies) * ingest.SPANS_PER_REQUEST
+    return {"mode": mode, "spans_per_s": spans / elapsed, **ingest.latency_figures(lat), "rss_mb": rss,
+            "refused": failures, "drained_s": drained}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spans", type=int, default=200_000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sink", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.sink:
+        serve_sink()
+        return
+    bodies = ingest.make_requests(args.spans)
+    print(f"{len(bodies)} requests x {ingest.SPANS_PER_REQUEST} spans over OTLP/gRPC, "
+          f"concurrency {ingest.CONCURRENCY}", flush=True)
+    sink_proc = subprocess.Popen([sys.executable, __file__, "--sink"], stdout=subprocess.PIPE, text=True)
+    assert sink_proc.stdout is not None
+    sink = f"http://127.0.0.1:{int(sink_proc.stdout.readline())}"
+    results: dict[str, list[dict[str, Any]]] = {"none": [], "two": []}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rnd in range(args.rounds):
+                for mode in ("none", "two"):
+                    r = run_one(mode, bodies, Path(tmp), sink)
+                    results[mode].append(r)
+                    print(f"  round {rnd + 1} {mode:4} {r['spans_per_s']:>9,.0f} spans/s  p50 {r['p50_ms']:6.1f} ms  "
+                          f"p99 {r['p99_ms']:6.1f} ms  peak RSS {r['rss_mb']:5.0f} MB  refused+retried {r['refused']}"
+                          + (f"  sink had everything {r['drained_s']:.1f}s after the last ack"
+                             if r["drained_s"] is not None else ""), flush=True)
+    finally:
+        sink_proc.terminate()
+        sink_proc.wait()
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("spans_per_s", "p50_ms", "p99_ms", "rss_mb")}
+           for m, rs in results.items()}
+    two, none = med["two"], med["none"]
+    print(f"\nmedian over rounds: two exporters {two['spans_per_s']:,.0f} spans/s = "
+          f"{two['spans_per_s'] / none['spans_per_s']:.0%} of none ({none['spans_per_s']:,.0f}); "
+          f"p99 {two['p99_ms']:.0f} ms (none {none['p99_ms']:.0f} ms); peak RSS {two['rss_mb']:.0f} MB "
+          f"(none {none['rss_mb']:.0f} MB)")
+    print("targets: >= 80% of the throughput without exporters, p99 < 500 ms")
+
+
+if __name__ == "__main__":
+    main()
