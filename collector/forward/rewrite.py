@@ -13,7 +13,8 @@ needs neither is sent as the bytes that came in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -76,6 +77,7 @@ def rewrite(signal: str, body: bytes, *, thread_from: Sequence[str] = (), redact
     if not thread_from and not redact:
         return body
     values: list[AnyValue] = []
+    rank = {key: n for n, key in enumerate(thread_from) if "*" not in key}
     if signal == "traces":
         traces = ExportTraceServiceRequest.FromString(body)
         added = 0
@@ -83,7 +85,7 @@ def rewrite(signal: str, body: bytes, *, thread_from: Sequence[str] = (), redact
             for ss in rs.scope_spans:
                 for span in ss.spans:
                     if thread_from:
-                        added += _add_thread(span.attributes, thread_from)
+                        added += _add_thread(span.attributes, rank)
                     if redact:
                         values += _content(span.attributes)
                         for event in span.events:
@@ -110,15 +112,22 @@ def rewrite(signal: str, body: bytes, *, thread_from: Sequence[str] = (), redact
     return out.SerializeToString()
 
 
-def _add_thread(attributes: object, thread_from: Sequence[str]) -> int:
-    attrs = {kv.key: kv.value for kv in attributes}  # type: ignore[attr-defined]
-    if THREAD_ATTRIBUTE in attrs:
+def _add_thread(attributes: Any, rank: Mapping[str, int]) -> int:
+    # One pass over the span's attributes (this runs for every span forwarded to LangSmith): the id
+    # attribute that comes first in ``conversations.id_attributes`` wins.
+    best, value = len(rank), None
+    for kv in attributes:
+        key = kv.key
+        if key == THREAD_ATTRIBUTE:
+            return 0
+        r = rank.get(key, best)
+        if r < best:
+            best, value = r, kv.value
+    if value is None:
         return 0
-    for key in thread_from:
-        value = attrs.get(key)
-        if value is not None and value.WhichOneof("value") in ("string_value", "int_value"):
-            text = value.string_value if value.WhichOneof("value") == "string_value" else str(value.int_value)
-            if text:
-                attributes.add(key=THREAD_ATTRIBUTE, value=AnyValue(string_value=text))  # type: ignore[attr-defined]
-                return 1
-    return 0
+    kind = value.WhichOneof("value")
+    text = value.string_value if kind == "string_value" else str(value.int_value) if kind == "int_value" else ""
+    if not text:
+        return 0
+    attributes.add(key=THREAD_ATTRIBUTE, value=AnyValue(string_value=text))
+    return 1
