@@ -30,11 +30,14 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS queue (
     seq INTEGER PRIMARY KEY,
     signal TEXT NOT NULL,
-    body BLOB NOT NULL,
+    size INTEGER NOT NULL,
     queued_at REAL NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0
+    body BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tried (seq INTEGER PRIMARY KEY);
 """
+# ``size`` before ``body``: the front is chosen from the small columns without reading any body, and a send
+# tried is noted in ``tried``, never by rewriting a row that holds a body.
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Item:
     body: bytes
     queued_at: float
     attempts: int
-    """Sends tried before this one (one with attempts was perhaps delivered before a crash)."""
+    """1 when a send of it was tried before (perhaps delivered, before a crash), else 0."""
 
 
 class DiskQueue:
@@ -57,6 +60,7 @@ class DiskQueue:
         self.path = path
         self.max_bytes = max_bytes
         self._con = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._con.execute("PRAGMA page_size=65536")  # bodies of hundreds of KB: fewer, larger overflow pages
         self._con.execute("PRAGMA journal_mode=WAL")
         self._con.execute("PRAGMA synchronous=FULL")
         self._con.executescript(SCHEMA)
@@ -64,7 +68,7 @@ class DiskQueue:
         self._pending: list[tuple[str, bytes, float, Future[None]]] = []
         self._wake = threading.Condition()
         self._closed = False
-        row = self._con.execute("SELECT count(*), coalesce(sum(length(body)), 0), min(queued_at) FROM queue").fetchone()
+        row = self._con.execute("SELECT count(*), coalesce(sum(size), 0), min(queued_at) FROM queue").fetchone()
         self.requests, self.bytes = int(row[0]), int(row[1])
         self._oldest: float | None = row[2]
         self._thread = threading.Thread(target=self._commit_loop, name=f"forward-queue-{path.stem}", daemon=True)
@@ -94,8 +98,8 @@ class DiskQueue:
             try:
                 with self._lock:
                     self._con.execute("BEGIN IMMEDIATE")
-                    self._con.executemany("INSERT INTO queue (signal, body, queued_at) VALUES (?, ?, ?)",
-                                          [(s, b, t) for s, b, t, _ in batch])
+                    self._con.executemany("INSERT INTO queue (signal, size, queued_at, body) VALUES (?, ?, ?, ?)",
+                                          [(s, len(b), t, b) for s, b, t, _ in batch])
                     self._con.execute("COMMIT")
                     self.requests += len(batch)
                     self.bytes += sum(len(b) for _, b, _, _ in batch)
@@ -126,29 +130,37 @@ class DiskQueue:
     def peek(self, max_bytes: int, max_items: int = 512) -> list[Item]:
         """The oldest requests of one signal, in order, up to ``max_bytes`` together (at least one)."""
         with self._lock:
-            rows = self._con.execute("SELECT seq, signal, body, queued_at, attempts FROM queue ORDER BY seq LIMIT ?",
-                                     [max_items]).fetchall()
-        out: list[Item] = []
-        size = 0
-        for row in rows:
-            item = Item(*row)
-            if out and (item.signal != out[0].signal or size + len(item.body) > max_bytes):
-                break
-            out.append(item)
-            size += len(item.body)
-        return out
+            heads = self._con.execute("SELECT seq, signal, size FROM queue ORDER BY seq LIMIT ?",
+                                      [max_items]).fetchall()
+            chosen: list[int] = []
+            size = 0
+            for seq, signal, n in heads:
+                if chosen and (signal != heads[0][1] or size + n > max_bytes):
+                    break
+                chosen.append(seq)
+                size += n
+            if not chosen:
+                return []
+            rows = self._con.execute(
+                "SELECT q.seq, q.signal, q.body, q.queued_at, t.seq IS NOT NULL FROM queue q "
+                "LEFT JOIN tried t ON t.seq = q.seq WHERE q.seq BETWEEN ? AND ? ORDER BY q.seq",
+                [chosen[0], chosen[-1]]).fetchall()
+        return [Item(seq, signal, body, at, int(tried)) for seq, signal, body, at, tried in rows]
 
     def attempted(self, items: Sequence[Item]) -> None:
         """Record that these are about to be sent (after a crash, a resend may be a duplicate)."""
         with self._lock:
-            self._con.executemany("UPDATE queue SET attempts = attempts + 1 WHERE seq = ?", [(i.seq,) for i in items])
+            self._con.executemany("INSERT OR IGNORE INTO tried VALUES (?)", [(i.seq,) for i in items])
 
     def remove(self, items: Sequence[Item]) -> None:
         """Delete delivered or dropped requests."""
         if not items:
             return
         with self._lock:
+            self._con.execute("BEGIN")
             self._con.executemany("DELETE FROM queue WHERE seq = ?", [(i.seq,) for i in items])
+            self._con.executemany("DELETE FROM tried WHERE seq = ?", [(i.seq,) for i in items])
+            self._con.execute("COMMIT")
             self.requests -= len(items)
             self.bytes -= sum(len(i.body) for i in items)
             row = self._con.execute("SELECT min(queued_at) FROM queue").fetchone()
