@@ -265,8 +265,10 @@ class API:
         source = q.get("source") or "production"
         if source not in review_stats.SOURCES:
             raise APIError(400, "bad_parameter", f"source must be production or simulation, not {source[:40]!r}")
-        body = await self.read(lambda cur: review_stats.stats(cur, since=since, criterion=q.get("criterion") or None,
-                                                              source=source))
+        # ?rows=1: the rows the figures are computed from, for `stats --db` merging several daemons' stores.
+        compute = review_stats.stats_rows if q.get("rows") in ("1", "true") else review_stats.stats
+        body = await self.read(lambda cur: compute(cur, since=since, criterion=q.get("criterion") or None,
+                                                   source=source))
         return web.json_response(body, dumps=_dumps)
 
     async def simulations_import(self, request: web.Request) -> web.Response:

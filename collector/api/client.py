@@ -59,6 +59,9 @@ class Client(Protocol):
 
     def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]: ...
 
+    def stats_rows(self, *, since: str | None, criterion: str | None,
+                   source: str = "production") -> dict[str, Any]: ...
+
     def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]: ...
 
     def status(self) -> dict[str, Any]: ...
@@ -152,6 +155,14 @@ class APIClient:
     def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
         body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion,
                                                                source=None if source == "production" else source))
+        return body
+
+    def stats_rows(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
+        body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion, rows=1,
+                                                               source=None if source == "production" else source))
+        if "verdicts" not in body:
+            raise UserError(f"the daemon at {self.base} runs an older tracejudge that cannot give the rows "
+                            "its stats are computed from: upgrade it to merge its figures with other stores'")
         return body
 
     def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]:
@@ -269,14 +280,18 @@ class FileClient:
                                    since=_since(since), limit=limit)
 
     def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
+        return review_stats.stats_of([self.stats_rows(since=since, criterion=criterion, source=source)])
+
+    def stats_rows(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
         if not self._evals():
             ended = self.con.execute("SELECT count(*) FROM conversations WHERE state = 'ended'").fetchone()
-            counts: dict[str, Any] = ({"imported": 0, "judged": 0} if source == "simulation" else
-                      {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0, "skipped": {}, "judged": 0})
-            return {"criteria": [], "groups": [], "tokens": {"input_tokens": 0, "output_tokens": 0},
-                    "conversations": counts}
-        return review_stats.stats(self.con, since=_since(since), criterion=criterion,
-                                  source="simulation" if source == "simulation" else "production")
+            counts: dict[str, Any] = ({"imported": 0} if source == "simulation" else
+                                      {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0,
+                                       "skipped": {}})
+            return {"verdicts": [], "not_run": [], "criteria": [], "judged": 0, "conversations": counts,
+                    "tokens": {"input_tokens": 0, "output_tokens": 0}}
+        return review_stats.stats_rows(self.con, since=_since(since), criterion=criterion,
+                                       source="simulation" if source == "simulation" else "production")
 
     def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]:
         from judges import Conversation
@@ -310,15 +325,23 @@ class FileClient:
         self._writer = None
 
 
-def client(cfg: Config) -> Client:
-    """The daemon's API when one serves this config's database, else the file.
+def client(cfg: Config, db: Path | None = None) -> Client:
+    """The daemon's API when one serves this config's database (or ``db``, given by ``--db``), else the file.
 
     Raises:
         UserError: neither is there; the message names the file looked for and how to read another.
     """
-    info = running_daemon(cfg.runtime_file)
+    if db is not None:
+        if not db.is_file():
+            raise UserError(f"--db {db}: no such database file")
+        runtime = Path(str(db) + ".daemon.json")  # where a daemon on that file says where it listens
+    else:
+        runtime = cfg.runtime_file
+    info = running_daemon(runtime)
     if info is not None:
         return APIClient(info.api, cfg.api.auth.bearer_token)
+    if db is not None:
+        return FileClient(db, cfg.storage.retention)
     if not cfg.storage.duckdb.path.exists():
         raise UserError(_nothing_found(cfg))
     return FileClient(cfg.storage.duckdb.path, cfg.storage.retention)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ..config import Config, load_config
+from ..errors import UserError
 
 if TYPE_CHECKING:
     from ..api.client import Client
@@ -21,6 +22,16 @@ def config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
         envvar="TRACEJUDGE_CONFIG", default=None, show_envvar=True,
         help="Config file [default: ./otel-config.yaml, or built-in defaults when absent].",
+    )(fn)
+
+
+def db_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--db FILE``, repeatable: read these DuckDB files in place of the config's, merged."""
+    return click.option(
+        "--db", "dbs", multiple=True, metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
+        help="Read this DuckDB file, through the daemon running on it if one does, else directly (read-only). "
+             "Give it once per file to read several daemons' stores (behind a load balancer) as one. "
+             "It wins over --config for where data is read; --config still gives the API token.",
     )(fn)
 
 
@@ -60,12 +71,34 @@ def table(rows: list[list[str]], align: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def ask(config_path: Path | None, fn: Callable[["Client"], T]) -> T:
-    """``fn`` on the daemon's API when one serves this config, else on the DuckDB file."""
+def ask(config_path: Path | None, fn: Callable[["Client"], T], db: Path | None = None) -> T:
+    """``fn`` on the daemon's API when one serves this config (or the file ``db``), else on the DuckDB file."""
     from ..api.client import client  # not at import time: `tracejudge judge` never loads DuckDB
 
-    c = client(load(config_path))
+    c = client(load(config_path), db)
     try:
         return fn(c)
     finally:
         c.close()
+
+
+def ask_all(config_path: Path | None, dbs: tuple[Path, ...], fn: Callable[[list["Client"]], T]) -> T:
+    """``fn`` on a client of each file in ``dbs`` (through its daemon when one runs on it), all open at once.
+
+    Raises:
+        UserError: a file is not there (named before any is opened).
+    """
+    from ..api.client import client
+
+    for db in dbs:
+        if not db.is_file():
+            raise UserError(f"--db {db}: no such database file")
+    cfg = load(config_path)
+    opened: list["Client"] = []
+    try:
+        for db in dbs:
+            opened.append(client(cfg, db))
+        return fn(opened)
+    finally:
+        for c in opened:
+            c.close()

@@ -10,7 +10,8 @@ import click
 
 from ..errors import UserError
 from ..listing import MAX_LIMIT
-from .common import ask, config_option, json_option, table
+from . import merge
+from .common import ask, ask_all, config_option, db_option, json_option, table
 
 
 @click.group()
@@ -20,15 +21,21 @@ def conversations() -> None:
 
 @conversations.command("list")
 @config_option
+@db_option
 @json_option
 @click.option("--since", help="Only those active since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--state", type=click.Choice(["open", "ended"]), help="Only open or only ended conversations.")
 @click.option("--service", help="Only this service.name.")
 @click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=50, show_default=True)
-def list_cmd(config_path: Path | None, as_json: bool, since: str | None, state: str | None, service: str | None,
-             limit: int) -> None:
-    """Conversations, the most recently active first."""
-    rows = ask(config_path, lambda c: c.list_conversations(since=since, state=state, service=service, limit=limit))
+def list_cmd(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, since: str | None, state: str | None,
+             service: str | None, limit: int) -> None:
+    """Conversations, the most recently active first (of all the files, with --db given more than once)."""
+    if len(dbs) > 1:
+        rows = ask_all(config_path, dbs, lambda cs: merge.conversations(
+            [c.list_conversations(since=since, state=state, service=service, limit=limit) for c in cs], limit))
+    else:
+        rows = ask(config_path, lambda c: c.list_conversations(since=since, state=state, service=service,
+                                                               limit=limit), dbs[0] if dbs else None)
     if as_json:
         click.echo(json.dumps(rows, ensure_ascii=False, indent=2))
         return

@@ -16,10 +16,12 @@ import click
 
 from ..errors import UserError
 from ..words import plural
-from .common import ask, config_option, json_option
+from . import merge
+from .common import ask, ask_all, config_option, db_option, json_option
 
 if TYPE_CHECKING:
     from ..api.client import Client
+    from ..api.export import Export
 
 
 @click.group()
@@ -29,6 +31,7 @@ def replay() -> None:
 
 @replay.command("export")
 @config_option
+@db_option
 @json_option
 @click.option("--since", help="Only those with data since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--state", type=click.Choice(["open", "ended"]), help="Only open or only ended conversations.")
@@ -37,34 +40,57 @@ def replay() -> None:
               help="Only conversations whose current verdict on this criterion is fail.")
 @click.option("--redact", is_flag=True, help="Pass each record through collector.redact.Redactor before writing it.")
 @click.option("--out", required=True, metavar="FILE", help="The JSONL file to write; - for standard output.")
-def export_cmd(config_path: Path | None, as_json: bool, since: str | None, state: str | None, sampled_only: bool,
-               criterion_failed: str | None, redact: bool, out: str) -> None:
+def export_cmd(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, since: str | None,
+               state: str | None, sampled_only: bool, criterion_failed: str | None, redact: bool, out: str) -> None:
     """Write stored conversations as conversation/v1 JSONL, ordered by conversation id.
 
     Through the running daemon's API, else from the DuckDB file (read-only).
     The file appears only once complete: an interrupted export leaves none
     (and an older file of that name as it was). Its content is the users'
-    own words: it is written readable by you only.
+    own words: it is written readable by you only. With --db given more than
+    once, every file's conversations, one file after the other; an id found in
+    more than one file is written from each, with a warning.
     """
     from replay.export import STDOUT, redaction, write_lines
 
     redacted = redaction() if redact else None
+    duplicates: set[str] = set()
+
+    def opened(client: Client) -> Export:
+        return client.export_conversations(since=since, state=state, sampled_only=sampled_only,
+                                           criterion_failed=criterion_failed)
+
+    def run_all(clients: list[Client]) -> int:
+        exports: list[Export] = []
+        try:  # every store's export begun first: each its snapshot, and the total known for the progress bar
+            for c in clients:
+                exports.append(opened(c))
+            stream = merge.MergedExport(exports)
+            written = write(stream)
+            duplicates.update(stream.duplicates)
+            return written
+        finally:
+            for e in exports:
+                e.close()
 
     def run(client: Client) -> int:
-        stream = client.export_conversations(since=since, state=state, sampled_only=sampled_only,
-                                             criterion_failed=criterion_failed)
-        lines = redacted(stream.lines) if redacted else stream.lines
+        stream = opened(client)
         try:
-            if not sys.stderr.isatty():
-                return write_lines(lines, out)
-            with click.progressbar(length=max(stream.total, 1), label="exporting conversations",
-                                   file=sys.stderr, show_pos=True) as bar:
-                return write_lines(lines, out, on_progress=bar.update)
+            return write(stream)
         finally:
             stream.close()
 
+    def write(stream: Export | merge.MergedExport) -> int:
+        lines = redacted(stream.lines) if redacted else stream.lines
+        if not sys.stderr.isatty():
+            return write_lines(lines, out)
+        with click.progressbar(length=max(stream.total, 1), label="exporting conversations",
+                               file=sys.stderr, show_pos=True) as bar:
+            return write_lines(lines, out, on_progress=bar.update)
+
     try:
-        written = ask(config_path, run)
+        written = (ask_all(config_path, dbs, run_all) if len(dbs) > 1
+                   else ask(config_path, run, dbs[0] if dbs else None))
     except KeyboardInterrupt:
         click.echo("tracejudge: interrupted: no file written" if out != STDOUT else "tracejudge: interrupted",
                    err=True)
@@ -72,6 +98,10 @@ def export_cmd(config_path: Path | None, as_json: bool, since: str | None, state
     except BrokenPipeError:  # `... --out - | head`: the reader has had enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    if duplicates:
+        click.echo(f"tracejudge: warning: {plural(len(duplicates), 'conversation id')} found in more than one "
+                   "--db file (a conversation the load balancer moved while open?): written once from each",
+                   err=True)
     where = "standard output" if out == STDOUT else out
     if as_json:
         click.echo(json.dumps({"written": written, "out": out}), err=out == STDOUT)

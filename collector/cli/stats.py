@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..words import plural
-from .common import ask, config_option, json_option, rate_text, table
+from .common import ask, ask_all, config_option, db_option, json_option, rate_text, table
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
           "review p/c/r", "failure rate, all traffic (95% CI)"]
@@ -85,26 +85,36 @@ def render_by_source(by: dict[str, dict[str, Any]]) -> str:
 
 @click.command()
 @config_option
+@db_option
 @json_option
 @click.option("--since", help="Only verdicts since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--criterion", help="Only this criterion id.")
 @click.option("--by", "by", type=click.Choice(["source"]),
               help="source: production and simulated conversations side by side ({\"by_source\": {...}} in JSON).")
-def stats(config_path: Path | None, as_json: bool, since: str | None, criterion: str | None,
-          by: str | None) -> None:
+def stats(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, since: str | None,
+          criterion: str | None, by: str | None) -> None:
     """Counts, failure rates for all production traffic (weighted, with 95% intervals) and review outcomes.
 
     Counts are raw counts of current verdicts (one per conversation and
     criterion, on its newest transcript). The failure rate is among applicable
     verdicts (pass + fail), each weighted by 1 / its inclusion probability.
     Simulated conversations (tracejudge replay import) are never counted in
-    production's figures; --by source shows theirs beside them.
+    production's figures; --by source shows theirs beside them. With --db given
+    more than once, the figures are those of all the files' verdicts and
+    sampling decisions taken together (one sample), not of each file.
     """
+    sources = ("production", "simulation") if by == "source" else ("production",)
+    if len(dbs) > 1:
+        from ..review.stats import stats_of
+
+        found = ask_all(config_path, dbs, lambda cs: {s: stats_of([c.stats_rows(
+            since=since, criterion=criterion, source=s) for c in cs]) for s in sources})
+    else:
+        found = ask(config_path, lambda c: {s: c.stats(since=since, criterion=criterion, source=s)
+                                            for s in sources}, dbs[0] if dbs else None)
     if by == "source":
-        both = ask(config_path, lambda c: {s: c.stats(since=since, criterion=criterion, source=s)
-                                           for s in ("production", "simulation")})
-        click.echo(json.dumps({"by_source": both}, ensure_ascii=False, indent=2) if as_json
-                   else render_by_source(both))
+        click.echo(json.dumps({"by_source": found}, ensure_ascii=False, indent=2) if as_json
+                   else render_by_source(found))
         return
-    body = ask(config_path, lambda c: c.stats(since=since, criterion=criterion))
+    body = found["production"]
     click.echo(json.dumps(body, ensure_ascii=False, indent=2) if as_json else render(body))

@@ -4,27 +4,39 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..listing import MAX_LIMIT
-from .common import ask, config_option, json_option, table
+from . import merge
+from .common import ask, ask_all, config_option, db_option, json_option, table
+
+if TYPE_CHECKING:
+    from ..api.client import Client
 
 
 @click.command()
 @config_option
+@db_option
 @json_option
 @click.option("--result", type=click.Choice(["pass", "fail", "not_applicable", "error"]), help="Only this result.")
 @click.option("--criterion", help="Only this criterion id.")
 @click.option("--conversation", help="Only the verdicts on this conversation id.")
 @click.option("--since", help="Only verdicts judged since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=100, show_default=True)
-def verdicts(config_path: Path | None, as_json: bool, result: str | None, criterion: str | None,
-             conversation: str | None, since: str | None, limit: int) -> None:
+def verdicts(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, result: str | None,
+             criterion: str | None, conversation: str | None, since: str | None, limit: int) -> None:
     """Current verdicts, the newest first. `--result error` lists judge errors with their reasons
-    (errors are never queued for review); `--conversation ID` the verdicts on one conversation."""
-    rows = ask(config_path, lambda c: c.verdicts(result=result, criterion=criterion, conversation=conversation,
-                                                 since=since, limit=limit))
+    (errors are never queued for review); `--conversation ID` the verdicts on one conversation.
+    With --db given more than once, the newest of all the files', by when each was judged."""
+    def one(c: Client) -> list[dict[str, Any]]:
+        return c.verdicts(result=result, criterion=criterion, conversation=conversation, since=since, limit=limit)
+
+    if len(dbs) > 1:
+        rows = ask_all(config_path, dbs, lambda cs: merge.verdicts([one(c) for c in cs], limit))
+    else:
+        rows = ask(config_path, one, dbs[0] if dbs else None)
     if as_json:
         click.echo(json.dumps(rows, ensure_ascii=False, indent=2))
         return

@@ -122,6 +122,24 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         ``errors`` (by reason code) and ``not_run_reasons``; group entries have
         ``group`` in place of the criterion's id, version and group.
     """
+    return stats_of([stats_rows(cur, since=since, criterion=criterion, source=source)])
+
+
+def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
+               criterion: str | None = None, source: Source = "production") -> dict[str, Any]:
+    """What ``stats`` is computed from, as JSON: the current verdicts and not-run records counted per
+    distinct value, the newest group of each criterion, and the conversation and token counts.
+
+    The rows of several stores (daemons behind a load balancer, each with its file) put together are the
+    rows of one store holding all of theirs, so ``stats_of`` over them gives the figures of the whole
+    sample (conversation ids being unique to one store each).
+
+    Returns:
+        ``{"verdicts": [[criterion_id, criterion_version, result, evidence_verified, flagged, error_code,
+        inclusion_probability, review_state, n], ...], "not_run": [[criterion_id, criterion_version, reason,
+        n], ...], "criteria": [[criterion_id, criterion_version, group], ...], "judged": n,
+        "conversations": {...}, "tokens": {...}}``.
+    """
     present = simulations.present(cur)
     current, params = _current(present, since, criterion, source)
     # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
@@ -145,32 +163,85 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         "SELECT criterion_id, max(criterion_version), reason, count(*) FROM (SELECT * FROM not_run n "
         f"{where_clause(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, criterion_id "
         "ORDER BY criterion_version DESC) = 1) GROUP BY criterion_id, reason", nr_params).fetchall()
-    groups_of: dict[str, str | None] = dict(cur.execute(
-        "SELECT criterion_id, criterion_group FROM criteria QUALIFY row_number() OVER "
-        "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall())
+    criteria = cur.execute(
+        "SELECT criterion_id, criterion_version, criterion_group FROM criteria QUALIFY row_number() OVER "
+        "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall()
+    judged_row = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
+    return {
+        "verdicts": [list(r) for r in rows],
+        "not_run": [list(r) for r in not_run],
+        "criteria": [list(r) for r in criteria],
+        "judged": int(judged_row[0]) if judged_row else 0,
+        "conversations": ({"imported": simulations.count(cur)} if source == "simulation"
+                          else _conversation_counts(cur, since)),
+        "tokens": _tokens(cur, since, criterion, _of_source(present, source)),
+    }
+
+
+def _sortable(value: Any) -> tuple[bool, Any]:
+    return (value is not None, "" if value is None else value)
+
+
+def _sum_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Conversation counts added up, ``skipped`` per reason."""
+    out: dict[str, Any] = {}
+    for counts in parts:
+        for k, v in counts.items():
+            if isinstance(v, dict):
+                into = out.setdefault(k, {})
+                for reason, n in v.items():
+                    into[reason] = into.get(reason, 0) + n
+            else:
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def stats_of(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of ``stats`` over the ``stats_rows`` of one or more stores, computed once over all the rows.
+
+    Rows equal in every value but the count are counted together, and visited in one order whatever store
+    they came from, so the rows of two stores give exactly what one store holding both would.
+    """
+    verdict_rows: dict[tuple[Any, ...], list[int]] = {}
+    for part in parts:
+        for cid, version, result, verified, flagged, code, p, review, n in part["verdicts"]:
+            key = (cid, result, bool(verified), bool(flagged), code, float(p), review)
+            seen = verdict_rows.setdefault(key, [0, 0])
+            seen[0], seen[1] = max(seen[0], version), seen[1] + n
+    not_run_rows: dict[tuple[str, str], list[int]] = {}
+    for part in parts:
+        for cid, version, reason, n in part["not_run"]:
+            seen = not_run_rows.setdefault((cid, reason), [0, 0])
+            seen[0], seen[1] = max(seen[0], version), seen[1] + n
+    newest: dict[str, tuple[int, str | None]] = {}  # the group recorded for each criterion's newest version
+    for part in parts:
+        for cid, version, group in part["criteria"]:
+            if cid not in newest or version > newest[cid][0]:
+                newest[cid] = (version, group)
+    groups_of = {cid: group for cid, (_, group) in newest.items()}
 
     crits: dict[str, _Tally] = defaultdict(_Tally)
     groups: dict[str, _Tally] = defaultdict(_Tally)
     versions: dict[str, int] = {}
-    for cid, version, result, verified, flagged, code, p, review, n in rows:
+    for key in sorted(verdict_rows, key=lambda k: tuple(_sortable(x) for x in k)):
+        cid, result, verified, flagged, code, p, review = key
+        version, n = verdict_rows[key]
         versions[cid] = max(versions.get(cid, 0), version)
         for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
             t.add(result, verified, flagged, code, p, review, n)
-    for cid, version, reason, n in not_run:
+    for (cid, reason), (version, n) in sorted(not_run_rows.items()):
         versions[cid] = max(versions.get(cid, 0), version)
         for t in (crits[cid], *([groups[g]] if (g := groups_of.get(cid)) else [])):
             t.counts["not_run"] += n
             t.not_run_reasons[reason] += n
-    judged_row = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
-    judged = int(judged_row[0]) if judged_row else 0
-    conversations = ({"imported": simulations.count(cur), "judged": judged} if source == "simulation"
-                     else {**_conversation_counts(cur, since), "judged": judged})
+    tokens = _sum_counts([part["tokens"] for part in parts])
     return {
         "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
                       **crits[cid].entry()} for cid in sorted(crits)],
         "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
-        "conversations": conversations,
-        "tokens": _tokens(cur, since, criterion, _of_source(present, source)),
+        "conversations": {**_sum_counts([part["conversations"] for part in parts]),
+                          "judged": sum(part["judged"] for part in parts)},
+        "tokens": {"input_tokens": tokens.get("input_tokens", 0), "output_tokens": tokens.get("output_tokens", 0)},
     }
 
 
