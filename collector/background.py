@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import duckdb
@@ -131,6 +132,18 @@ class Stage:
     def cycle_ok(self) -> None:
         """A cycle succeeded: the next failure waits ``RETRY_FIRST`` again."""
         self._failures = 0
+
+    def run_cycles(self, cycle: Callable[[], bool], what: str, interval: float) -> None:
+        """Call ``cycle`` until ``stopping``: again at once when it returns True (more to do), after
+        ``interval`` when False; after a failure (logged as ``what``), after the backoff."""
+        while not self.stopping.is_set():
+            try:
+                busy = cycle()
+                self.cycle_ok()
+                delay = 0.0 if busy else interval
+            except Exception:  # noqa: BLE001 - a cycle's failure is logged, counted and tried again
+                delay = self.cycle_failed(what)
+            self.stopping.wait(delay)
 
     def error(self, what: str) -> None:
         """Log the exception being handled with ``what`` and count it, for a failure within a cycle."""

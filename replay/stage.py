@@ -59,17 +59,14 @@ class ScenarioStage(Stage):
         review.ensure_schema(self.cur)
 
     def _run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                try:
-                    self.cycle()
-                    self.cycle_ok()
-                    delay = self.interval
-                except Exception:  # noqa: BLE001 - a folder it cannot write, for now: the next cycle tries again
-                    delay = self.cycle_failed("writing scenarios failed")
-                self.stopping.wait(delay)
+        try:  # a folder it cannot write, for now: the next cycle tries again
+            self.run_cycles(self._look, "writing scenarios failed", self.interval)
         finally:
             self.writer.close()
+
+    def _look(self) -> bool:
+        self.cycle()
+        return False  # the next look waits ``interval``, however many were written
 
     def cycle(self) -> int:
         """Export every confirmed item not exported yet; how many were written."""

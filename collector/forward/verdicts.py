@@ -100,15 +100,8 @@ class VerdictEvents(Stage):
         review_queue.ensure_schema(self.cur)
 
     def _run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                try:
-                    busy = self.cycle()
-                    self.cycle_ok()
-                    delay = 0.0 if busy else self.interval
-                except Exception:  # noqa: BLE001 - a queue it cannot write, for now: the next cycle tries again
-                    delay = self.cycle_failed("sending verdict events failed")
-                self.stopping.wait(delay)
+        try:  # a queue it cannot write, for now: the next cycle tries again
+            self.run_cycles(self.cycle, "sending verdict events failed", self.interval)
         finally:
             self.provider.shutdown()
 
