@@ -49,8 +49,7 @@ class Forwarder:
                 queue = DiskQueue(config.forward_dir / f"{name}.sqlite", exp.queue.max_size)
                 self.senders.append(Sender(name, exp, queue, thread_from=config.conversations.id_attributes,
                                            sent=self.sent, retried=self.retried, dropped=self.dropped))
-                for reason in ("queue_full",):
-                    self.dropped.declare(exporter=name, reason=reason)
+                self.dropped.declare(exporter=name, reason="queue_full")
                 for signal in exp.sends:
                     self.sent.declare(exporter=name, signal=signal)
         except BaseException:
