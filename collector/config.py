@@ -597,7 +597,7 @@ class Config(BaseModel):
 
     @property
     def forward_dir(self) -> Path:
-        """Where the exporters' on-disk queues are kept (one SQLite file each), beside the DuckDB file."""
+        """Where the exporters' on-disk queue is kept (``collector.forward.queue``), beside the DuckDB file."""
         return Path(str(self.storage.duckdb.path) + ".forward")
 
     @property

@@ -260,7 +260,7 @@ class Daemon:
         if cfg.exporters:
             try:
                 parts.forwarder = forwarder = Forwarder(cfg, metrics)
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, OSError) as exc:
                 raise UserError(f"cannot open the forward queues in {cfg.forward_dir}: {exc}") from None
             forwarder.start()
             if forwarder.sends("logs"):  # verdicts go out as evaluation events with the logs

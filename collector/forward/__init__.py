@@ -1,5 +1,5 @@
 """Forwarding: every accepted OTLP request to the team's backends (Opik, LangSmith, LangWatch, any OTLP/HTTP),
-through an on-disk queue per exporter, in order, without loss (``forwarder``, ``queue``, ``send``,
+through one on-disk queue read by each exporter from a cursor of its own, in order, without loss (``forwarder``, ``queue``, ``send``,
 ``rewrite``)."""
 
 from .forwarder import Forwarder

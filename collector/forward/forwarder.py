@@ -2,8 +2,9 @@
 
 The receivers call ``refusal`` before a request goes to the writer (a full
 queue with ``on_full: backpressure`` refuses it, as a full writer does) and
-``accept`` after its DuckDB commit and before its answer: the request is on
-each exporter's disk queue before the client hears it was taken, so
+``accept`` after its DuckDB commit and before its answer: the request is in
+the forward queue on disk (``queue``: written once, read by each exporter
+from a cursor of its own) before the client hears it was taken, so
 "acknowledged" keeps meaning "will be delivered". A crash between the commit
 and the queue leaves the client unanswered; it sends again, the store keeps
 its spans once, and the queue gets the request.
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..config import Config
 from ..metrics import Counter, Metrics
-from .queue import DiskQueue
+from .queue import ForwardStore
 from .send import Sender, state_of
 
 log = logging.getLogger("tracejudge.forward")
@@ -41,20 +42,17 @@ class Forwarder:
                                ("exporter", "reason"))
         metrics.add_instruments(self.sent, self.retried, self.dropped)
         metrics.add_collector(self._gauges)
-        self.senders: list[Sender] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        try:
-            for name, exp in config.exporters.items():
-                queue = DiskQueue(config.forward_dir / f"{name}.sqlite", exp.queue.max_size)
-                self.senders.append(Sender(name, exp, queue, thread_from=config.conversations.id_attributes,
-                                           sent=self.sent, retried=self.retried, dropped=self.dropped))
-                self.dropped.declare(exporter=name, reason="queue_full")
-                for signal in exp.sends:
-                    self.sent.declare(exporter=name, signal=signal)
-        except BaseException:
-            self.close_queues()
-            raise
+        self.store = ForwardStore(config.forward_dir, [(name, exp.sends, exp.queue.max_size)
+                                                       for name, exp in config.exporters.items()])
+        self.senders = [Sender(name, exp, self.store.queues[name], thread_from=config.conversations.id_attributes,
+                               sent=self.sent, retried=self.retried, dropped=self.dropped)
+                        for name, exp in config.exporters.items()]
+        for name, exp in config.exporters.items():
+            self.dropped.declare(exporter=name, reason="queue_full")
+            for signal in exp.sends:
+                self.sent.declare(exporter=name, signal=signal)
 
     def start(self) -> None:
         """Start every sender on the running loop (each resumes its queue where it stopped)."""
@@ -87,20 +85,19 @@ class Forwarder:
         on disk.
 
         Raises:
-            sqlite3.Error: a queue could not be written (the receiver answers 503; the client retries).
+            OSError, sqlite3.Error: the queue could not be written (the receiver answers 503; the client retries).
         """
-        waits = []
-        for s in self.senders:
-            if signal not in s.exp.sends:
-                continue
+        chosen = [s for s in self.senders if signal in s.exp.sends]
+        if not chosen:
+            return
+        for s in chosen:
             if s.exp.queue.on_full == "drop_oldest" and s.queue.full(len(body)):
                 dropped = await asyncio.to_thread(s.queue.drop_oldest, len(body))
                 if dropped:
-                    self.dropped.inc(len(dropped), exporter=s.name, reason="queue_full")
-                    s.status.counts["dropped"] += len(dropped)
-            waits.append((s, asyncio.wrap_future(s.queue.put(signal, body))))
-        for s, fut in waits:
-            await fut
+                    self.dropped.inc(dropped, exporter=s.name, reason="queue_full")
+                    s.status.counts["dropped"] += dropped
+        await asyncio.wrap_future(self.store.put(signal, body))
+        for s in chosen:
             s.wake.set()
 
     def sends(self, signal: str) -> bool:
@@ -111,24 +108,27 @@ class Forwarder:
         """``accept`` from a thread other than the loop's (a stage): returns once the request is on disk.
 
         Raises:
-            sqlite3.Error: a queue could not be written.
+            OSError, sqlite3.Error: the queue could not be written.
         """
         chosen = [s for s in self.senders if signal in s.exp.sends]
-        for s, fut in [(s, s.queue.put(signal, body)) for s in chosen]:
-            fut.result()
-            if self._loop is not None:
+        if not chosen:
+            return
+        self.store.put(signal, body).result()
+        if self._loop is not None:
+            for s in chosen:
                 self._loop.call_soon_threadsafe(s.wake.set)
 
     async def stop(self) -> None:
-        """Stop the senders (a send in flight is cut: its request stays queued), then close the queues."""
+        """Stop the senders (a send in flight is cut: its request stays queued), then close the queue."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.to_thread(self.close_queues)
+        await asyncio.to_thread(self.close)
 
-    def close_queues(self) -> None:
+    def close(self) -> None:
         for s in self.senders:
-            s.queue.close()
+            s.close()
+        self.store.close()
 
     def status(self) -> dict[str, Any]:
         """``exporters`` of ``/api/status``."""

@@ -15,11 +15,11 @@ from aiohttp import web
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector.config import validate_config
+from collector.config import DEFAULT_ID_ATTRIBUTES, validate_config
 from collector.errors import ConfigError
-from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite
+from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite, rewrite_all
 
-from ..support.daemon import DaemonProcess, base_config, wait_until
+from ..support.daemon import DaemonProcess, base_config, pool_workers, wait_until
 from ..support.review import stop_daemon
 from ..support.wire import add_attributes, post, span_request_bytes
 
@@ -44,9 +44,9 @@ class Sink:
     def at(self, path: str) -> list[Received]:
         return [r for r in self.received if r.path == path]
 
-    def delivered(self) -> list[bytes]:
-        """The bodies answered 200, in arrival order."""
-        return [r.body for r in self.received if r.status == 200]
+    def delivered(self, path: str | None = None) -> list[bytes]:
+        """The bodies answered 200 (at ``path``, or anywhere), in arrival order."""
+        return [r.body for r in self.received if r.status == 200 and path in (None, r.path)]
 
 
 @contextmanager
@@ -180,18 +180,29 @@ def test_kill9_while_requests_are_queued_loses_nothing_acknowledged(tmp_path: Pa
     with sink() as s:
         down = True
         s.answer = lambda r: (503, {"Retry-After": "1"}) if down else (200, {})
-        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{s.base}/v1/traces"}})
+        cfg = base_config(tmp_path, exporters={
+            "raw": {"type": "otlphttp", "endpoint": f"{s.base}/v1/traces"},
+            "ls": {"type": "langsmith", "endpoint": f"{s.base}/ls/otel/v1/traces", "api_key": "k"}})
         daemon = DaemonProcess(tmp_path, cfg).start()
         sent = [traces(seed) for seed in range(1, 9)]
         for body in sent:
             assert send(daemon, body) == 200
+        assert daemon.proc is not None
+        wait_until(lambda: s.at("/ls/otel/v1/traces"), "a LangSmith send, through the rewrite process")
+        rewriter, = pool_workers(daemon.proc.pid)
         daemon.kill9()
+        wait_until(lambda: not Path(f"/proc/{rewriter}").exists() or
+                   Path(f"/proc/{rewriter}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
+                   "the rewrite process to end with the daemon")
         down = False
         daemon.start()
         try:
             wait_until(lambda: forwarded(daemon, "raw")["queued_requests"] == 0, "the queue emptied")
+            wait_until(lambda: forwarded(daemon, "ls")["queued_requests"] == 0, "LangSmith's queue emptied")
             # Nothing was delivered before the kill: after it, each request once, in order.
-            assert b"".join(s.delivered()) == b"".join(sent)
+            assert b"".join(s.delivered("/v1/traces")) == b"".join(sent)
+            assert b"".join(s.delivered("/ls/otel/v1/traces")) == rewrite_all(
+                "traces", sent, DEFAULT_ID_ATTRIBUTES, False)
             # The requests tried before the kill are counted as sent again (duplicates, had a try got through).
             assert 1 <= forwarded(daemon, "raw")["resent_after_restart"] <= len(sent)
             assert daemon.stop() == 0

@@ -203,3 +203,15 @@ def wait_conversations(daemon: DaemonProcess, timeout: float = 60) -> dict[str, 
             return status  # type: ignore[no-any-return]
         time.sleep(0.05)
     raise AssertionError(f"conversations did not catch up: {status}")
+
+
+def pool_workers(pid: int) -> list[int]:
+    """``pid``'s child processes that are multiprocessing pool workers (not its resource tracker)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+            out += [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        except FileNotFoundError:  # the thread or the child ended in between
+            pass
+    return out
