@@ -1,14 +1,19 @@
 """Demo traffic: scripted chatbot conversations sent through the real OpenTelemetry SDK.
 
 Each user turn is one trace, as instrumented bots produce them with the current
-GenAI conventions: an ``invoke_agent`` span carrying ``gen_ai.conversation.id``,
-``chat`` spans whose ``gen_ai.input.messages`` resend the whole history, and
-``execute_tool`` spans for tool calls. The bot is a script, not a model, so the
+GenAI conventions: an ``invoke_agent`` span, ``chat`` spans whose
+``gen_ai.input.messages`` resend the whole history, and ``execute_tool`` spans
+for tool calls. The ``invoke_agent`` span carries ``gen_ai.conversation.id``;
+on the demo's providers every other span does too, set by a span processor from
+a context variable, as the README's scale-out section advises
+(behind the Collector's ``load_balancing`` exporter a trace is routed by one
+span's attributes). The bot is a script, not a model, so the
 demo needs no API key; the telemetry is exactly what a real one would send.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -16,7 +21,8 @@ from typing import Any, Callable
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Tracer
 
@@ -96,6 +102,18 @@ PERSONAS = [
 ]
 
 
+CONVERSATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("conversation", default=None)
+"""The conversation of the turn being played (the bot's request handler would set it)."""
+
+
+class ConversationIdProcessor(SpanProcessor):
+    """Puts the current conversation's id on every span started."""
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if (cid := CONVERSATION.get()) is not None:
+            span.set_attribute("gen_ai.conversation.id", cid)
+
+
 def _text(role: str, content: str) -> dict[str, Any]:
     return {"role": role, "parts": [{"type": "text", "content": content}]}
 
@@ -123,13 +141,21 @@ def _chat_span(tracer: Tracer, history: list[dict[str, Any]], output: dict[str, 
 
 def play(tracer: Tracer, persona: Persona) -> int:
     """Send one conversation, a trace per user turn; returns the number of spans sent."""
+    token = CONVERSATION.set(persona.conversation_id)
+    try:
+        return _play(tracer, persona)
+    finally:
+        CONVERSATION.reset(token)
+
+
+def _play(tracer: Tracer, persona: Persona) -> int:
     history: list[dict[str, Any]] = []
     spans = 0
     for i, turn in enumerate(persona.turns):
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "invoke_agent",
             "gen_ai.agent.name": "ShopBot",
-            "gen_ai.conversation.id": persona.conversation_id,
+            "gen_ai.conversation.id": persona.conversation_id,  # on a provider without the processor too
             "app.user.language": persona.language,
         }
         if turn.handover:
@@ -168,6 +194,7 @@ def send_demo_traffic(grpc_endpoint: str, progress: Callable[[str], None] = prin
             # A provider of our own, never the global one: the SDK must not trace this process.
             provider = TracerProvider(resource=Resource.create({"service.name": persona.service,
                                                                 "service.version": "demo"}))
+            provider.add_span_processor(ConversationIdProcessor())
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True)))
             by_service[persona.service] = provider
         n = play(provider.get_tracer("tracejudge.demo"), persona)

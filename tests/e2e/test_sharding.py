@@ -11,7 +11,6 @@ shards' files must print what it prints over the reference's file.
 
 from __future__ import annotations
 
-import contextvars
 import json
 import subprocess
 import sys
@@ -27,10 +26,10 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from collector.demo import Persona, play
+from collector.demo import ConversationIdProcessor, Persona, play
 
 from ..support.daemon import DaemonProcess, clean_env, wait_conversations, wait_until
 from ..support.review import carrier_conversation, refund_conversation, start_daemon, stop_daemon
@@ -40,30 +39,16 @@ TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 LOGS = "/opentelemetry.proto.collector.logs.v1.LogsService/Export"
 SHARDS = 2
 
-_conversation: contextvars.ContextVar[str | None] = contextvars.ContextVar("conversation", default=None)
-
-
-class ConversationIdProcessor(SpanProcessor):
-    """The README's span processor: every span of a turn carries the conversation id."""
-
-    def on_start(self, span: Any, parent_context: Any = None) -> None:
-        if (cid := _conversation.get()) is not None:
-            span.set_attribute(ROUTING_ATTRIBUTE, cid)
-
-
 def send_tagged(grpc_endpoint: str, personas: Sequence[Persona]) -> None:
-    """tests.support.online.send, with the conversation id copied onto every span."""
+    """tests.support.online.send, with the conversation id copied onto every span (the demo's processor, the
+    README's)."""
     provider = TracerProvider(resource=Resource.create({"service.name": "review-test"}))
     provider.add_span_processor(ConversationIdProcessor())
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True)))
     try:
         tracer = provider.get_tracer("tests")
         for persona in personas:
-            token = _conversation.set(persona.conversation_id)
-            try:
-                play(tracer, persona)
-            finally:
-                _conversation.reset(token)
+            play(tracer, persona)
         assert provider.force_flush(60_000), "the OTLP exporter could not deliver"
     finally:
         provider.shutdown()
