@@ -444,6 +444,13 @@ class SamplingSettings(Section):
 class Review(Section):
     queue_results: list[Literal["pass", "fail", "not_applicable"]] = ["fail"]
     """Verdict results that open a review item (every flagged fail does too; an error never does)."""
+    calibration_rate: float = Field(0.05, ge=0, le=1)
+    """Share of judged conversations per criterion (passes and not_applicable too) that become blind
+    labelling tasks: a person labels them without seeing the verdict. Chosen from the conversation id,
+    the criterion and ``sampling.seed``; 0 turns it off."""
+    max_false_pass: float = Field(0.05, gt=0, lt=1)
+    """A criterion whose false-pass rate (people said fail, the judge pass) may be above this, by its 95%
+    interval, is marked not calibrated."""
 
 
 class ScenarioRedaction(Section):

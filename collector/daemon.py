@@ -242,7 +242,7 @@ class Daemon:
             finally:
                 cur.close()
             parts.evaluator = evaluator = Evaluator(store, cfg, metrics, criteria=criteria, provider=provider,
-                                                    on_stored=review_queue.item_opener(cfg.review.queue_results),
+                                                    on_stored=review_queue.item_opener(cfg),
                                                     no_provider=no_provider)
             evaluator.start()
             parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
@@ -273,7 +273,8 @@ class Daemon:
         parts.reindexer = reindexer = Runner(store, cfg.conversations, convs)
         parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention, *parts.extra),
                               evaluator=evaluator,
-                              reindexer=reindexer, forwarder=parts.forwarder)
+                              reindexer=reindexer, forwarder=parts.forwarder, review_settings=cfg.review,
+                              seed=cfg.sampling.seed)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:

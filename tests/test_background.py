@@ -131,7 +131,7 @@ def test_the_evaluator_goes_on_after_a_cycle_that_raised_beyond_duckdb(tmp_path:
     s = open_store(tmp_path / "e.duckdb")
     clock = Clock()
     clock.now += 10
-    opener = review_queue.item_opener(Config().review.queue_results)
+    opener = review_queue.item_opener(Config())
     raised: list[str] = []
 
     def on_stored(*args: Any) -> None:

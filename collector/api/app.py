@@ -31,6 +31,7 @@ from ..evals.verdicts import list_verdicts
 from ..forward import Forwarder
 from ..listing import MAX_LIMIT, iso_utc, parse_since
 from ..metrics import Metrics
+from ..review import calibration
 from ..review import page as review_page
 from ..review import queue as review
 from ..review import stats as review_stats
@@ -49,8 +50,12 @@ class API:
 
     def __init__(self, store: Store, metrics: Metrics, settings: config.API,
                  stages: Sequence[Stage] = (), evaluator: Evaluator | None = None,
-                 reindexer: Runner | None = None, forwarder: Forwarder | None = None) -> None:
+                 reindexer: Runner | None = None, forwarder: Forwarder | None = None,
+                 review_settings: config.Review | None = None, seed: int = 0) -> None:
         self.store = store
+        self.review_settings = review_settings or config.Review()
+        self.seed = seed
+        """``sampling.seed``: the calibration sample a labels export tops up is drawn with it."""
         self.forwarder = forwarder
         self.reindexer = reindexer
         self.stages = stages
@@ -81,6 +86,12 @@ class API:
         r.add_get("/api/review", self.review_list)
         r.add_get("/api/review/{item_id}", self.review_item)
         r.add_post("/api/review/{item_id}/decision", self.review_decision)
+        r.add_get("/api/calibration", self.calibration_report)
+        r.add_get("/api/calibration/items", self.calibration_items)
+        r.add_get("/api/calibration/items/{item_id}", self.calibration_item)
+        r.add_post("/api/calibration/items/{item_id}/label", self.calibration_label)
+        r.add_get("/api/calibration/export", self.calibration_export)
+        r.add_post("/api/calibration/labels", self.calibration_import)
         r.add_get("/", self.home)
         r.add_get("/review", self.review_page)
         r.add_get("/review/{item_id}", self.review_item_page)
@@ -90,6 +101,9 @@ class API:
         """Run ``fn(cursor)`` in a worker thread on a cursor of its own (writes too: evals' own transactions)."""
         try:
             return await self._on_cursor(fn)
+        except calibration.LabelImportError as exc:
+            raise APIError(exc.status, "invalid_labels", str(exc),
+                           {"problems": [{"row": n, "message": m} for n, m in exc.problems]}) from None
         except review.ReviewError as exc:
             raise APIError(exc.status, exc.code, str(exc)) from None
 
@@ -359,6 +373,60 @@ class API:
         item = await self.read(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
                                                          force=body.get("force", False)))
         return web.json_response(item, dumps=_dumps)
+
+    # ------------------------------------------------------------ blind calibration
+
+    async def calibration_report(self, request: web.Request) -> web.Response:
+        """Judge against people on the blind labels, per criterion (``judges.calibrate``'s JSON)."""
+        criterion = request.query.get("criterion") or None
+        report = await self.read(lambda cur: calibration.report(
+            cur, criterion, self.review_settings.max_false_pass))
+        return web.json_response(report, dumps=_dumps)
+
+    async def calibration_items(self, request: web.Request) -> web.Response:
+        q = request.query
+        limit = _int(q, "limit", 100)
+        found = await self.read(lambda cur: calibration.items(
+            cur, criterion=q.get("criterion") or None, state=q.get("state") or "unlabelled",
+            reviewer=q.get("reviewer") or None, limit=limit))
+        return web.json_response({"items": found}, dumps=_dumps)
+
+    async def calibration_item(self, request: web.Request) -> web.Response:
+        item_id, reviewer = request.match_info["item_id"], request.query.get("reviewer") or None
+        return web.json_response(await self.read(lambda cur: calibration.item(cur, item_id, reviewer)),
+                                 dumps=_dumps)
+
+    async def calibration_label(self, request: web.Request) -> web.Response:
+        """``{"label": "pass" | "fail" | "not_applicable", "reviewer": "...", "note": "..."}``."""
+        body = await _json_object(request, {"label", "reviewer", "note"})
+        label, reviewer, note = body.get("label"), body.get("reviewer"), body.get("note")
+        if not isinstance(label, str) or not isinstance(reviewer, str) or not isinstance(note, (str, type(None))):
+            raise APIError(400, "bad_request", "label and reviewer must be strings (note too, if given)")
+        item_id = request.match_info["item_id"]
+        found = await self.read(lambda cur: calibration.label(cur, item_id, label, reviewer, note, source="api"))
+        return web.json_response(found, dumps=_dumps)
+
+    async def calibration_export(self, request: web.Request) -> web.Response:
+        """``?criterion=C[&sample=N]``: the rows of ``tracejudge labels export``."""
+        q = request.query
+        criterion = q.get("criterion")
+        if not criterion:
+            raise APIError(400, "bad_request", "criterion is required")
+        sample = _int(q, "sample", 1) if "sample" in q else None
+        rows = await self.read(lambda cur: calibration.export_rows(cur, criterion, sample=sample, seed=self.seed))
+        return web.json_response({"rows": rows}, dumps=_dumps)
+
+    async def calibration_import(self, request: web.Request) -> web.Response:
+        """``{"rows": [{item_id, conversation_id, criterion_id, label, reviewer, note}, ...], "reviewer": "..."}``:
+        all stored, or none and every problem with its row's index."""
+        body = await _json_object(request, {"rows", "reviewer"})
+        rows, reviewer = body.get("rows"), body.get("reviewer")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise APIError(400, "bad_request", "rows must be a list of objects")
+        if not isinstance(reviewer, (str, type(None))):
+            raise APIError(400, "bad_request", "reviewer must be a string")
+        counts = await self.read(lambda cur: calibration.import_rows(cur, rows, reviewer=reviewer))
+        return web.json_response(counts)
 
     # ------------------------------------------------------------ the review page (HTML)
 

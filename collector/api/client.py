@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from .. import conversations
 from ..config import Config, Retention
@@ -26,6 +26,7 @@ from ..errors import UserError
 from ..evals import simulations, verdicts
 from ..listing import parse_since
 from ..retention import oldest_rows, storage_status
+from ..review import calibration
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..runtime import running_daemon
@@ -36,6 +37,8 @@ from .export import Export, ExportFilter
 if TYPE_CHECKING:
     import duckdb
 
+
+T = TypeVar("T")
 
 DEMO_DIR = Path("tracejudge-demo")
 """Where ``tracejudge demo`` keeps its config and data unless told otherwise."""
@@ -56,6 +59,12 @@ class Client(Protocol):
 
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
                  since: str | None, limit: int) -> list[dict[str, Any]]: ...
+
+    def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]: ...
+
+    def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]: ...
+
+    def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]: ...
 
     def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]: ...
 
@@ -151,6 +160,37 @@ class APIClient:
         body = self.get("/api/verdicts" + _query(result=result, criterion=criterion, conversation=conversation,
                                                  since=since, limit=limit))
         return list(body["verdicts"])
+
+    def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]:
+        # The daemon's own review.max_false_pass applies: it serves this config.
+        body: dict[str, Any] = self.get("/api/calibration" + _query(criterion=criterion))
+        return body
+
+    def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]:
+        body = self.request("/api/calibration/export" + _query(criterion=criterion, sample=sample),
+                            missing_ok=False)
+        return list(body["rows"])
+
+    def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]:
+        """``POST /api/calibration/labels``.
+
+        Raises:
+            LabelImportError: the daemon refused the rows; every problem, by row index.
+        """
+        data = json.dumps({"rows": rows, "reviewer": reviewer}).encode()
+        try:
+            with self._open("/api/calibration/labels", data) as resp:
+                counts: dict[str, int] = json.loads(resp.read())
+                return counts
+        except urllib.error.HTTPError as exc:
+            if exc.code == 400:
+                err = json.loads(exc.read()).get("error") or {}
+                if err.get("problems"):
+                    raise calibration.LabelImportError([(p["row"], p["message"]) for p in err["problems"]]) from None
+                raise UserError(err.get("message") or str(exc)) from None
+            raise self._answered(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise UserError(f"cannot reach the daemon at {self.base}: {exc}") from None
 
     def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
         body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion,
@@ -264,13 +304,37 @@ class FileClient:
     def decide(self, item_id: str, decision: str, reviewer: str, note: str | None, force: bool) -> dict[str, Any]:
         if not self._evals():
             raise review.ReviewNotFound(f"no review item {item_id!r}")
+        return self._writing(lambda con: review.decide(con, item_id, decision, reviewer, note, force=force))
+
+    def _writing(self, fn: Callable[["duckdb.DuckDBPyConnection"], T]) -> T:
+        """``fn`` on a read-write connection (people's decisions and labels: the writes a command makes
+        without the daemon)."""
         self.con.close()
-        con = connect(self.path)  # the only write a command makes without the daemon
+        con = connect(self.path)
         try:
-            return review.decide(con, item_id, decision, reviewer, note, force=force)
+            review.ensure_schema(con)  # a file judged before calibration came has no calibration tables
+            return fn(con)
         finally:
             con.close()
             self.con = connect(self.path, read_only=True)
+
+    def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]:
+        if not self._evals():
+            return calibration.report_of([], max_false_pass)
+        if "calibration_labels" not in self.tables:
+            return calibration.report_of([], max_false_pass)
+        return calibration.report(self.con, criterion, max_false_pass)
+
+    def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]:
+        if not self._evals():
+            raise review.ReviewInputError(f"no conversation was judged on criterion {criterion!r}")
+        return self._writing(lambda con: calibration.export_rows(con, criterion, sample=sample, seed=seed))
+
+    def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]:
+        if not self._evals():
+            raise calibration.LabelImportError([(n, "no calibration item: nothing was judged in this file")
+                                                for n in range(len(rows))])
+        return self._writing(lambda con: calibration.import_rows(con, rows, reviewer=reviewer))
 
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
                  since: str | None, limit: int) -> list[dict[str, Any]]:

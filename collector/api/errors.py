@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Awaitable, Callable
 
+from typing import Any
+
 from aiohttp import web
 
 log = logging.getLogger("tracejudge.api")
@@ -21,14 +23,16 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 class APIError(Exception):
     """An error answered with the one JSON error shape."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, details: dict[str, Any] | None = None) -> None:
         self.status = status
         self.code = code
+        self.details = details or {}
+        """More keys of the error object (a label import's ``problems``)."""
         super().__init__(message)
 
 
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+def error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message, **(details or {})}}, status=status)
 
 
 @web.middleware
@@ -37,7 +41,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc.status, exc.code, str(exc))
+        return error_response(exc.status, exc.code, str(exc), exc.details)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

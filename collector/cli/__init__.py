@@ -31,6 +31,8 @@ COMMANDS = {
     "eval": "collector.cli.eval:eval_cmd",
     "replay": "collector.cli.replay:replay",
     "scenarios": "collector.cli.scenarios:scenarios",
+    "labels": "collector.cli.labels:labels",
+    "calibrate": "collector.cli.labels:calibrate",
 }
 
 

@@ -68,7 +68,7 @@ def _in_process(cfg: Config, since: str | None, criteria: list[str], simulated: 
         raise UserError("no criteria to judge with: judges.criteria is empty")
     provider, no_provider = daemon_provider(cfg)
     judging = Judging(all_criteria, provider, concurrency=cfg.judges.concurrency, timeout=cfg.judges.timeout,
-                      on_stored=review_queue.item_opener(cfg.review.queue_results), no_provider=no_provider)
+                      on_stored=review_queue.item_opener(cfg), no_provider=no_provider)
     path = cfg.storage.duckdb.path
     if not path.exists():
         raise UserError(f"no database at {path}: start the daemon (tracejudge serve) with this config first")

@@ -6,13 +6,7 @@ verdict whose result is in ``review.queue_results``, and every flagged fail.
 This module lists, shows and decides them. Decisions are history: each one is
 a row of ``review_history`` with the state it replaced.
 
-Errors (all ``UserError``, so the CLI prints one line; ``status`` and ``code``
-give the JSON API's answer)::
-
-    ReviewError              status, code
-    ├── ReviewNotFound       404 not_found: no review item with that id
-    ├── ReviewConflict       409 already_decided: decided before, no force
-    └── ReviewInputError     400 bad_request: unknown decision, no reviewer
+Errors: ``errors.ReviewError`` and its kinds (not found, conflict, bad input).
 """
 
 from __future__ import annotations
@@ -24,8 +18,11 @@ from typing import Any, Literal
 
 import duckdb
 
+from ..config import Config
 from ..conversations.record import conversation_record
-from ..errors import UserError
+from . import calibration
+from .errors import ReviewConflict, ReviewInputError, ReviewNotFound
+from .errors import ReviewError as ReviewError  # re-exported: the API catches it here
 from ..evals.verdicts import VERDICT_COLUMNS, verdict_dict, where_clause
 from ..listing import iso_utc
 from ..store.transactions import Transaction, utc_now
@@ -67,35 +64,11 @@ _ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state",
 _DECIDING = threading.Lock()
 
 
-class ReviewError(UserError):
-    """A review request that cannot be done; ``status`` and ``code`` are its JSON API answer."""
-
-    status = 400
-    code = "bad_request"
-
-
-class ReviewNotFound(ReviewError):
-    """No review item has that id."""
-
-    status = 404
-    code = "not_found"
-
-
-class ReviewConflict(ReviewError):
-    """The item was decided already; deciding again needs ``force``."""
-
-    status = 409
-    code = "already_decided"
-
-
-class ReviewInputError(ReviewError):
-    """The decision or the reviewer is missing or unknown."""
-
-
-
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
-    """Create the review tables when they do not exist yet (after the evals stage's: items name verdicts)."""
+    """Create the review tables, the calibration ones included, when they do not exist yet (after the evals
+    stage's: items name verdicts)."""
     cur.execute(SCHEMA)
+    cur.execute(calibration.SCHEMA)
 
 
 def open_items(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], queue_results: Sequence[str], *,
@@ -122,9 +95,16 @@ def open_items(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], queue
     return int(row[0]) if row else 0
 
 
-def item_opener(queue_results: Sequence[str]) -> Callable[[duckdb.DuckDBPyConnection, list[str], dt.datetime], int]:
-    """``open_items`` with the config's ``review.queue_results``: what the evals stage calls as it stores."""
-    return lambda cur, verdict_ids, now: open_items(cur, verdict_ids, queue_results, now=now)
+def item_opener(cfg: Config) -> Callable[[duckdb.DuckDBPyConnection, list[str], dt.datetime], int]:
+    """What the evals stage calls as it stores: ``open_items`` with ``review.queue_results``, and
+    ``calibration.choose`` with ``review.calibration_rate`` and ``sampling.seed``."""
+    review, seed = cfg.review, cfg.sampling.seed
+
+    def opened(cur: duckdb.DuckDBPyConnection, verdict_ids: list[str], now: dt.datetime) -> int:
+        calibration.choose(cur, verdict_ids, review.calibration_rate, seed, now=now)
+        return open_items(cur, verdict_ids, review.queue_results, now=now)
+
+    return opened
 
 
 def check_state(state: str) -> None:

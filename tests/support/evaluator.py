@@ -91,5 +91,5 @@ def make_evaluator(store: Store, tmp_path: Path, clock: Clock, script: Callable[
     provider = ScriptedProvider(script, model="scripted-judge")
     ev = Evaluator(store, cfg, Metrics(), criteria=load_criteria(tmp_path / "criteria.yaml"),
                    provider=None if no_provider else provider, no_provider=no_provider, clock=clock, poll=0.05,
-                   on_stored=on_stored or review_queue.item_opener(cfg.review.queue_results))
+                   on_stored=on_stored or review_queue.item_opener(cfg))
     return ev, provider

@@ -1,0 +1,154 @@
+"""``tracejudge labels export|import`` and ``tracejudge calibrate``: blind labelling in a spreadsheet, and the
+judge measured against people."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..review.calibration import LabelImportError
+from .common import ask, config_option, json_option, load, table
+
+COLUMNS = ("item_id", "conversation_id", "criterion_id", "criterion", "transcript", "label", "reviewer", "note")
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value: Any) -> str:
+    # A spreadsheet runs a cell that starts like a formula (=HYPERLINK(...) typed by a user into the chat):
+    # a leading apostrophe keeps it text, as OWASP's CSV-injection advice says.
+    text = "" if value is None else str(value)
+    return "'" + text if text.startswith(_FORMULA) else text
+
+
+def _uncell(text: str) -> str:
+    return text[1:] if text.startswith("'") and text[1:].startswith(_FORMULA) else text
+
+
+@click.group()
+def labels() -> None:
+    """Blind labels in a spreadsheet, for experts who prefer one to the review page.
+
+    `export` writes a criterion's unlabelled calibration items as CSV (the
+    transcript and the criterion, nothing of the judge's verdict); an expert
+    fills the label column (pass, fail or not_applicable) and `import` reads
+    it back. `tracejudge calibrate` then measures the judge against the labels.
+    """
+
+
+@labels.command("export")
+@config_option
+@click.option("--criterion", required=True, help="The criterion id to label.")
+@click.option("--sample", type=click.IntRange(1, 100_000),
+              help="Top the criterion's calibration items up to N judged conversations (the same ones on every "
+                   "run, drawn with sampling.seed) and export the unlabelled ones among them.")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The CSV file to write ('-' for standard output).")
+def export_cmd(config_path: Path | None, criterion: str, sample: int | None, out: Path) -> None:
+    """Write a criterion's unlabelled blind items as CSV, with an empty label column."""
+    seed = load(config_path).sampling.seed
+    rows = ask(config_path, lambda c: c.export_labels(criterion=criterion, sample=sample, seed=seed))
+    buf = io.StringIO(newline="")
+    writer = csv.writer(buf)
+    writer.writerow(COLUMNS)
+    for row in rows:
+        writer.writerow([_cell(row[k]) for k in COLUMNS])
+    if str(out) == "-":
+        sys.stdout.write(buf.getvalue())
+        return
+    out.write_text(buf.getvalue(), encoding="utf-8-sig", newline="")  # the BOM: Excel then reads UTF-8
+    click.echo(f"wrote {len(rows)} unlabelled item(s) of {criterion} to {out}; fill the label column with pass, "
+               "fail or not_applicable (and reviewer), then run `tracejudge labels import`", err=True)
+
+
+@labels.command("import")
+@config_option
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--reviewer", help="Who labelled, for rows whose reviewer column is empty.")
+def import_cmd(config_path: Path | None, path: Path, reviewer: str | None) -> None:
+    """Read the labels of a CSV written by `labels export`; every row is checked before any is stored.
+
+    A row whose label is empty is left out (unlabelled is not agreement).
+    Importing the same file again changes nothing.
+    """
+    rows, problems = _read(path)
+    if not problems:
+        try:
+            counts = ask(config_path, lambda c: c.import_labels(rows, reviewer))
+        except LabelImportError as exc:
+            problems = [(n + 2, m) for n, m in exc.problems]  # the header is line 1
+    if problems:
+        for line, message in problems:
+            click.echo(f"{path}:{line}: {message}", err=True)
+        click.echo(f"tracejudge: error: {len(problems)} problem(s) in {path}; nothing was stored", err=True)
+        sys.exit(2)
+    click.echo(f"{counts['added']} label(s) added, {counts['changed']} changed, {counts['unchanged']} unchanged, "
+               f"{counts['missing']} row(s) without a label left out")
+
+
+def _read(path: Path) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """The rows of the CSV, and problems with its shape, by line number."""
+    text = path.read_text(encoding="utf-8-sig")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    missing = [c for c in ("item_id", "label") if c not in (reader.fieldnames or [])]
+    if missing:
+        return [], [(1, f"the header has no {' and no '.join(missing)} column (it has: "
+                        f"{', '.join(reader.fieldnames or []) or 'nothing'})")]
+    rows = [{k: _uncell(v or "") for k, v in row.items() if k is not None} for row in reader]
+    return rows, []
+
+
+@click.command()
+@config_option
+@json_option
+@click.option("--criterion", help="Only this criterion id.")
+def calibrate(config_path: Path | None, as_json: bool, criterion: str | None) -> None:
+    """The judge against people, on the blind labels, per criterion.
+
+    The confusion matrix (rows: what people said, columns: the judge), the
+    agreement and Cohen's kappa, and the false-pass rate (people said fail, the
+    judge pass) and false-fail rate with 95% intervals. A criterion whose
+    false-pass interval reaches above review.max_false_pass is not calibrated.
+    """
+    max_false_pass = load(config_path).review.max_false_pass
+    report = ask(config_path, lambda c: c.calibration(criterion=criterion, max_false_pass=max_false_pass))
+    if as_json:
+        click.echo(json.dumps(report, ensure_ascii=False, indent=2))
+        return
+    click.echo(render(report, max_false_pass))
+
+
+def _rate(r: dict[str, Any]) -> str:
+    if r["rate"] is None:
+        return "n/a (n 0)"
+    return f"{r['rate']:.0%} [{r['low']:.0%}, {r['high']:.0%}] n {r['n']}"
+
+
+def render(report: dict[str, Any], max_false_pass: float) -> str:
+    """The report as text: one block per criterion."""
+    if not report["criteria"]:
+        return ("no blind labels yet: label calibration items on the review page, or with "
+                "`tracejudge labels export` and `import`")
+    out: list[str] = []
+    for c in report["criteria"]:
+        mark = "calibrated" if c["calibrated"] else f"NOT CALIBRATED (false passes may pass {max_false_pass:.0%})"
+        kappa = "n/a" if c["kappa"] is None else f"{c['kappa']:.2f}"
+        agreement = "n/a" if c["agreement"] is None else f"{c['agreement']:.0%}"
+        out += [f"{c['criterion_id']}: {mark}", f"  {c['n']} labelled, agreement {agreement}, kappa {kappa}",
+                f"  false pass {_rate(c['false_pass'])}   false fail {_rate(c['false_fail'])}"]
+        labels = ("pass", "fail", "not_applicable")
+        rows = [["people \\ judge", *labels]]
+        rows += [[h, *(str(c["confusion"][h][j]) for j in labels)] for h in labels]
+        out += ["  " + line for line in table(rows, align="lrrr").splitlines()]
+        reviewers = c.get("reviewers") or {}
+        if reviewers.get("items"):
+            rk = "n/a" if reviewers.get("kappa") is None else f"{reviewers['kappa']:.2f}"
+            out.append(f"  between people: {reviewers['items']} item(s) with several, agreement "
+                       f"{reviewers['agreement']:.0%}, Fleiss' kappa {rk}")
+        out.append("")
+    return "\n".join(out).rstrip()
