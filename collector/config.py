@@ -448,6 +448,9 @@ class Review(Section):
     """Share of judged conversations per criterion (passes and not_applicable too) that become blind
     labelling tasks: a person labels them without seeing the verdict. Chosen from the conversation id,
     the criterion and ``sampling.seed``; 0 turns it off."""
+    lock_timeout: Duration = Field(900.0, gt=0)
+    """A reviewer's claim on an item (or an assignment) holds this long; meanwhile another reviewer's
+    decision on it is refused."""
     max_false_pass: float = Field(0.05, gt=0, lt=1)
     """A criterion whose false-pass rate (people said fail, the judge pass) may be above this, by its 95%
     interval, is marked not calibrated."""
@@ -606,6 +609,11 @@ class Config(BaseModel):
     def forward_dir(self) -> Path:
         """Where the exporters' on-disk queue is kept (``collector.forward.queue``), beside the DuckDB file."""
         return Path(str(self.storage.duckdb.path) + ".forward")
+
+    @property
+    def calibration_dir(self) -> Path:
+        """Where ``tracejudge calibrate --freeze`` keeps judge regression sets, beside the DuckDB file."""
+        return Path(str(self.storage.duckdb.path) + ".calibration")
 
     @property
     def runtime_file(self) -> Path:

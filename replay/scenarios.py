@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from judges import JudgeRequest, Message, Provider, ProviderError, locate_evidence, render_transcript
 
+from collector.evals.criterion_text import describe_criterion, expectations
 from collector.redact import Redactor
 
 log = logging.getLogger("tracejudge.scenarios")
@@ -302,66 +303,6 @@ def _json_object(text: str) -> str:
 
 
 # ------------------------------------------------------------------ expectations
-
-
-def _code_check(text: str | None) -> tuple[str, dict[str, Any]] | None:
-    """The check and its parameters of a code criterion's stored text (``Code check NAME {json}; applies
-    if {json}``, as the evals stage stores it); None for an LLM criterion's prompt."""
-    if not text or not text.startswith("Code check "):
-        return None
-    head = text[len("Code check "):].split("; applies if ", 1)[0]
-    check, _, raw = head.partition(" ")
-    try:
-        params = json.loads(raw) if raw else {}
-    except ValueError:
-        params = {}
-    return check, params if isinstance(params, dict) else {}
-
-
-def expectations(criterion_id: str, criterion_text: str | None) -> dict[str, Any]:
-    """``expected:``: the failed criterion, and for a code check what it checks, as deterministic expectations."""
-    out: dict[str, Any] = {"criteria": [criterion_id]}
-    code = _code_check(criterion_text)
-    if code is None:
-        return out
-    check, params = code
-    if check == "tool_called" and params.get("name"):
-        out["tool_called"] = params["name"]
-        if params.get("args"):
-            out["tool_args"] = params["args"]
-    elif check == "ended_by" and params.get("one_of"):
-        out["ended_by"] = params["one_of"]
-    elif check == "max_user_turns" and "max" in params:
-        out["max_user_turns"] = params["max"]
-    elif check == "regex" and params.get("pattern"):
-        role = params.get("role", "assistant")
-        out[f"{role}_{'must_match' if params.get('must', 'match') == 'match' else 'must_not_match'}"] = (
-            params["pattern"])
-    return out
-
-
-def describe_criterion(text: str | None) -> str:
-    """A criterion in words: a code check as a sentence, an LLM criterion as its prompt."""
-    if not text:
-        return "(the criterion's text was not stored)"
-    code = _code_check(text)
-    if code is None:
-        return text.strip()
-    exp = expectations("-", text)
-    if "tool_called" in exp:
-        return f"The bot must call `{exp['tool_called']}`" + (
-            f" with arguments including {json.dumps(exp['tool_args'])}." if "tool_args" in exp else ".")
-    if "ended_by" in exp:
-        return "The conversation must end by " + " or ".join(f"`{e}`" for e in exp["ended_by"]) + "."
-    if "max_user_turns" in exp:
-        return f"The user must need at most {exp['max_user_turns']} messages."
-    for key, value in exp.items():
-        if key.endswith("must_match") or key.endswith("must_not_match"):
-            role, _, rule = key.partition("_must_")
-            return (f"{role.capitalize()} messages must {'not ' if rule == 'not_match' else ''}match "
-                    f"the pattern `{value}`.")
-    check, params = code
-    return f"Code check `{check}`" + (f" with {json.dumps(params)}" if params else "") + "."
 
 
 # ------------------------------------------------------------------ the proposed fix

@@ -13,7 +13,8 @@ import json
 import logging
 import re
 from typing import Any, Callable, Sequence
-from urllib.parse import quote, urlencode
+from pathlib import Path
+from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 import duckdb
 from aiohttp import web
@@ -84,7 +85,9 @@ class API:
         r.add_post("/api/reindex", self.reindex_start)
         r.add_get("/api/reindex", self.reindex_progress)
         r.add_get("/api/review", self.review_list)
+        r.add_get("/api/review/progress", self.review_progress)
         r.add_get("/api/review/{item_id}", self.review_item)
+        r.add_post("/api/review/{item_id}/claim", self.review_claim)
         r.add_post("/api/review/{item_id}/decision", self.review_decision)
         r.add_get("/api/calibration", self.calibration_report)
         r.add_get("/api/calibration/items", self.calibration_items)
@@ -92,10 +95,17 @@ class API:
         r.add_post("/api/calibration/items/{item_id}/label", self.calibration_label)
         r.add_get("/api/calibration/export", self.calibration_export)
         r.add_post("/api/calibration/labels", self.calibration_import)
+        r.add_get("/api/calibration/set", self.calibration_set)
         r.add_get("/", self.home)
         r.add_get("/review", self.review_page)
+        r.add_route("*", "/review/sign-in", self.signed_in)
         r.add_get("/review/{item_id}", self.review_item_page)
         r.add_post("/review/{item_id}/decision", self.review_form)
+        r.add_get(review_page.SCRIPT, self.review_script)
+        r.add_get("/review/label", self.label_first)
+        r.add_get("/review/label/{item_id}", self.label_page)
+        r.add_post("/review/label/{item_id}", self.label_form)
+        r.add_get("/calibration", self.calibration_page)
 
     async def read(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(cursor)`` in a worker thread on a cursor of its own (writes too: evals' own transactions)."""
@@ -280,9 +290,13 @@ class API:
         if source not in review_stats.SOURCES:
             raise APIError(400, "bad_parameter", f"source must be production or simulation, not {source[:40]!r}")
         # ?rows=1: the rows the figures are computed from, for `stats --db` merging several daemons' stores.
-        compute = review_stats.stats_rows if q.get("rows") in ("1", "true") else review_stats.stats
-        body = await self.read(lambda cur: compute(cur, since=since, criterion=q.get("criterion") or None,
-                                                   source=source))
+        criterion, limit = q.get("criterion") or None, self.review_settings.max_false_pass
+        if q.get("rows") in ("1", "true"):
+            body = await self.read(lambda cur: review_stats.stats_rows(cur, since=since, criterion=criterion,
+                                                                       source=source))
+        else:
+            body = await self.read(lambda cur: review_stats.stats(cur, since=since, criterion=criterion,
+                                                                  source=source, max_false_pass=limit))
         return web.json_response(body, dumps=_dumps)
 
     async def simulations_import(self, request: web.Request) -> web.Response:
@@ -351,11 +365,25 @@ class API:
         return [c.id for c in self.evaluator.judging.criteria] if self.evaluator is not None else []
 
     async def review_list(self, request: web.Request) -> web.Response:
+        """``?state=&criterion=&severity=&service=&flagged=1|0&since=&assignee=&order=severity|age&limit=``."""
         q = request.query
         limit = _int(q, "limit", 100)
-        items = await self.read(lambda cur: review.list_reviews(
-            cur, state=q.get("state") or "pending", criterion=q.get("criterion") or None, limit=limit))
+        items = await self.read(lambda cur: review.list_reviews(cur, limit=limit, **_queue_filters(q)))
         return web.json_response({"items": items}, dumps=_dumps)
+
+    async def review_progress(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.read(lambda cur: review.progress(cur)), dumps=_dumps)
+
+    async def review_claim(self, request: web.Request) -> web.Response:
+        """``{"reviewer": "..."}`` claims the item for ``review.lock_timeout``; ``"assigned_by"`` makes it an
+        assignment of ``reviewer``, taken from whoever held it."""
+        body = await _json_object(request, {"reviewer", "assigned_by"})
+        reviewer, by = body.get("reviewer"), body.get("assigned_by")
+        if not isinstance(reviewer, str) or not isinstance(by, (str, type(None))):
+            raise APIError(400, "bad_request", "reviewer must be a string (assigned_by too, if given)")
+        item_id, timeout = request.match_info["item_id"], self.review_settings.lock_timeout
+        item = await self.read(lambda cur: review.claim(cur, item_id, reviewer, timeout, assigned_by=by))
+        return web.json_response(item, dumps=_dumps)
 
     async def review_item(self, request: web.Request) -> web.Response:
         item_id = request.match_info["item_id"]
@@ -428,6 +456,13 @@ class API:
         counts = await self.read(lambda cur: calibration.import_rows(cur, rows, reviewer=reviewer))
         return web.json_response(counts)
 
+    async def calibration_set(self, request: web.Request) -> web.Response:
+        """``?criterion=C``: the labelled items with their transcripts, labels and current verdicts, for
+        ``tracejudge calibrate --freeze`` (``calibration.frozen_items``)."""
+        criterion = request.query.get("criterion") or None
+        return web.json_response(await self.read(lambda cur: calibration.frozen_items(cur, criterion)),
+                                 dumps=_dumps)
+
     # ------------------------------------------------------------ the review page (HTML)
 
     async def home(self, request: web.Request) -> web.Response:
@@ -435,42 +470,159 @@ class API:
 
     async def review_page(self, request: web.Request) -> web.Response:
         q = request.query
-        state = q.get("state") or "pending"
-        criterion = q.get("criterion") or None
+        filters = {k: q.get(k, "") for k in review_page.FILTERS}
         try:
-            items = await self._on_cursor(lambda cur: review.list_reviews(cur, state=state, criterion=criterion,
-                                                                          limit=500))
-        except review.ReviewError as exc:
-            return html_response(review_page.render_message("Review queue", str(exc)), status=exc.status)
-        return html_response(review_page.render_list(items, state=state, criterion=criterion, criteria=self._criterion_ids()))
+            items, progress, services = await self._on_cursor(lambda cur: (
+                review.list_reviews(cur, limit=500, **_queue_filters(q)), review.progress(cur), _services(cur)))
+        except (review.ReviewError, APIError) as exc:
+            status = exc.status
+            return html_response(review_page.render_message("Review queue", str(exc)), status=status)
+        saved = q.get("saved")
+        return html_response(review_page.render_list(
+            items, filters=filters, criteria=self._criterion_ids(), services=services, progress=progress,
+            message=f"Saved #{q.get('item', '')}: {saved}. The queue is done for these filters." if saved else None))
 
     async def review_item_page(self, request: web.Request) -> web.Response:
         item_id = request.match_info["item_id"]
         try:
-            detail = await self._on_cursor(lambda cur: review.review_item(cur, item_id))
+            detail, queue = await self._on_cursor(lambda cur: (
+                review.review_item(cur, item_id), review.list_reviews(cur, limit=1000)))
         except review.ReviewError as exc:
             return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
-        saved = request.query.get("saved")
-        return html_response(review_page.render_item(detail, reviewer=request.query.get("reviewer", ""),
-                                             message=f"Saved: {saved}" if saved else None))
+        q = request.query
+        saved = q.get("saved")
+        message = f"Saved #{q.get('item', '')}: {saved}" if saved else (
+            f"Skipped #{q.get('skipped')}" if q.get("skipped") else None)
+        return html_response(review_page.render_item(
+            detail, reviewer=_remembered(request), message=message, **_neighbours(queue, detail["item"]["id"])))
 
     async def review_form(self, request: web.Request) -> web.Response:
         form = await request.post()
         item_id = request.match_info["item_id"]
-        decision, reviewer = str(form.get("decision", "")), str(form.get("reviewer", ""))
+        decision, reviewer = str(form.get("decision", "")), str(form.get("reviewer", "")).strip()
         note = str(form.get("note", "")).strip() or None
+
+        def decide(cur: Any) -> tuple[dict[str, Any], str]:
+            # The next item is the one after this in the queue as it was: saving takes this one out.
+            after = _neighbours(review.list_reviews(cur, limit=1000), _int_or(item_id))["next_url"] or "/review"
+            if decision == "skip":
+                return {"id": item_id, "state": "skipped"}, after
+            return review.decide(cur, item_id, decision, reviewer, note, force=form.get("force") == "1"), after
+
         try:
-            item = await self._on_cursor(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
-                                                                   force=form.get("force") == "1"))
+            item, after = await self._on_cursor(decide)
         except review.ReviewError as exc:
             try:
-                detail = await self._on_cursor(lambda cur: review.review_item(cur, item_id))
+                detail, queue = await self._on_cursor(lambda cur: (
+                    review.review_item(cur, item_id), review.list_reviews(cur, limit=1000)))
             except review.ReviewError:
                 return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
-            return html_response(review_page.render_item(detail, reviewer=reviewer, error=str(exc)), status=exc.status)
-        target = f"/review/{quote(str(item['id']), safe='')}?" + urlencode({"saved": item["state"],
-                                                                          "reviewer": reviewer})
-        raise web.HTTPSeeOther(target)
+            return html_response(review_page.render_item(detail, reviewer=reviewer, error=str(exc),
+                                                         **_neighbours(queue, detail["item"]["id"])),
+                                 status=exc.status)
+        if item["state"] == "skipped":
+            raise web.HTTPSeeOther(_with_query(after, {"skipped": item_id}))
+        response = web.HTTPSeeOther(_with_query(after, {"saved": item["state"], "item": item["id"]}))
+        # Remembered for the next item: nobody retypes their name on every one.
+        response.set_cookie(REVIEWER_COOKIE, quote(reviewer, safe=""), httponly=True, samesite="Strict",
+                            path="/", max_age=365 * 86400, secure=request.secure)
+        raise response
+
+    # ------------------------------------------------------------ blind labelling and calibration (HTML)
+
+    async def label_first(self, request: web.Request) -> web.Response:
+        """The first task the remembered reviewer has not labelled."""
+        who = _remembered(request) or None
+        tasks = await self._on_cursor(lambda cur: calibration.items(cur, reviewer=who, limit=1))
+        if not tasks:
+            return html_response(review_page.render_message("Blind labelling", "No blind task is waiting for you."))
+        raise web.HTTPSeeOther(f"/review/label/{tasks[0]['id']}")
+
+    async def label_page(self, request: web.Request, error: str | None = None, status: int = 200) -> web.Response:
+        item_id, who = request.match_info["item_id"], _remembered(request)
+        try:
+            detail, waiting = await self._on_cursor(lambda cur: (
+                calibration.item(cur, item_id, who or None), calibration.items(cur, reviewer=who or None, limit=1000)))
+        except review.ReviewError as exc:
+            return html_response(review_page.render_message("Blind labelling", str(exc)), status=exc.status)
+        others = [t["id"] for t in waiting if str(t["id"]) != item_id]
+        q = request.query
+        message = f"Saved #{q.get('item')}: {q.get('saved')}" if q.get("saved") else None
+        return html_response(review_page.render_label_task(
+            detail, reviewer=who, message=message, error=error, position=f"{len(waiting)} waiting for you",
+            next_url=f"/review/label/{others[0]}" if others else None), status=status)
+
+    async def label_form(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        item_id = request.match_info["item_id"]
+        label, reviewer = str(form.get("label", "")), str(form.get("reviewer", "")).strip()
+        note = str(form.get("note", "")).strip() or None
+
+        def store(cur: Any) -> str | None:
+            calibration.label(cur, item_id, label, reviewer, note, source="page")
+            after = [t["id"] for t in calibration.items(cur, reviewer=reviewer, limit=1)]
+            return f"/review/label/{after[0]}" if after else None
+
+        try:
+            after = await self._on_cursor(store)
+        except review.ReviewError as exc:
+            return await self.label_page(request, error=str(exc), status=exc.status)
+        target = _with_query(after or "/calibration", {"saved": label, "item": item_id})
+        response = web.HTTPSeeOther(target)
+        response.set_cookie(REVIEWER_COOKIE, quote(reviewer, safe=""), httponly=True, samesite="Strict",
+                            path="/", max_age=365 * 86400, secure=request.secure)
+        raise response
+
+    async def calibration_page(self, request: web.Request) -> web.Response:
+        limit, who = self.review_settings.max_false_pass, _remembered(request) or None
+        report, waiting = await self._on_cursor(lambda cur: (
+            calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT)))
+        return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting)))
+
+    async def signed_in(self, request: web.Request) -> web.Response:
+        """Reached only when no token is needed or the cookie is already there: on to the queue."""
+        raise web.HTTPSeeOther("/review")
+
+    async def review_script(self, request: web.Request) -> web.Response:
+        return web.Response(body=_SCRIPT, content_type="text/javascript", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
+
+
+REVIEWER_COOKIE = "tracejudge_reviewer"
+_SCRIPT = (Path(review_page.__file__).parent / "static" / "review.js").read_bytes()
+
+
+def _remembered(request: web.Request) -> str:
+    return unquote(request.cookies.get(REVIEWER_COOKIE, ""))
+
+
+def _int_or(text: str) -> Any:
+    return int(text) if text.isdigit() else text
+
+
+def _with_query(path: str, params: dict[str, Any]) -> str:
+    base, _, query = path.partition("?")
+    kept = [(k, v) for k, v in parse_qsl(query) if k not in ("saved", "item", "skipped")]
+    return base + "?" + urlencode([*kept, *params.items()])
+
+
+def _neighbours(queue: Sequence[dict[str, Any]], item_id: Any) -> dict[str, Any]:
+    """The items before and after this one in the pending queue (``next_url`` wraps to the first), and its
+    place in it."""
+    ids = [it["id"] for it in queue]
+    url = "/review/{}".format
+    if item_id in ids:
+        at = ids.index(item_id)
+        after = ids[at + 1:] + ids[:at]
+        return {"next_url": url(after[0]) if after else None, "prev_url": url(ids[at - 1]) if at else None,
+                "position": f"{at + 1} of {len(ids)} pending"}
+    return {"next_url": url(ids[0]) if ids else None, "prev_url": None, "position": f"{len(ids)} pending"}
+
+
+def _services(cur: Any) -> list[str]:
+    return [r[0] for r in cur.execute("SELECT DISTINCT c.service FROM review_items r JOIN conversations c "
+                                      "ON c.conversation_id = r.conversation_id WHERE c.service IS NOT NULL "
+                                      "ORDER BY 1 LIMIT 200").fetchall()]
 
 
 async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]:
@@ -489,6 +641,17 @@ async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]
     if unknown:
         raise APIError(400, "bad_request", f"unknown field(s) {', '.join(unknown)}; expected {expected}")
     return body
+
+
+def _queue_filters(q: Any) -> dict[str, Any]:
+    """The review queue's filters from a query string (the JSON API's and the page's)."""
+    flagged = q.get("flagged")
+    if flagged not in (None, "", "1", "0"):
+        raise APIError(400, "bad_parameter", f"flagged must be 1 or 0, not {str(flagged)[:40]!r}")
+    return {"state": q.get("state") or "pending", "criterion": q.get("criterion") or None,
+            "severity": q.get("severity") or None, "service": q.get("service") or None,
+            "flagged": None if not flagged else flagged == "1", "since": _since(q),
+            "assignee": q.get("assignee") or None, "order": q.get("order") or "severity"}
 
 
 def _int(q: Any, key: str, default: int) -> int:

@@ -66,7 +66,10 @@ class Client(Protocol):
 
     def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]: ...
 
-    def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]: ...
+    def calibration_set(self, *, criterion: str | None) -> dict[str, Any]: ...
+
+    def stats(self, *, since: str | None, criterion: str | None, source: str = "production",
+              max_false_pass: float | None = None) -> dict[str, Any]: ...
 
     def stats_rows(self, *, since: str | None, criterion: str | None,
                    source: str = "production") -> dict[str, Any]: ...
@@ -192,7 +195,13 @@ class APIClient:
         except (urllib.error.URLError, OSError) as exc:
             raise UserError(f"cannot reach the daemon at {self.base}: {exc}") from None
 
-    def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
+    def calibration_set(self, *, criterion: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = self.request("/api/calibration/set" + _query(criterion=criterion), missing_ok=False)
+        return body
+
+    def stats(self, *, since: str | None, criterion: str | None, source: str = "production",
+              max_false_pass: float | None = None) -> dict[str, Any]:
+        # The daemon computes ``calibrated``.
         body: dict[str, Any] = self.get("/api/stats" + _query(since=since, criterion=criterion,
                                                                source=None if source == "production" else source))
         return body
@@ -336,6 +345,11 @@ class FileClient:
                                                 for n in range(len(rows))])
         return self._writing(lambda con: calibration.import_rows(con, rows, reviewer=reviewer))
 
+    def calibration_set(self, *, criterion: str | None) -> dict[str, Any]:
+        if not self._evals() or "calibration_labels" not in self.tables:
+            return {"items": [], "left_out": {"ties": 0, "no_transcript": 0}}
+        return calibration.frozen_items(self.con, criterion)
+
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
                  since: str | None, limit: int) -> list[dict[str, Any]]:
         if not self._evals():
@@ -343,8 +357,10 @@ class FileClient:
         return verdicts.list_verdicts(self.con, result=result, criterion=criterion, conversation=conversation,
                                    since=_since(since), limit=limit)
 
-    def stats(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
-        return review_stats.stats_of([self.stats_rows(since=since, criterion=criterion, source=source)])
+    def stats(self, *, since: str | None, criterion: str | None, source: str = "production",
+              max_false_pass: float | None = None) -> dict[str, Any]:
+        return review_stats.stats_of([self.stats_rows(since=since, criterion=criterion, source=source)],
+                                     max_false_pass)
 
     def stats_rows(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
         if not self._evals():
@@ -353,7 +369,7 @@ class FileClient:
                                       {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0,
                                        "skipped": {}})
             return {"verdicts": [], "not_run": [], "criteria": [], "judged": 0, "conversations": counts,
-                    "tokens": {"input_tokens": 0, "output_tokens": 0}}
+                    "tokens": {"input_tokens": 0, "output_tokens": 0}, "calibration": []}
         return review_stats.stats_rows(self.con, since=_since(since), criterion=criterion,
                                        source="simulation" if source == "simulation" else "production")
 

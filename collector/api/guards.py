@@ -22,7 +22,8 @@ Each request passes, in order:
    either.
 3. The token: with ``api.auth.bearer_token`` set, everything but /healthz and
    /readyz needs ``Authorization: Bearer <token>``; a browser opens the review
-   page once as ``/review?token=<token>``, which sets an HttpOnly,
+   page once as ``/review?token=<token>``, or types the token into the
+   sign-in page (``POST /review/sign-in``); either sets an HttpOnly,
    SameSite=Strict cookie in place of the header.
 """
 
@@ -100,12 +101,21 @@ async def origin_check(request: web.Request, handler: Handler) -> web.StreamResp
     if request.method in _SAFE_METHODS or "Origin" not in request.headers or _own_origin(request):
         return await handler(request)
     if request.path.startswith("/review/"):
-        return html_response(review_page.render_message("Refused", "This decision was sent from another site."), status=403)
+        return html_response(review_page.render_message("Refused", "This form was sent from another site."), status=403)
     raise APIError(403, "cross_origin", f"a {request.method} from another site (Origin {request.headers['Origin']!r}) "
                                         "is refused: only pages of this API may change its state")
 
 
 COOKIE = "tracejudge_token"
+SIGN_IN = "/review/sign-in"
+PAGES = frozenset({"/review", "/calibration"})
+"""The pages a browser opens (and everything under ``/review/``): the token cookie stands in for the header."""
+
+
+def _signed_in(request: web.Request, token: str, after: str) -> web.HTTPSeeOther:
+    response = web.HTTPSeeOther(after)
+    response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/", secure=request.secure)
+    return response
 
 
 def token_check(token: str | None) -> Any:
@@ -115,19 +125,23 @@ def token_check(token: str | None) -> Any:
             return await handler(request)
         if bearer_ok(request.headers.get("Authorization"), token):
             return await handler(request)
-        if request.path == "/review" or request.path.startswith("/review/"):
+        if request.path in PAGES or request.path.startswith("/review/"):
             if same_secret(request.cookies.get(COOKIE), token):
                 return await handler(request)
             if same_secret(request.query.get("token"), token):
                 # Once from a link; the token then lives in a cookie, not in the address bar.
-                response = web.HTTPSeeOther(request.path)
-                response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/review",
-                                    secure=request.secure)
-                raise response
+                raise _signed_in(request, token, request.path)
+            if request.path == SIGN_IN and request.method == "POST":
+                form = await request.post()
+                after = str(form.get("next") or "/review")
+                after = after if after.startswith("/review") and not after.startswith("//") else "/review"
+                if same_secret(str(form.get("token") or ""), token):
+                    raise _signed_in(request, token, after)
+                return html_response(review_page.render_sign_in(
+                    error="That token is not the daemon's: check it and try again.", next_url=after), status=401)
             # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
-            return html_response(review_page.render_message(
-                "Sign in", "This review page needs the API token: open it as /review?token=<api.auth.bearer_token>."),
-                status=401)
+            after = request.path_qs if request.method == "GET" and request.path != SIGN_IN else "/review"
+            return html_response(review_page.render_sign_in(next_url=after), status=401)
         raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
 
     return check
@@ -139,5 +153,6 @@ def html_response(text: str, status: int = 200) -> web.Response:
     return web.Response(text=text, status=status, content_type="text/html", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
                                  "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                                                            "form-action 'self'; frame-ancestors 'none'",
+                                                            "script-src 'self'; form-action 'self'; "
+                                                            "frame-ancestors 'none'",
                                  "Referrer-Policy": "same-origin"})

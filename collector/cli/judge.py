@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import click
 
@@ -44,7 +44,7 @@ from .common import config_option, json_option, load, rate_text, table
 FAIL_ON = ("fail", "error", "flagged", "not_run")
 
 
-def _provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
+def cli_provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
     """The provider from the flags, else the config; None when neither names one."""
     chosen = type_ or cfg.judges.provider.type
 
@@ -55,15 +55,49 @@ def _provider(cfg: Config, type_: str | None, model: str | None, base_url: str |
                                 flags={"model": "--model", "base_url": "--base-url"})
 
 
+def provider_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--provider``, ``--model`` and ``--base-url``, for ``cli_provider``."""
+    for option in reversed((
+        click.option("--provider", "provider_type", envvar="TRACEJUDGE_JUDGE_PROVIDER", show_envvar=True,
+                     help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type]."),
+        click.option("--model", envvar="TRACEJUDGE_JUDGE_MODEL", show_envvar=True,
+                     help="Judge model [default: judges.provider.model]."),
+        click.option("--base-url", envvar="TRACEJUDGE_JUDGE_BASE_URL", show_envvar=True,
+                     help="Provider base URL [default: judges.provider.base_url]."),
+    )):
+        fn = option(fn)
+    return fn
+
+
+def read_calibration(path: Path) -> dict[str, bool]:
+    """criterion id -> calibrated, from the JSON of ``tracejudge calibrate --json``.
+
+    Raises:
+        UserError: the file is not that JSON.
+    """
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        return {str(c["criterion_id"]): bool(c["calibrated"]) for c in report["criteria"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--calibration {path}: not the JSON of `tracejudge calibrate --json` "
+                        f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+NOT_CALIBRATED = "NOT CALIBRATED"
+"""Beside the failure rate of a criterion whose judge blind labels did not show to be right enough."""
+
+
 def _rate(p: Proportion | None) -> str:
     return "-" if p is None else rate_text(p.estimate, p.low, p.high, p.method)
 
 
-def _row(name: str, s: RateStats) -> list[str]:
+def _row(name: str, s: RateStats, calibrated: bool | None = None) -> list[str]:
     c = s.counts
     rate = _rate(s.failure_rate)
     if s.weighted_failure_rate is not None:
         rate += f"  weighted {_rate(s.weighted_failure_rate)}"
+    if calibrated is False:
+        rate += f"  {NOT_CALIBRATED}"
     return [name, str(c.pass_), str(c.pass_unverified), str(c.fail), str(c.flagged), str(c.not_applicable),
             str(c.error), str(c.not_run), rate]
 
@@ -71,8 +105,9 @@ def _row(name: str, s: RateStats) -> list[str]:
 HEADER = ["criterion", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run", "failure rate (95% CI)"]
 
 
-def _report(summary: Summary, run: JudgeRun) -> str:
-    out = [table([HEADER] + [_row(s.criterion_id, s) for s in summary.criteria])]
+def _report(summary: Summary, run: JudgeRun, calibration: dict[str, bool] | None = None) -> str:
+    marks = calibration or {}
+    out = [table([HEADER] + [_row(s.criterion_id, s, marks.get(s.criterion_id)) for s in summary.criteria])]
     if summary.groups:
         out.append(table([["group"] + HEADER[1:]] + [_row(g.group, g) for g in summary.groups]))
     failing = [s for s in summary.scenarios if s.failing]
@@ -81,6 +116,9 @@ def _report(summary: Summary, run: JudgeRun) -> str:
             f"  {s.persona_id}  {s.criterion_id}: FAILING, passed {s.passes} of {s.runs}" for s in failing))
     notes = ["pass? = passes whose quoted evidence was not found in the transcript (not clean passes, "
              "not in the rate); flagged = fails with no verified quote"]
+    if any(marks.get(s.criterion_id) is False for s in summary.criteria):
+        notes.append(f"{NOT_CALIBRATED} = on the blind labels of --calibration, the judge's false-pass rate may be "
+                     "above review.max_false_pass; criteria without labels are not marked")
     for s in summary.criteria:
         for reason, n in sorted(s.not_run_reasons.items()):
             notes.append(f"{s.criterion_id}: {n} not run: {reason}")
@@ -125,12 +163,7 @@ def _progress(total: int) -> Iterator[Callable[[Verdict | NotRun], None] | None]
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write verdicts here as JSON lines.")
 @click.option("--fail-on", multiple=True, type=click.Choice(FAIL_ON),
               help="Exit 1 when any verdict has this outcome (repeatable).")
-@click.option("--provider", "provider_type", envvar="TRACEJUDGE_JUDGE_PROVIDER", show_envvar=True,
-              help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type].")
-@click.option("--model", envvar="TRACEJUDGE_JUDGE_MODEL", show_envvar=True,
-              help="Judge model [default: judges.provider.model].")
-@click.option("--base-url", envvar="TRACEJUDGE_JUDGE_BASE_URL", show_envvar=True,
-              help="Provider base URL [default: judges.provider.base_url].")
+@provider_options
 @click.option("--concurrency", type=click.IntRange(1, 1024), envvar="TRACEJUDGE_JUDGE_CONCURRENCY",
               show_envvar=True, help="Judge calls in flight [default: judges.concurrency].")
 @click.option("--timeout", "timeout_text", envvar="TRACEJUDGE_JUDGE_TIMEOUT", show_envvar=True,
@@ -144,13 +177,17 @@ def _progress(total: int) -> Iterator[Callable[[Verdict | NotRun], None] | None]
               help="Stop making judge calls at this cost (needs --price-input/--price-output).")
 @click.option("--price-input", type=click.FloatRange(0), default=0.0, help="Price of a million input tokens.")
 @click.option("--price-output", type=click.FloatRange(0), default=0.0, help="Price of a million output tokens.")
+@click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="The JSON of `tracejudge calibrate --json`: mark each criterion whose judge is not calibrated "
+                   "(\"calibrated\" in --json: true, false, or null without labels).")
 @config_option
 @json_option
 def judge(
     conversations: Path, criteria_paths: tuple[Path, ...], out: Path | None, fail_on: tuple[str, ...],
     provider_type: str | None, model: str | None, base_url: str | None, concurrency: int | None,
     timeout_text: str | None, cache_path: Path | None, no_cache: bool, budget_tokens: int | None,
-    budget_cost: float | None, price_input: float, price_output: float, config_path: Path | None, as_json: bool,
+    budget_cost: float | None, price_input: float, price_output: float, calibration_path: Path | None,
+    config_path: Path | None, as_json: bool,
 ) -> None:
     """Judge CONVERSATIONS (conversation/v1 JSON lines) on criteria files.
 
@@ -174,7 +211,8 @@ def judge(
         convs = read_conversations(conversations)
     except InputError as exc:
         raise UserError(str(exc)) from None
-    provider = _provider(cfg, provider_type, model, base_url)
+    calibration = read_calibration(calibration_path) if calibration_path else None
+    provider = cli_provider(cfg, provider_type, model, base_url)
     cache = None
     if not no_cache:
         cache = DiskCache(cache_path or (out.parent if out else Path.cwd()) / ".tracejudge-cache.jsonl")
@@ -191,12 +229,16 @@ def judge(
                 f.write(v.model_dump_json() + "\n")
     summary = summarize(run.verdicts, criteria=criteria, conversations=convs, not_run=run.not_run)
     if as_json:
-        doc = {"summary": summary.model_dump(mode="json", by_alias=True),
+        summary_json = summary.model_dump(mode="json", by_alias=True)
+        if calibration is not None:
+            for entry in summary_json["criteria"]:
+                entry["calibrated"] = calibration.get(entry["criterion_id"])
+        doc = {"summary": summary_json,
                "not_run": [r.model_dump(mode="json") for r in run.not_run],
                "usage": run.usage.model_dump(), "cost": run.cost, "cached": run.cached, "stopped": run.stopped}
         click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
     else:
-        click.echo(_report(summary, run))
+        click.echo(_report(summary, run, calibration))
     hits = {
         "fail": any(v.result == "fail" for v in run.verdicts),
         "error": any(v.result == "error" for v in run.verdicts),

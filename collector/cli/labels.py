@@ -12,8 +12,14 @@ from typing import Any
 
 import click
 
+from ..config import Config
+from ..errors import UserError
+from ..evals.setup import load_configured_criteria
+from ..review import regression
 from ..review.calibration import LabelImportError
+from ..words import plural
 from .common import ask, config_option, json_option, load, table
+from .judge import cli_provider, provider_options
 
 COLUMNS = ("item_id", "conversation_id", "criterion_id", "criterion", "transcript", "label", "reviewer", "note")
 _FORMULA = ("=", "+", "-", "@", "\t", "\r")
@@ -107,20 +113,111 @@ def _read(path: Path) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
 @config_option
 @json_option
 @click.option("--criterion", help="Only this criterion id.")
-def calibrate(config_path: Path | None, as_json: bool, criterion: str | None) -> None:
+@click.option("--freeze", "freeze_name", metavar="NAME",
+              help="Keep the labelled transcripts, with their labels and the current verdicts, as the judge "
+                   "regression set NAME (<duckdb file>.calibration/NAME.jsonl).")
+@click.option("--force", is_flag=True, help="With --freeze: replace the set NAME if it exists.")
+@click.option("--rerun", "rerun_name", metavar="NAME",
+              help="Judge the set NAME again with the criteria and provider of now, offline, and say what "
+                   "changed. Exit 1 when an item broke.")
+@provider_options
+def calibrate(config_path: Path | None, as_json: bool, criterion: str | None, freeze_name: str | None,
+              force: bool, rerun_name: str | None, provider_type: str | None, model: str | None,
+              base_url: str | None) -> None:
     """The judge against people, on the blind labels, per criterion.
 
     The confusion matrix (rows: what people said, columns: the judge), the
     agreement and Cohen's kappa, and the false-pass rate (people said fail, the
     judge pass) and false-fail rate with 95% intervals. A criterion whose
     false-pass interval reaches above review.max_false_pass is not calibrated.
+
+    --freeze NAME keeps the labelled transcripts as a regression set; --rerun
+    NAME judges it again (judges.criteria and judges.provider, or --provider,
+    --model, --base-url) and lists per criterion what was fixed (now agrees with
+    people), broken (agreed, no longer does), the same, and missing (its
+    criterion is gone, or it could not run), with the false-pass rate before and
+    after. Exit codes of --rerun: 0 nothing broke, 1 something broke, 2 bad input.
     """
-    max_false_pass = load(config_path).review.max_false_pass
+    if freeze_name is not None and rerun_name is not None:
+        raise UserError("--freeze and --rerun: give one of them")
+    if force and freeze_name is None:
+        raise UserError("--force goes with --freeze")
+    cfg = load(config_path)
+    if freeze_name is not None:
+        _freeze(config_path, cfg, freeze_name, criterion, force, as_json)
+        return
+    if rerun_name is not None:
+        _rerun(cfg, rerun_name, criterion, provider_type, model, base_url, as_json)
+        return
+    max_false_pass = cfg.review.max_false_pass
     report = ask(config_path, lambda c: c.calibration(criterion=criterion, max_false_pass=max_false_pass))
     if as_json:
         click.echo(json.dumps(report, ensure_ascii=False, indent=2))
         return
     click.echo(render(report, max_false_pass))
+
+
+def _freeze(config_path: Path | None, cfg: Config, name: str, criterion: str | None, force: bool,
+            as_json: bool) -> None:
+    path = regression.set_path(cfg.calibration_dir, name)
+    if path.exists() and not force:  # before asking: a refused name costs no read
+        raise UserError(f"{path} exists: give another name, or --force to replace it")
+    found = ask(config_path, lambda c: c.calibration_set(criterion=criterion))
+    items, left = found["items"], found["left_out"]
+    if not items:
+        raise UserError("no labelled calibration item" + (f" of criterion {criterion!r}" if criterion else "")
+                        + " to freeze: label some first (the review page, or `tracejudge labels`)")
+    regression.write_set(path, items, force=force)
+    if as_json:
+        click.echo(json.dumps({"frozen": len(items), "path": str(path), "left_out": left}, indent=2))
+        return
+    criteria = {i[regression.KEY]["criterion_id"] for i in items}
+    out = [f"froze {plural(len(items), 'item')} of {plural(len(criteria), 'criterion', 'criteria')} to {path}"]
+    if left["ties"]:
+        out.append(f"{plural(left['ties'], 'item')} left out: the labels tie")
+    if left["no_transcript"]:
+        out.append(f"{plural(left['no_transcript'], 'item')} left out: the conversation is no longer stored")
+    click.echo("\n".join(out))
+
+
+def _rerun(cfg: Config, name: str, criterion: str | None, provider_type: str | None, model: str | None,
+           base_url: str | None, as_json: bool) -> None:
+    frozen = regression.read_set(regression.set_path(cfg.calibration_dir, name))
+    if criterion is not None:
+        frozen = [f for f in frozen if f.criterion_id == criterion]
+        if not frozen:
+            raise UserError(f"the set {name!r} has no item of criterion {criterion!r}")
+    criteria = load_configured_criteria(cfg)
+    if not criteria:
+        raise UserError("no criteria to judge with: judges.criteria is empty")
+    result = regression.rerun(frozen, criteria, cli_provider(cfg, provider_type, model, base_url),
+                              concurrency=cfg.judges.concurrency, timeout=cfg.judges.timeout)
+    click.echo(json.dumps(result, ensure_ascii=False, indent=2) if as_json else render_rerun(result))
+    if result["counts"]["broken"]:
+        sys.exit(1)
+
+
+def render_rerun(result: dict[str, Any]) -> str:
+    """What a rerun changed, as text: one block per criterion, then the totals."""
+    out: list[str] = []
+    for c in result["criteria"]:
+        k = c["counts"]
+        versions = "/".join(f"v{v}" for v in c["frozen_versions"]) or "v?"
+        now = "no longer in judges.criteria" if c["current_version"] is None else f"now v{c['current_version']}"
+        out += [f"{c['criterion_id']} (frozen {versions}, {now}): {k['fixed']} fixed, {k['broken']} broken, "
+                f"{k['same']} same, {k['missing']} missing",
+                f"  false pass before {_rate(c['false_pass_before'])}   after {_rate(c['false_pass_after'])}"]
+        for what in ("broken", "fixed"):
+            if c[what]:
+                out.append(f"  {what}: {', '.join(c[what])}")
+        for reason, n in sorted(c["not_run"].items()):
+            out.append(f"  {n} not run (missing): {reason}")
+        for reason, n in sorted(c["errors"].items()):
+            out.append(f"  {plural(n, 'judge error')}: {reason or 'unknown'}")
+    k = result["counts"]
+    out.append(f"{'REGRESSION' if k['broken'] else 'no regression'}: {k['fixed']} fixed, {k['broken']} broken, "
+               f"{k['same']} same, {k['missing']} missing")
+    return "\n".join(out)
 
 
 def _rate(r: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from .conversations import render
 
 @click.group()
 def review() -> None:
-    """Review the failures the judges found: list, show, confirm or reject them.
+    """Review the failures the judges found: list, show, confirm, reject or mark them unclear.
 
     Works through the running daemon's API, or on the DuckDB file when no daemon
     runs. The web page at <api>/review does the same in a browser.
@@ -131,3 +131,5 @@ def _decision_command(decision: str, help_text: str) -> click.Command:
 
 review.add_command(_decision_command("confirm", "Confirm an item: the judge was right, this is a real failure."))
 review.add_command(_decision_command("reject", "Reject an item: the judge was wrong."))
+review.add_command(_decision_command("unclear", "Mark an item unclear: the criterion does not say whether this "
+                                                "conversation fails it (its authors have work to do)."))

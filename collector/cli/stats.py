@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from ..words import plural
-from .common import ask, ask_all, config_option, db_option, json_option, rate_text, table
+from .common import ask, ask_all, config_option, db_option, json_option, load, rate_text, table
+from .judge import NOT_CALIBRATED
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
           "review p/c/r", "failure rate, all traffic (95% CI)"]
@@ -18,6 +19,8 @@ HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "err
 def _row(name: str, e: dict[str, Any]) -> list[str]:
     r = e["failure_rate"]
     rate = "-" if r is None else rate_text(r["estimate"], r["low"], r["high"], r["method"]) + f"  n_eff {r['n_eff']:.1f}"
+    if e.get("calibrated") is False:  # groups carry no mark; None: no blind labels
+        rate += f"  {NOT_CALIBRATED}"
     review = e["review"]
     return [name, *(str(e[k]) for k in ("judged", "pass", "pass_unverified", "fail", "flagged", "not_applicable",
                                          "error", "not_run")),
@@ -39,6 +42,9 @@ def render(stats: dict[str, Any]) -> str:
     notes = ["pass? = passes whose quoted evidence was not found (kept out of the rate); flagged = fails with no "
              "verified quote; review p/c/r = pending/confirmed/rejected; the rate weighs each verdict by "
              "1/inclusion probability"]
+    if any(e.get("calibrated") is False for e in stats["criteria"]):
+        notes.append(f"{NOT_CALIBRATED} = on the blind labels, the judge's false-pass rate may be above "
+                     "review.max_false_pass: its failure rate may be too low (tracejudge calibrate)")
     for e in stats["criteria"]:
         share = e["review"]["fails_rejected_share"]
         if share is not None:
@@ -102,15 +108,21 @@ def stats(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, since:
     production's figures; --by source shows theirs beside them. With --db given
     more than once, the figures are those of all the files' verdicts and
     sampling decisions taken together (one sample), not of each file.
+
+    A criterion whose judge the blind labels do not show to be calibrated
+    (tracejudge calibrate) is marked NOT CALIBRATED beside its rate;
+    "calibrated" in --json is true, false, or null without labels.
     """
     sources = ("production", "simulation") if by == "source" else ("production",)
+    max_false_pass = load(config_path).review.max_false_pass
     if len(dbs) > 1:
         from ..review.stats import stats_of
 
         found = ask_all(config_path, dbs, lambda cs: {s: stats_of([c.stats_rows(
-            since=since, criterion=criterion, source=s) for c in cs]) for s in sources})
+            since=since, criterion=criterion, source=s) for c in cs], max_false_pass) for s in sources})
     else:
-        found = ask(config_path, lambda c: {s: c.stats(since=since, criterion=criterion, source=s)
+        found = ask(config_path, lambda c: {s: c.stats(since=since, criterion=criterion, source=s,
+                                                       max_false_pass=max_false_pass)
                                             for s in sources}, dbs[0] if dbs else None)
     if by == "source":
         click.echo(json.dumps({"by_source": found}, ensure_ascii=False, indent=2) if as_json

@@ -13,6 +13,8 @@ label beside the verdict for ``judges.calibrate``.
 
 The same tasks go to spreadsheets: ``export_rows`` (topping the items up to a
 sample size) and ``import_rows``, which checks every row before it stores any.
+``frozen_items`` gives the labelled items with their transcripts for a judge
+regression set (``review.regression``).
 
 Errors: ``ReviewNotFound`` (no such item), ``ReviewInputError`` (a bad label or
 no reviewer), ``LabelImportError`` (every problem of an import, by row).
@@ -21,6 +23,7 @@ no reviewer), ``LabelImportError`` (every problem of an import, by row).
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +37,7 @@ from ..evals.verdicts import where_clause
 from ..listing import iso_utc
 from ..store.transactions import Transaction, utc_now
 from .errors import ReviewInputError, ReviewNotFound
+from .regression import KEY
 
 SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS calibration_item_seq;
@@ -321,3 +325,53 @@ def report(cur: duckdb.DuckDBPyConnection, criterion: str | None, max_false_pass
 def report_of(labelled: Sequence[Pair], max_false_pass: float) -> dict[str, Any]:
     out: dict[str, Any] = calibrate(labelled, max_false_pass=max_false_pass).model_dump(mode="json")
     return out
+
+
+def frozen_items(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> dict[str, Any]:
+    """The labelled items as ``tracejudge calibrate --freeze`` writes them (``review.regression``'s lines).
+
+    One entry per labelled (conversation, criterion): the conversation/v1 record with the ``KEY``
+    (``tracejudge_calibration``) beside it. An item whose labels tie, or whose conversation is gone
+    (retention), is left out and counted.
+
+    Returns:
+        ``{"items": [record, ...], "left_out": {"ties": n, "no_transcript": n}}``, in item order.
+    """
+    where, params = [], []
+    if criterion is not None:
+        where.append("i.criterion_id = ?")
+        params.append(criterion)
+    rows = cur.execute(
+        "SELECT i.id, i.conversation_id, i.criterion_id, l.reviewer, l.label, l.note "
+        f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "
+        "ORDER BY i.id, l.reviewer", params).fetchall()
+    by_item: dict[int, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_item.setdefault(row[0], []).append(row)
+    out, ties, gone = [], 0, 0
+    for labels in by_item.values():
+        _, conversation_id, criterion_id = labels[0][:3]
+        human = majority([r[4] for r in labels])
+        if human is None:
+            ties += 1
+            continue
+        record = conversation_record(cur, conversation_id)
+        if record is None:
+            gone += 1
+            continue
+        verdict = cur.execute(
+            "SELECT result, judge_model, judge_provider, criterion_version FROM verdicts WHERE conversation_id = ? "
+            "AND criterion_id = ? AND NOT superseded ORDER BY seq DESC LIMIT 1",
+            [conversation_id, criterion_id]).fetchone()
+        version = verdict[3] if verdict else _criterion(cur, criterion_id)["version"]
+        out.append({**record, KEY: {
+            "criterion_id": criterion_id, "criterion_version": version, "label": human,
+            "labels": [{"reviewer": r[3], "label": r[4], "note": r[5]} for r in labels],
+            "judge": {"result": verdict[0], "model": verdict[1], "provider": verdict[2]} if verdict else None}})
+    return {"items": out, "left_out": {"ties": ties, "no_transcript": gone}}
+
+
+def majority(labels: Sequence[str]) -> str | None:
+    """The most frequent label; None on a tie (``judges.calibrate``'s rule)."""
+    (top, count), *rest = Counter(labels).most_common()
+    return None if rest and rest[0][1] == count else top

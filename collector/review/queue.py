@@ -40,6 +40,12 @@ CREATE TABLE IF NOT EXISTS review_items (
     created_at TIMESTAMPTZ NOT NULL,
     decided_at TIMESTAMPTZ
 );
+CREATE TABLE IF NOT EXISTS review_claims (
+    item_id BIGINT PRIMARY KEY,
+    reviewer VARCHAR NOT NULL,
+    assigned_by VARCHAR,
+    until TIMESTAMPTZ NOT NULL
+);
 CREATE SEQUENCE IF NOT EXISTS review_history_seq;
 CREATE TABLE IF NOT EXISTS review_history (
     id BIGINT PRIMARY KEY,
@@ -56,9 +62,12 @@ CREATE TABLE IF NOT EXISTS review_history (
 );
 """
 
-ReviewState = Literal["pending", "confirmed", "rejected"]
-REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected")
-_DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected"}
+ReviewState = Literal["pending", "confirmed", "rejected", "unclear"]
+REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected", "unclear")
+_DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected", "unclear": "unclear"}
+"""``unclear``: the reviewer cannot say, because the criterion is ambiguous (neither a confirmed failure nor a
+judge error; the criterion's authors have work to do)."""
+SEVERITY_ORDER = ("high", "medium", "low")
 _ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state", "reviewer", "note",
                  "created_at", "decided_at")
 _DECIDING = threading.Lock()
@@ -114,42 +123,112 @@ def check_state(state: str) -> None:
 
 
 def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criterion: str | None = None,
-                 limit: int = 100) -> list[dict[str, Any]]:
-    """Review items, the oldest first (the queue's order).
+                 limit: int = 100, *, severity: str | None = None, service: str | None = None,
+                 flagged: bool | None = None, since: dt.datetime | None = None, assignee: str | None = None,
+                 order: str = "severity", now: dt.datetime | None = None) -> list[dict[str, Any]]:
+    """Review items in the queue's order: high severity first, then the oldest (``order="age"``: the oldest
+    first).
 
     Args:
-        state: ``pending`` (default), ``confirmed``, ``rejected`` or ``all``.
-        criterion: only this criterion id.
+        state: ``pending`` (default), ``confirmed``, ``rejected``, ``unclear`` or ``all``.
+        criterion, severity, service: only items of this criterion id, criterion severity, bot service.
+        flagged: only flagged fails (True) or only the others (False).
+        since: only items queued since then.
+        assignee: only items claimed by or assigned to this reviewer (a claim that has not run out).
         limit: at most this many.
 
     Returns:
         Items with ``id``, ``conversation_id``, ``criterion_id``, ``state``, ``reviewer``,
-        ``note``, ``created_at``, ``decided_at``, ``verdict_id`` and, from the verdict,
-        ``criterion_version``, ``result``, ``flagged``, ``evidence_verified`` and ``superseded``.
+        ``note``, ``created_at``, ``decided_at``, ``verdict_id``; from the verdict
+        ``criterion_version``, ``result``, ``flagged``, ``evidence_verified`` and ``superseded``;
+        ``severity``, ``service``, and ``claimed_by`` / ``claimed_until`` (None when nobody holds it).
 
     Raises:
-        ReviewInputError: an unknown state.
+        ReviewInputError: an unknown state, severity or order.
     """
     check_state(state)
+    if severity is not None and severity not in SEVERITY_ORDER:
+        raise ReviewInputError(f"severity must be one of {', '.join(SEVERITY_ORDER)}, got {severity!r}")
+    if order not in ("severity", "age"):
+        raise ReviewInputError(f"order must be severity or age, got {order!r}")
     where, params = [], []
-    if state != "all":
-        where.append("r.state = ?")
-        params.append(state)
-    if criterion is not None:
-        where.append("r.criterion_id = ?")
-        params.append(criterion)
-    return _items(cur, where, params, limit)
+    for clause, value in (("r.state = ?", None if state == "all" else state), ("r.criterion_id = ?", criterion),
+                          ("c.severity = ?", severity), ("conv.service = ?", service),
+                          ("v.flagged = ?", flagged), ("r.created_at >= ?", since)):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    if assignee is not None:
+        where.append("k.reviewer = ? AND k.until > ?")
+        params += [assignee, utc_now(now)]
+    return _items(cur, where, params, limit, order=order, now=now)
 
 
-_ITEM_KEYS = (*_ITEM_COLUMNS, "criterion_version", "result", "flagged", "evidence_verified", "superseded")
+_ITEM_KEYS = (*_ITEM_COLUMNS, "criterion_version", "result", "flagged", "evidence_verified", "superseded",
+              "severity", "service", "claimed_by", "claimed_until")
+_SEVERITY_RANK = ("CASE c.severity " + " ".join(f"WHEN '{s}' THEN {n}" for n, s in enumerate(SEVERITY_ORDER))
+                  + f" ELSE {len(SEVERITY_ORDER)} END")
 
 
-def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], limit: int) -> list[dict[str, Any]]:
+def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], limit: int, *,
+           order: str = "severity", now: dt.datetime | None = None) -> list[dict[str, Any]]:
+    at = utc_now(now)
     rows = cur.execute(
         f"SELECT {', '.join('r.' + c for c in _ITEM_COLUMNS)}, v.criterion_version, v.result, v.flagged, "
-        f"v.evidence_verified, v.superseded FROM review_items r JOIN verdicts v ON v.id = r.verdict_id "
-        f"{where_clause(where)} ORDER BY r.created_at, r.id LIMIT ?", [*params, limit]).fetchall()
+        "v.evidence_verified, v.superseded, c.severity, conv.service, "
+        "CASE WHEN k.until > ? THEN k.reviewer END, CASE WHEN k.until > ? THEN k.until END "
+        "FROM review_items r JOIN verdicts v ON v.id = r.verdict_id "
+        "LEFT JOIN criteria c ON c.criterion_id = v.criterion_id AND c.criterion_version = v.criterion_version "
+        "LEFT JOIN conversations conv ON conv.conversation_id = r.conversation_id "
+        "LEFT JOIN review_claims k ON k.item_id = r.id "
+        f"{where_clause(where)} ORDER BY {_SEVERITY_RANK + ', ' if order == 'severity' else ''}r.created_at, r.id "
+        "LIMIT ?", [at, at, *params, limit]).fetchall()
     return [{k: iso_utc(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
+
+
+def progress(cur: duckdb.DuckDBPyConnection, *, now: dt.datetime | None = None) -> dict[str, Any]:
+    """``{"pending", "done_today", "by_reviewer": {name: decisions today}}``, today being the UTC day."""
+    day = utc_now(now).replace(hour=0, minute=0, second=0, microsecond=0)
+    pending = cur.execute("SELECT count(*) FROM review_items WHERE state = 'pending'").fetchone()
+    by = dict(cur.execute("SELECT reviewer, count(*) FROM review_history WHERE decided_at >= ? GROUP BY 1 "
+                          "ORDER BY 2 DESC, 1", [day]).fetchall())
+    return {"pending": int(pending[0]) if pending else 0, "done_today": sum(by.values()), "by_reviewer": by}
+
+
+def claim(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str, timeout: float, *,
+          assigned_by: str | None = None, now: dt.datetime | None = None) -> dict[str, Any]:
+    """Hold a pending item for ``reviewer`` for ``timeout`` seconds (``review.lock_timeout``); meanwhile
+    another reviewer's decision on it is refused. ``assigned_by``: an assignment, which takes the item from
+    whoever held it. Claiming it again extends the claim.
+
+    Raises:
+        ReviewNotFound: no such item.
+        ReviewInputError: no reviewer.
+        ReviewConflict: someone else holds it (and this is not an assignment), or it is decided.
+    """
+    if not reviewer or not reviewer.strip():
+        raise ReviewInputError("a reviewer is required")
+    reviewer, at = reviewer.strip(), utc_now(now)
+    with _DECIDING, Transaction(cur):
+        item = _item(cur, item_id)
+        if item["state"] != "pending":
+            raise ReviewConflict(f"review item {item['id']} was already {item['state']}: nothing to claim")
+        held = _holder(cur, item["id"], at)
+        if held is not None and held != reviewer and assigned_by is None:
+            raise ReviewConflict(f"review item {item['id']} is claimed by {held}")
+        cur.execute("INSERT OR REPLACE INTO review_claims VALUES (?, ?, ?, ?)",
+                    [item["id"], reviewer, assigned_by, at + dt.timedelta(seconds=timeout)])
+    return _items(cur, ["r.id = ?"], [item["id"]], 1, now=now)[0]
+
+
+def release(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str) -> None:
+    """Let go of one's claim (someone else's stays)."""
+    cur.execute("DELETE FROM review_claims WHERE item_id = ? AND reviewer = ?", [_item_id(item_id), reviewer.strip()])
+
+
+def _holder(cur: duckdb.DuckDBPyConnection, item_id: int, at: dt.datetime) -> str | None:
+    row = cur.execute("SELECT reviewer FROM review_claims WHERE item_id = ? AND until > ?", [item_id, at]).fetchone()
+    return str(row[0]) if row else None
 
 
 def _item_id(item_id: int | str) -> int:
@@ -214,11 +293,12 @@ def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str,
 
 def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, reviewer: str,
            note: str | None = None, force: bool = False, *, now: dt.datetime | None = None) -> dict[str, Any]:
-    """Confirm or reject a review item; the decision is added to the item's history.
+    """Confirm, reject or mark unclear a review item; the decision is added to the item's history.
 
     Args:
         item_id: the item.
-        decision: ``confirm`` (the judge was right) or ``reject`` (it was wrong).
+        decision: ``confirm`` (the judge was right), ``reject`` (it was wrong) or ``unclear`` (the criterion
+            does not say).
         reviewer: who decided (required: provenance of every human edit).
         note: why, in the reviewer's words.
         force: decide an item that was decided already; the earlier decision stays in the history.
@@ -230,11 +310,12 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
     Raises:
         ReviewInputError: an unknown decision or an empty reviewer (400).
         ReviewNotFound: no item with that id (404).
-        ReviewConflict: the item was decided already and ``force`` is false (409); decisions made
+        ReviewConflict: another reviewer holds a claim on it, or it was decided already and ``force`` is
+            false (409); decisions made
             at the same moment are taken one after the other, so all but the first get it.
     """
     if decision not in _DECIDED:
-        raise ReviewInputError(f"decision must be confirm or reject, got {decision!r}")
+        raise ReviewInputError(f"decision must be confirm, reject or unclear, got {decision!r}")
     if not reviewer or not reviewer.strip():
         raise ReviewInputError("a reviewer is required")
     reviewer = reviewer.strip()
@@ -246,6 +327,10 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
         try:
             with Transaction(cur):
                 item = _item(cur, item_id)
+                held = _holder(cur, item["id"], at)
+                if held is not None and held != reviewer:
+                    raise ReviewConflict(f"review item {item['id']} is claimed by {held}; it is theirs to decide "
+                                         "until the claim runs out (review.lock_timeout)")
                 if item["state"] != "pending" and not force:
                     raise ReviewConflict(f"review item {item['id']} was already {item['state']} by "
                                          f"{item['reviewer']}; decide again with force (--force; \"force\": true "
@@ -256,6 +341,7 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
                              note, item["state"] != "pending", at])
                 cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? WHERE id = ?",
                             [state, reviewer, note, at, item["id"]])
+                cur.execute("DELETE FROM review_claims WHERE item_id = ?", [item["id"]])
         except duckdb.TransactionException:  # another writer of this item, outside this process's decisions
             raise ReviewConflict(f"review item {item_id} changed while it was being decided; "
                                  "read it again and decide") from None

@@ -16,11 +16,13 @@ from typing import Any, Literal
 
 import duckdb
 
-from judges import weighted_proportion
+from judges import Pair, calibrate, weighted_proportion
 
+from ..config import Review
 from ..evals import simulations
 from ..evals.simulations import simulated_sql
 from ..evals.verdicts import verdict_filters, where_clause
+from . import calibration
 
 Source = Literal["production", "simulation"]
 SOURCES: tuple[Source, ...] = ("production", "simulation")
@@ -67,7 +69,7 @@ class _Tally:
                 "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
                 "count": rate.count, "n": rate.n, "method": rate.method},
             "review": {"pending": self.review["pending"], "confirmed": self.review["confirmed"],
-                       "rejected": self.review["rejected"],
+                       "rejected": self.review["rejected"], "unclear": self.review["unclear"],
                        "fails_rejected_share": self.fail_review["rejected"] / decided if decided else None},
             "errors": dict(self.errors), "not_run_reasons": dict(self.not_run_reasons),
         }
@@ -90,7 +92,8 @@ def _current(present: bool, since: dt.datetime | None, criterion: str | None,
 
 
 def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
-          criterion: str | None = None, source: Source = "production") -> dict[str, Any]:
+          criterion: str | None = None, source: Source = "production",
+          max_false_pass: float | None = None) -> dict[str, Any]:
     """Counts, honest failure rates and review outcomes, per criterion and per group.
 
     Of production traffic by default; ``source="simulation"`` gives the same figures for the
@@ -110,6 +113,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         since: only verdicts judged (and conversations ended, decided, not run) at or after this time.
         criterion: only this criterion id.
         source: ``production`` or ``simulation``.
+        max_false_pass: ``review.max_false_pass`` for ``calibrated`` [default: the config's default].
 
     Returns:
         ``{"criteria": [...], "groups": [...], "conversations": {"ended", "sampled",
@@ -119,10 +123,12 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         ``pass_unverified``, ``flagged``, ``failure_rate`` ({``estimate``, ``low``,
         ``high``, ``n_eff``, ``count``, ``n``, ``method``} or None), ``review``
         ({``pending``, ``confirmed``, ``rejected``, ``fails_rejected_share``}),
-        ``errors`` (by reason code) and ``not_run_reasons``; group entries have
-        ``group`` in place of the criterion's id, version and group.
+        ``errors`` (by reason code), ``not_run_reasons`` and ``calibrated`` (``judges.calibrate`` on
+        every blind label of the criterion, whatever ``since`` and ``source``: true, false, or None
+        without labels); group entries have ``group`` in place of the criterion's id, version and
+        group, and no ``calibrated``.
     """
-    return stats_of([stats_rows(cur, since=since, criterion=criterion, source=source)])
+    return stats_of([stats_rows(cur, since=since, criterion=criterion, source=source)], max_false_pass)
 
 
 def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
@@ -138,7 +144,8 @@ def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         ``{"verdicts": [[criterion_id, criterion_version, result, evidence_verified, flagged, error_code,
         inclusion_probability, review_state, n], ...], "not_run": [[criterion_id, criterion_version, reason,
         n], ...], "criteria": [[criterion_id, criterion_version, group], ...], "judged": n,
-        "conversations": {...}, "tokens": {...}}``.
+        "conversations": {...}, "tokens": {...}, "calibration": [[criterion_id, conversation_id, reviewer,
+        label, current verdict's result or None], ...]}``.
     """
     present = simulations.present(cur)
     current, params = _current(present, since, criterion, source)
@@ -175,6 +182,7 @@ def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         "conversations": ({"imported": simulations.count(cur)} if source == "simulation"
                           else _conversation_counts(cur, since)),
         "tokens": _tokens(cur, since, criterion, _of_source(present, source)),
+        "calibration": _labels(cur, criterion),
     }
 
 
@@ -196,11 +204,31 @@ def _sum_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def stats_of(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def _labels(cur: duckdb.DuckDBPyConnection, criterion: str | None) -> list[list[Any]]:
+    """Every blind label beside the current verdict (``calibration.pairs``); none in a file without the tables."""
+    found = cur.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'calibration_labels'"
+                        ).fetchone()
+    return [list(p) for p in calibration.pairs(cur, criterion)] if found and found[0] else []
+
+
+def _calibrated(parts: list[dict[str, Any]], max_false_pass: float | None) -> dict[str, bool] | None:
+    """criterion id -> calibrated, on the labels of all the stores; None when a store gave no labels (an older
+    daemon's rows): a verdict on part of the labels would mislead."""
+    if any("calibration" not in part for part in parts):
+        return None
+    # Items are told apart by store, as verdicts are counted: a conversation id two stores hold is two items.
+    pairs = [Pair(c, f"{n}\x00{item}", who, human, judge)
+             for n, part in enumerate(parts) for c, item, who, human, judge in part["calibration"]]
+    limit = Review().max_false_pass if max_false_pass is None else max_false_pass
+    return {c.criterion_id: c.calibrated for c in calibrate(pairs, max_false_pass=limit).criteria}
+
+
+def stats_of(parts: list[dict[str, Any]], max_false_pass: float | None = None) -> dict[str, Any]:
     """The figures of ``stats`` over the ``stats_rows`` of one or more stores, computed once over all the rows.
 
     Rows equal in every value but the count are counted together, and visited in one order whatever store
-    they came from, so the rows of two stores give exactly what one store holding both would.
+    they came from, so the rows of two stores give exactly what one store holding both would. ``calibrated``
+    is likewise computed on the union of the stores' labels (None everywhere when a store sent none).
     """
     verdict_rows: dict[tuple[Any, ...], list[int]] = {}
     for part in parts:
@@ -235,9 +263,10 @@ def stats_of(parts: list[dict[str, Any]]) -> dict[str, Any]:
             t.counts["not_run"] += n
             t.not_run_reasons[reason] += n
     tokens = _sum_counts([part["tokens"] for part in parts])
+    marks = _calibrated(parts, max_false_pass) or {}
     return {
         "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
-                      **crits[cid].entry()} for cid in sorted(crits)],
+                      **crits[cid].entry(), "calibrated": marks.get(cid)} for cid in sorted(crits)],
         "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
         "conversations": {**_sum_counts([part["conversations"] for part in parts]),
                           "judged": sum(part["judged"] for part in parts)},

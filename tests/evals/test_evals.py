@@ -291,6 +291,48 @@ def test_decisions_conflicts_and_forced_history(cur: duckdb.DuckDBPyConnection) 
     assert [i["state"] for i in review.list_reviews(cur, state="rejected")] == ["rejected", "rejected"]
 
 
+def test_a_claim_locks_an_item_to_its_reviewer_until_it_runs_out(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    store(cur, [verdict(cid, "c1", "fail", sha)], probability=1.0, rule=None, now=T0)
+    (item,) = review.list_reviews(cur)
+    held = review.claim(cur, item["id"], "Ana", 900, now=T0)
+    assert (held["claimed_by"], held["claimed_until"]) == ("Ana", "2025-03-01T12:15:00Z")
+    assert [i["id"] for i in review.list_reviews(cur, assignee="Ana", now=T0)] == [item["id"]]
+    with pytest.raises(review.ReviewConflict, match="claimed by Ana"):
+        review.decide(cur, item["id"], "confirm", "Ben", now=T0 + dt.timedelta(minutes=14))
+    with pytest.raises(review.ReviewConflict, match="claimed by Ana"):
+        review.claim(cur, item["id"], "Ben", 900, now=T0 + dt.timedelta(minutes=1))
+    assert review.review_item(cur, item["id"])["item"]["state"] == "pending"  # the refusal changed nothing
+    # Run out: anyone may claim or decide it.
+    assert review.list_reviews(cur, now=T0 + dt.timedelta(minutes=16))[0]["claimed_by"] is None
+    review.claim(cur, item["id"], "Ben", 900, now=T0 + dt.timedelta(minutes=16))
+    # An assignment takes it from whoever holds it.
+    review.claim(cur, item["id"], "Cleo", 900, assigned_by="lead", now=T0 + dt.timedelta(minutes=17))
+    with pytest.raises(review.ReviewConflict, match="claimed by Cleo"):
+        review.decide(cur, item["id"], "reject", "Ben", now=T0 + dt.timedelta(minutes=18))
+    done = review.decide(cur, item["id"], "unclear", "Cleo", "which refunds count?",
+                         now=T0 + dt.timedelta(minutes=18))
+    assert (done["state"], done["claimed_by"]) == ("unclear", None)
+    with pytest.raises(review.ReviewConflict, match="already unclear"):
+        review.claim(cur, item["id"], "Ana", 900, now=T0 + dt.timedelta(minutes=19))
+
+
+def test_the_queue_puts_high_severity_first_then_the_oldest(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    evals.store_criteria(cur, [LLMCriterion(id=c, version=1, prompt=c, severity=sev)
+                               for c, sev in (("low-1", "low"), ("high-1", "high"), ("med-1", "medium"))])
+    for n, c in enumerate(("low-1", "high-1", "med-1")):
+        store(cur, [verdict(cid, c, "fail", sha)], probability=1.0, rule=None, now=T0 + dt.timedelta(minutes=n))
+    assert [i["criterion_id"] for i in review.list_reviews(cur)] == ["high-1", "med-1", "low-1"]
+    assert [i["criterion_id"] for i in review.list_reviews(cur, order="age")] == ["low-1", "high-1", "med-1"]
+    assert [i["criterion_id"] for i in review.list_reviews(cur, severity="medium")] == ["med-1"]
+    with pytest.raises(review.ReviewInputError, match="severity must be one of high, medium, low"):
+        review.list_reviews(cur, severity="urgent")
+    review.decide(cur, review.list_reviews(cur)[0]["id"], "confirm", "Ana", now=T0 + dt.timedelta(hours=1))
+    assert review.progress(cur, now=T0 + dt.timedelta(hours=2)) == {
+        "pending": 2, "done_today": 1, "by_reviewer": {"Ana": 1}}
+
+
 def test_review_item_has_what_a_reviewer_needs(cur: duckdb.DuckDBPyConnection) -> None:
     cid, sha = fixture_conversation(cur)
     crit = LLMCriterion(id="asks-order-number", version=3, prompt="The bot asks for the order number.",
@@ -371,7 +413,7 @@ def test_stats_weighted_by_inclusion_probability(cur: duckdb.DuckDBPyConnection)
     assert rate["estimate"] == pytest.approx(estimate)
     assert rate["n_eff"] == pytest.approx(n_eff)
     assert (rate["low"], rate["high"]) == (pytest.approx(low), pytest.approx(high))
-    assert triage["review"] == {"pending": 0, "confirmed": 1, "rejected": 1, "fails_rejected_share": 0.5}
+    assert triage["review"] == {"pending": 0, "confirmed": 1, "rejected": 1, "unclear": 0, "fails_rejected_share": 0.5}
     assert triage["errors"] == {"timeout": 1} and triage["flagged"] == 0
     assert tone["not_run"] == 1 and tone["judged"] == 0 and tone["failure_rate"] is None
     assert tone["not_run_reasons"] == {"no provider configured": 1}
@@ -440,13 +482,14 @@ def page_detail(cur: duckdb.DuckDBPyConnection) -> dict[str, Any]:
 def test_review_page_escapes_everything(cur: duckdb.DuckDBPyConnection) -> None:
     detail = page_detail(cur)
     page = render_item(detail, error="<script>x</script>")
-    assert "<script" not in page.lower()
+    assert page.lower().count("<script") == 1 and '<script src="/review/static/review.js" defer>' in page
     assert "<img" not in page and "onerror=alert(1)&gt;" in page
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
     assert "Ask about &lt;arm&gt; pain first." in page
     assert "conv-&lt;b&gt;" in page
-    listing = render_list(review.list_reviews(cur), criterion='"><script>', criteria=["chest-pain"])
-    assert "<script" not in listing.lower()
+    listing = render_list(review.list_reviews(cur), filters={"criterion": '"><script>', "service": "<img>"},
+                          criteria=["chest-pain"])
+    assert listing.lower().count("<script") == 1 and "&quot;&gt;&lt;script&gt;" in listing and "<img" not in listing
     assert f'href="/review/{detail["item"]["id"]}"' in listing
 
 
@@ -456,7 +499,7 @@ def test_review_page_highlights_evidence_and_shows_rtl(cur: duckdb.DuckDBPyConne
     # The quote's two pieces (around the ellipsis) are marked, matching case and spacing loosely.
     assert "<mark>Take an aspirin</mark>" in page
     assert "<mark>You will   be fine</mark>" in page
-    assert "highlighted in the transcript" in page and "not found in the transcript" in page
+    assert '<a class="quote text" href="#m' in page and "not found in the transcript" in page  # found: a link
     assert re.search(r'<div class="text" dir="auto">عندي ألم في الصدر</div>', page)
     assert 'action="/review/1/decision"' in page and 'name="reviewer"' in page and 'for="reviewer"' in page
     assert 'value="confirm"' in page and 'value="reject"' in page and 'name="force"' not in page
@@ -497,7 +540,7 @@ def test_page_highlights_exactly_what_the_evidence_check_verified(cur: duckdb.Du
         (item,) = review.list_reviews(cur)
         page = render_item(review.review_item(cur, item["id"]))
         if quote == folded:
-            assert "my <mark>ﬁle is on the ＤＥＳＫ</mark>" in page and "highlighted in the transcript" in page
+            assert "my <mark>ﬁle is on the ＤＥＳＫ</mark>" in page and '<a class="quote text" href="#m' in page
             assert "was not found in the transcript" not in page
         else:
             assert "<mark>" not in page and "not found in the transcript" in page

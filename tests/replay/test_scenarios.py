@@ -211,7 +211,8 @@ def test_bad_since_is_one_line() -> None:
 @pytest.mark.parametrize("text, expected, words", [
     ('Code check tool_called {"name":"lookup_order","args":{"order_id":"B-1"}}; applies if {"user_matches":"order"}',
      {"tool_called": "lookup_order", "tool_args": {"order_id": "B-1"}},
-     'The bot must call `lookup_order` with arguments including {"order_id": "B-1"}.'),
+     'The bot must call `lookup_order` with arguments including {"order_id": "B-1"}. It applies only when a user '
+     'message matches `order`; otherwise it is not applicable.'),
     ('Code check regex {"pattern":"(?i)carrier will (call|contact)","must":"not_match"}',
      {"assistant_must_not_match": "(?i)carrier will (call|contact)"},
      "Assistant messages must not match the pattern `(?i)carrier will (call|contact)`."),

@@ -104,7 +104,7 @@ def test_item_detail_has_verdict_criterion_and_transcript(api: str, ids: dict[tu
     assert "carrier will (call|contact)" in verdict["reasoning"]
     assert verdict["judge"] == {"provider": "code", "model": "regex"}
     assert detail["criterion"]["id"] == CARRIER and detail["criterion"]["version"] == 1
-    assert "Code check regex" in detail["criterion"]["text"] and "carrier will" in detail["criterion"]["text"]
+    assert detail["criterion"]["text"].startswith('Code check regex')  # stored as the evals stage writes it
     assert (detail["criterion"]["group"], detail["criterion"]["severity"]) == ("accuracy", "medium")
     conversation = detail["conversation"]
     assert conversation["id"] == "rv-json-3"
@@ -206,6 +206,20 @@ def test_racing_reviewers_one_wins_and_the_others_get_409(api: str, ids: dict[tu
         assert detail["item"]["state"] == won.json()["state"]
 
 
+def test_a_claimed_item_is_refused_to_a_second_reviewer(api: str, ids: dict[tuple[str, str], int]) -> None:
+    item_id = ids[("rv-lock-1", CARRIER)]
+    claimed = post_json(api, f"/api/review/{item_id}/claim", {"reviewer": "Ana"})
+    assert claimed.status == 200 and claimed.json()["claimed_by"] == "Ana"
+    assert item_id in [i["id"] for i in call(api, "GET", "/api/review?assignee=Ana").json()["items"]]
+    assert_error(post_json(api, f"/api/review/{item_id}/claim", {"reviewer": "Ben"}), 409, "already_decided",
+                 "claimed by Ana")
+    assert_error(post_json(api, f"/api/review/{item_id}/decision", {"decision": "reject", "reviewer": "Ben"}),
+                 409, "already_decided", "claimed by Ana")
+    assert call(api, "GET", f"/api/review/{item_id}").json()["item"]["state"] == "pending"
+    mine = post_json(api, f"/api/review/{item_id}/decision", {"decision": "confirm", "reviewer": "Ana"})
+    assert mine.status == 200 and mine.json()["state"] == "confirmed" and mine.json()["claimed_by"] is None
+
+
 def test_unknown_items_are_404(api: str) -> None:
     assert_error(call(api, "GET", "/api/review/999999"), 404, "not_found", "999999")
     assert_error(call(api, "GET", "/api/review/abc"), 404, "not_found", "abc")
@@ -219,7 +233,7 @@ def test_unknown_items_are_404(api: str) -> None:
     (b"", ("JSON object",)),
     ([{"decision": "confirm", "reviewer": "Sam"}], ("JSON object",)),
     ({"decision": "confirm", "reviewer": "Sam", "verdict": "fail"}, ("unknown field", "verdict")),
-    ({"decision": "maybe", "reviewer": "Sam"}, ("confirm or reject", "maybe")),
+    ({"decision": "maybe", "reviewer": "Sam"}, ("confirm, reject or unclear", "maybe")),
     ({"decision": "confirm"}, ("reviewer",)),
     ({"decision": "confirm", "reviewer": ""}, ("reviewer",)),
     ({"decision": "confirm", "reviewer": "   "}, ("reviewer",)),
@@ -313,13 +327,18 @@ def assert_page(reply: Reply, status: int = 200) -> str:
     return reply.body
 
 
+def only_our_script(page: str) -> bool:
+    """The page's one script element is the same-origin keyboard script."""
+    return page.lower().count("<script") == 1 and '<script src="/review/static/review.js" defer></script>' in page
+
+
 def test_list_page(api: str, ids: dict[tuple[str, str], int]) -> None:
     page = assert_page(call(api, "GET", "/review?state=all"))
     for key, item_id in ids.items():
         assert f'href="/review/{item_id}"' in page, key
     assert "rv-script" in page and CARRIER in page
     hostile = assert_page(call(api, "GET", "/review?criterion=" + urllib.parse.quote('"><script>x()</script>')))
-    assert "<script" not in hostile.lower() and "&quot;&gt;&lt;script&gt;" in hostile
+    assert only_our_script(hostile) and "&quot;&gt;&lt;script&gt;" in hostile
     bad = assert_page(call(api, "GET", "/review?state=bogus"), 400)
     assert "bogus" in bad
     assert call(api, "GET", "/").status == 302
@@ -328,11 +347,13 @@ def test_list_page(api: str, ids: dict[tuple[str, str], int]) -> None:
 def test_item_page_shows_criterion_transcript_and_marked_evidence(api: str, ids: dict[tuple[str, str], int]) -> None:
     item_id = ids[("rv-html-1", CARRIER)]
     page = assert_page(call(api, "GET", f"/review/{item_id}"))
-    assert f"Review item #{item_id}" in page and CARRIER in page
-    assert "Code check regex" in page  # the criterion's text
+    assert f"#{item_id} " in page and CARRIER in page
+    assert "Assistant messages must not match the pattern" in page  # the criterion, in words
     assert "Where is my order B-1?" in page  # the user's turn
     assert "the <mark>carrier will call</mark> you tomorrow" in page
-    assert "highlighted in the transcript" in page
+    # The quote links to the message it quotes (the bot's answer, after the tool call and its result).
+    assert '<a class="quote text" href="#m4" dir="auto">&ldquo;carrier will call&rdquo;</a>' in page
+    assert '<li class="msg assistant" id="m4"' in page
     assert f'action="/review/{item_id}/decision"' in page and 'name="reviewer"' in page
     assert 'name="force"' not in page
     missing = assert_page(call(api, "GET", "/review/999999"), 404)
@@ -352,7 +373,7 @@ def test_production_markup_is_never_served_unescaped(api: str, ids: dict[tuple[s
     lookup = assert_page(call(api, "GET", f"/review/{ids[('rv-script', LOOKUP)]}"))
     listing = assert_page(call(api, "GET", "/review?state=all"))
     for page in (markup, lookup, listing):
-        assert "<script" not in page.lower() and "<b>tomorrow" not in page
+        assert only_our_script(page) and "<b>tomorrow" not in page
     # The user's words are shown, escaped; the quoted markup is highlighted where the user wrote it.
     assert "<mark>&lt;script&gt;alert(1)&lt;/script&gt;</mark> where is order B-9?" in markup
     assert "&lt;b&gt;tomorrow&lt;/b&gt;" in markup and "&lt;b&gt;tomorrow&lt;/b&gt;" in lookup
@@ -370,11 +391,16 @@ def test_form_decision_redirects_to_saved_item(api: str, ids: dict[tuple[str, st
                       {"Origin": origin(api)})
     assert reply.status == 303, reply.body
     location = reply.header("Location") or ""
-    assert urllib.parse.urlsplit(location).path == f"/review/{item_id}"
-    page = assert_page(call(api, "GET", location))
-    assert "Saved: confirmed" in page
-    assert "Dr. &lt;Amal&gt;" in page and "Dr. <Amal>" not in page
-    assert 'name="force" value="1"' in page  # decided: deciding again is a forced decision
+    # Save and next: on to the next pending item, with the name remembered in a cookie.
+    next_path = urllib.parse.urlsplit(location).path
+    assert next_path.startswith("/review/") and next_path != f"/review/{item_id}"
+    remembered = [h.split(";", 1)[0] for h in reply.headers_named("Set-Cookie") if h.startswith("tracejudge_reviewer=")]
+    assert remembered == ["tracejudge_reviewer=Dr.%20%3CAmal%3E"]
+    page = assert_page(call(api, "GET", location, headers={"Cookie": remembered[0]}))
+    assert f"Saved #{item_id}: confirmed" in page
+    assert 'value="Dr. &lt;Amal&gt;"' in page and "Dr. <Amal>" not in page  # prefilled, escaped
+    again = assert_page(call(api, "GET", f"/review/{item_id}"))
+    assert 'name="force" value="1"' in again  # decided: deciding again is a forced decision
     item = call(api, "GET", f"/api/review/{item_id}").json()["item"]
     assert (item["state"], item["reviewer"], item["note"]) == ("confirmed", "Dr. <Amal>", "promised a call")
 
@@ -410,7 +436,7 @@ def test_form_on_decided_item_needs_force(api: str, ids: dict[tuple[str, str], i
     assert "reviewer" in no_name
     forced = post_form(api, path, {"decision": "reject", "reviewer": "Ben", "force": "1"}, same)
     assert forced.status == 303, forced.body
-    assert "Saved: rejected" in assert_page(call(api, "GET", forced.header("Location") or ""))
+    assert f"Saved #{item_id}: rejected" in assert_page(call(api, "GET", forced.header("Location") or ""))
     history = call(api, "GET", f"/api/review/{item_id}").json()["history"]
     assert [(h["reviewer"], h["state"], h["forced"]) for h in history] == [("Ana", "confirmed", False),
                                                                          ("Ben", "rejected", True)]
@@ -460,7 +486,8 @@ def test_page_sign_in_with_token_link(locked: tuple[DaemonProcess, int]) -> None
     api = daemon.api
     for path in ("/review", f"/review/{item_id}"):
         page = assert_page(call(api, "GET", path), 401)
-        assert "/review?token=" in page and "Sign in" in page
+        assert 'action="/review/sign-in"' in page and 'type="password" id="token" name="token"' in page
+        assert f'name="next" value="{path}"' in page
     wrong = call(api, "GET", "/review?token=not-the-token")
     assert_page(wrong, 401)
     assert not wrong.headers_named("Set-Cookie")
@@ -470,7 +497,7 @@ def test_page_sign_in_with_token_link(locked: tuple[DaemonProcess, int]) -> None
     assert signed.header("Location") == "/review"  # the token leaves the address bar
     cookie, header = cookie_pair(signed)
     attributes = [a.strip().lower() for a in header.split(";")[1:]]
-    assert "httponly" in attributes and "samesite=strict" in attributes and "path=/review" in attributes
+    assert "httponly" in attributes and "samesite=strict" in attributes and "path=/" in attributes
     assert cookie == f"tracejudge_token={TOKEN}"
 
     listing = assert_page(call(api, "GET", "/review", headers={"Cookie": cookie}))
@@ -486,12 +513,26 @@ def test_page_sign_in_with_token_link(locked: tuple[DaemonProcess, int]) -> None
     saved = post_form(api, f"/review/{item_id}/decision", form, {**same, "Cookie": cookie})
     assert saved.status == 303, saved.body
     page = assert_page(call(api, "GET", saved.header("Location") or "", headers={"Cookie": cookie}))
-    assert "Saved: confirmed" in page
+    assert f"Saved #{item_id}: confirmed" in page
     item = daemon.get(f"/api/review/{item_id}", token=TOKEN)[1]["item"]
     assert (item["state"], item["reviewer"]) == ("confirmed", "Dr. Amal")
 
 
 # --------------------------------------------------------------- the CLI on the same data
+
+
+def test_the_sign_in_page_takes_the_token_typed_in(locked: tuple[DaemonProcess, int]) -> None:
+    daemon, item_id = locked
+    api, same = daemon.api, {"Origin": origin(daemon.api)}
+    wrong = post_form(api, "/review/sign-in", {"token": "not-it", "next": f"/review/{item_id}"}, same)
+    assert "That token is not the daemon" in assert_page(wrong, 401) and not wrong.headers_named("Set-Cookie")
+    right = post_form(api, "/review/sign-in", {"token": TOKEN, "next": f"/review/{item_id}"}, same)
+    assert right.status == 303 and right.header("Location") == f"/review/{item_id}"
+    cookie, header = cookie_pair(right)
+    assert "httponly" in header.lower() and "samesite=strict" in header.lower()
+    assert "carrier will call" in assert_page(call(api, "GET", f"/review/{item_id}", headers={"Cookie": cookie}))
+    away = post_form(api, "/review/sign-in", {"token": TOKEN, "next": "https://evil.example/"}, same)
+    assert away.header("Location") == "/review"  # never sent elsewhere
 
 
 def test_daemon_log_says_what_it_judges_in_words(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> None:

@@ -84,13 +84,14 @@ OPEN_CONVERSATIONS = [
     *(carrier_conversation(f"rv-html-{n}") for n in range(1, 5)),
     *(carrier_conversation(f"rv-csrf-{n}") for n in range(1, 3)),
     *(carrier_conversation(f"rv-race-{n}") for n in range(1, 5)),
+    carrier_conversation("rv-lock-1"),
     *(refund_conversation(f"rv-stats-{n}") for n in range(1, 4)),
     SCRIPT_CONVERSATION,
 ]
 # (conversation, criterion) of every review item the open daemon must queue: exactly the fails.
 EXPECTED_ITEMS = {
     *((p.conversation_id, CARRIER) for p in OPEN_CONVERSATIONS
-      if p.conversation_id.startswith(("rv-json", "rv-html", "rv-csrf", "rv-race"))),
+      if p.conversation_id.startswith(("rv-json", "rv-html", "rv-csrf", "rv-race", "rv-lock"))),
     *((p.conversation_id, REFUND) for p in OPEN_CONVERSATIONS if p.conversation_id.startswith("rv-stats")),
     ("rv-script", MARKUP),
     ("rv-script", LOOKUP),
