@@ -441,6 +441,13 @@ class SamplingSettings(Section):
     budget: SamplingBudget = SamplingBudget()
 
 
+class Reviewer(Section):
+    name: str = Field(min_length=1)
+    """Who decides with this token: the name every decision and label made with it carries."""
+    token: str = Field(min_length=8)
+    """What the reviewer types into the sign-in page (``${env:...}`` keeps it out of the file)."""
+
+
 class Review(Section):
     queue_results: list[Literal["pass", "fail", "not_applicable"]] = ["fail"]
     """Verdict results that open a review item (every flagged fail does too; an error never does)."""
@@ -448,12 +455,27 @@ class Review(Section):
     """Share of judged conversations per criterion (passes and not_applicable too) that become blind
     labelling tasks: a person labels them without seeing the verdict. Chosen from the conversation id,
     the criterion and ``sampling.seed``; 0 turns it off."""
+    reviewers_per_item: int = Field(1, ge=1, le=20)
+    """An item stays pending until this many different reviewers have decided it; each decides before
+    seeing the others' decisions, and the majority decides (a tie: unclear)."""
+    reviewers: list[Reviewer] = []
+    """Named reviewer tokens: when set, the review pages need a token (one of these, or
+    ``api.auth.bearer_token``), and a decision made with a reviewer's token carries that reviewer's name
+    rather than a typed one. The JSON API still takes only ``api.auth.bearer_token``."""
     lock_timeout: Duration = Field(900.0, gt=0)
     """A reviewer's claim on an item (or an assignment) holds this long; meanwhile another reviewer's
     decision on it is refused."""
     max_false_pass: float = Field(0.05, gt=0, lt=1)
     """A criterion whose false-pass rate (people said fail, the judge pass) may be above this, by its 95%
     interval, is marked not calibrated."""
+
+    @model_validator(mode="after")
+    def _distinct_reviewers(self) -> "Review":
+        for what in ("name", "token"):
+            values = [getattr(r, what) for r in self.reviewers]
+            if len(set(values)) != len(values):
+                raise ValueError(f"review.reviewers: two reviewers have the same {what}")
+        return self
 
 
 class ScenarioRedaction(Section):

@@ -39,7 +39,7 @@ from ..review import stats as review_stats
 from ..store import Store
 from . import export
 from .errors import APIError, error_middleware
-from .guards import HostCheck, host_check, html_response, origin_check, token_check
+from .guards import REVIEWER, HostCheck, host_check, html_response, origin_check, token_check
 
 log = logging.getLogger("tracejudge.api")
 
@@ -66,7 +66,7 @@ class API:
         self.ready = False
         self.app = web.Application(middlewares=[
             error_middleware, host_check(HostCheck(settings.endpoint, settings.allowed_hosts)), origin_check,
-            token_check(settings.auth.bearer_token or None)])
+            token_check(settings.auth.bearer_token or None, self.review_settings.reviewers)])
         r = self.app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -387,7 +387,9 @@ class API:
 
     async def review_item(self, request: web.Request) -> web.Response:
         item_id = request.match_info["item_id"]
-        return web.json_response(await self.read(lambda cur: review.review_item(cur, item_id)), dumps=_dumps)
+        viewer, n = request.query.get("reviewer") or None, self.review_settings.reviewers_per_item
+        return web.json_response(await self.read(lambda cur: review.review_item(
+            cur, item_id, viewer=viewer, reviewers_per_item=n)), dumps=_dumps)
 
     async def review_decision(self, request: web.Request) -> web.Response:
         """``{"decision": "confirm" | "reject", "reviewer": "...", "note": "...", "force": false}``."""
@@ -398,8 +400,9 @@ class API:
         if not isinstance(decision, str) or not isinstance(reviewer, str) or not isinstance(note, (str, type(None))):
             raise APIError(400, "bad_request", "decision and reviewer must be strings (note too, if given)")
         item_id = request.match_info["item_id"]
+        n = self.review_settings.reviewers_per_item
         item = await self.read(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
-                                                         force=body.get("force", False)))
+                                                         force=body.get("force", False), reviewers_per_item=n))
         return web.json_response(item, dumps=_dumps)
 
     # ------------------------------------------------------------ blind calibration
@@ -483,10 +486,11 @@ class API:
             message=f"Saved #{q.get('item', '')}: {saved}. The queue is done for these filters." if saved else None))
 
     async def review_item_page(self, request: web.Request) -> web.Response:
-        item_id = request.match_info["item_id"]
+        item_id, viewer, n = request.match_info["item_id"], _reviewer(request), self.review_settings.reviewers_per_item
         try:
             detail, queue = await self._on_cursor(lambda cur: (
-                review.review_item(cur, item_id), review.list_reviews(cur, limit=1000)))
+                review.review_item(cur, item_id, viewer=viewer or None, reviewers_per_item=n),
+                review.list_reviews(cur, limit=1000)))
         except review.ReviewError as exc:
             return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
         q = request.query
@@ -494,27 +498,32 @@ class API:
         message = f"Saved #{q.get('item', '')}: {saved}" if saved else (
             f"Skipped #{q.get('skipped')}" if q.get("skipped") else None)
         return html_response(review_page.render_item(
-            detail, reviewer=_remembered(request), message=message, **_neighbours(queue, detail["item"]["id"])))
+            detail, reviewer=viewer, signed_in=REVIEWER in request, message=message,
+            **_neighbours(queue, detail["item"]["id"])))
 
     async def review_form(self, request: web.Request) -> web.Response:
         form = await request.post()
         item_id = request.match_info["item_id"]
-        decision, reviewer = str(form.get("decision", "")), str(form.get("reviewer", "")).strip()
+        decision = str(form.get("decision", ""))
+        reviewer = request.get(REVIEWER) or str(form.get("reviewer", "")).strip()  # a reviewer token names them
         note = str(form.get("note", "")).strip() or None
+        n = self.review_settings.reviewers_per_item
 
         def decide(cur: Any) -> tuple[dict[str, Any], str]:
             # The next item is the one after this in the queue as it was: saving takes this one out.
             after = _neighbours(review.list_reviews(cur, limit=1000), _int_or(item_id))["next_url"] or "/review"
             if decision == "skip":
                 return {"id": item_id, "state": "skipped"}, after
-            return review.decide(cur, item_id, decision, reviewer, note, force=form.get("force") == "1"), after
+            return review.decide(cur, item_id, decision, reviewer, note, force=form.get("force") == "1",
+                                 reviewers_per_item=n), after
 
         try:
             item, after = await self._on_cursor(decide)
         except review.ReviewError as exc:
             try:
                 detail, queue = await self._on_cursor(lambda cur: (
-                    review.review_item(cur, item_id), review.list_reviews(cur, limit=1000)))
+                    review.review_item(cur, item_id, viewer=reviewer or None, reviewers_per_item=n),
+                    review.list_reviews(cur, limit=1000)))
             except review.ReviewError:
                 return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
             return html_response(review_page.render_item(detail, reviewer=reviewer, error=str(exc),
@@ -532,14 +541,14 @@ class API:
 
     async def label_first(self, request: web.Request) -> web.Response:
         """The first task the remembered reviewer has not labelled."""
-        who = _remembered(request) or None
+        who = _reviewer(request) or None
         tasks = await self._on_cursor(lambda cur: calibration.items(cur, reviewer=who, limit=1))
         if not tasks:
             return html_response(review_page.render_message("Blind labelling", "No blind task is waiting for you."))
         raise web.HTTPSeeOther(f"/review/label/{tasks[0]['id']}")
 
     async def label_page(self, request: web.Request, error: str | None = None, status: int = 200) -> web.Response:
-        item_id, who = request.match_info["item_id"], _remembered(request)
+        item_id, who = request.match_info["item_id"], _reviewer(request)
         try:
             detail, waiting = await self._on_cursor(lambda cur: (
                 calibration.item(cur, item_id, who or None), calibration.items(cur, reviewer=who or None, limit=1000)))
@@ -555,7 +564,8 @@ class API:
     async def label_form(self, request: web.Request) -> web.Response:
         form = await request.post()
         item_id = request.match_info["item_id"]
-        label, reviewer = str(form.get("label", "")), str(form.get("reviewer", "")).strip()
+        label = str(form.get("label", ""))
+        reviewer = request.get(REVIEWER) or str(form.get("reviewer", "")).strip()
         note = str(form.get("note", "")).strip() or None
 
         def store(cur: Any) -> str | None:
@@ -574,7 +584,7 @@ class API:
         raise response
 
     async def calibration_page(self, request: web.Request) -> web.Response:
-        limit, who = self.review_settings.max_false_pass, _remembered(request) or None
+        limit, who = self.review_settings.max_false_pass, _reviewer(request) or None
         report, waiting = await self._on_cursor(lambda cur: (
             calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT)))
         return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting)))
@@ -594,6 +604,11 @@ _SCRIPT = (Path(review_page.__file__).parent / "static" / "review.js").read_byte
 
 def _remembered(request: web.Request) -> str:
     return unquote(request.cookies.get(REVIEWER_COOKIE, ""))
+
+
+def _reviewer(request: web.Request) -> str:
+    """Who is looking: the reviewer a reviewer token signed in, else the name remembered in the cookie."""
+    return str(request.get(REVIEWER) or _remembered(request))
 
 
 def _int_or(text: str) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from .. import conversations
-from ..config import Config, Retention
+from ..config import Config, Retention, Review
 from ..errors import UserError
 from ..evals import simulations, verdicts
 from ..listing import parse_since
@@ -277,9 +277,10 @@ def _since(text: str | None) -> dt.datetime | None:
 class FileClient:
     """Opens the DuckDB file when no daemon runs: read-only, read-write only for decisions."""
 
-    def __init__(self, path: Path, retention: Retention | None = None) -> None:
+    def __init__(self, path: Path, retention: Retention | None = None, review_settings: Review | None = None) -> None:
         self.path = path
         self.retention = retention or Retention()
+        self.review_settings = review_settings or Review()
         self.con = connect(path, read_only=True)
         self._writer: "duckdb.DuckDBPyConnection | None" = None  # opened by the first import, in place of con
         self.tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
@@ -308,12 +309,14 @@ class FileClient:
     def review_item(self, item_id: str) -> dict[str, Any]:
         if not self._evals():
             raise review.ReviewNotFound(f"no review item {item_id!r}")
-        return review.review_item(self.con, item_id)
+        return review.review_item(self.con, item_id, reviewers_per_item=self.review_settings.reviewers_per_item)
 
     def decide(self, item_id: str, decision: str, reviewer: str, note: str | None, force: bool) -> dict[str, Any]:
         if not self._evals():
             raise review.ReviewNotFound(f"no review item {item_id!r}")
-        return self._writing(lambda con: review.decide(con, item_id, decision, reviewer, note, force=force))
+        n = self.review_settings.reviewers_per_item
+        return self._writing(lambda con: review.decide(con, item_id, decision, reviewer, note, force=force,
+                                                       reviewers_per_item=n))
 
     def _writing(self, fn: Callable[["duckdb.DuckDBPyConnection"], T]) -> T:
         """``fn`` on a read-write connection (people's decisions and labels: the writes a command makes
@@ -421,10 +424,10 @@ def client(cfg: Config, db: Path | None = None) -> Client:
     if info is not None:
         return APIClient(info.api, cfg.api.auth.bearer_token)
     if db is not None:
-        return FileClient(db, cfg.storage.retention)
+        return FileClient(db, cfg.storage.retention, cfg.review)
     if not cfg.storage.duckdb.path.exists():
         raise UserError(_nothing_found(cfg))
-    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention)
+    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention, cfg.review)
 
 
 def _nothing_found(cfg: Config) -> str:

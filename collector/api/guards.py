@@ -118,31 +118,56 @@ def _signed_in(request: web.Request, token: str, after: str) -> web.HTTPSeeOther
     return response
 
 
-def token_check(token: str | None) -> Any:
+REVIEWER = "reviewer"
+"""The request key naming the reviewer a reviewer token signed in (``review.reviewers``)."""
+
+
+def token_check(token: str | None, reviewers: Sequence[config.Reviewer] = ()) -> Any:
+    """The token check (see the module docstring); with ``reviewers``, a reviewer's own token opens the pages
+    too, and the request carries that reviewer's name (``request[REVIEWER]``)."""
+    names = [(r.token, r.name) for r in reviewers]
+
+    def who(secret: str | None) -> tuple[bool, str | None]:
+        """Whether ``secret`` opens the pages, and the reviewer it names."""
+        if token and same_secret(secret, token):
+            return True, None
+        for candidate, name in names:
+            if same_secret(secret, candidate):
+                return True, name
+        return False, None
+
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not token or request.path in OPEN_PATHS:
+        if (not token and not names) or request.path in OPEN_PATHS:
             return await handler(request)
-        if bearer_ok(request.headers.get("Authorization"), token):
+        page = request.path in PAGES or request.path.startswith("/review/")
+        if token and bearer_ok(request.headers.get("Authorization"), token):
             return await handler(request)
-        if request.path in PAGES or request.path.startswith("/review/"):
-            if same_secret(request.cookies.get(COOKIE), token):
+        if not page:
+            if not token:  # reviewer tokens guard the pages; with no api token the JSON API stays open
                 return await handler(request)
-            if same_secret(request.query.get("token"), token):
-                # Once from a link; the token then lives in a cookie, not in the address bar.
-                raise _signed_in(request, token, request.path)
-            if request.path == SIGN_IN and request.method == "POST":
-                form = await request.post()
-                after = str(form.get("next") or "/review")
-                after = after if after.startswith("/review") and not after.startswith("//") else "/review"
-                if same_secret(str(form.get("token") or ""), token):
-                    raise _signed_in(request, token, after)
-                return html_response(review_page.render_sign_in(
-                    error="That token is not the daemon's: check it and try again.", next_url=after), status=401)
-            # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
-            after = request.path_qs if request.method == "GET" and request.path != SIGN_IN else "/review"
-            return html_response(review_page.render_sign_in(next_url=after), status=401)
-        raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
+            raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
+        ok, name = who(request.cookies.get(COOKIE))
+        if ok:
+            if name is not None:
+                request[REVIEWER] = name
+            return await handler(request)
+        secret = request.query.get("token")
+        if who(secret)[0]:
+            # Once from a link; the token then lives in a cookie, not in the address bar.
+            raise _signed_in(request, str(secret), request.path)
+        if request.path == SIGN_IN and request.method == "POST":
+            form = await request.post()
+            after = str(form.get("next") or "/review")
+            after = after if after.startswith("/review") and not after.startswith("//") else "/review"
+            typed = str(form.get("token") or "")
+            if who(typed)[0]:
+                raise _signed_in(request, typed, after)
+            return html_response(review_page.render_sign_in(
+                error="That token is not the daemon's: check it and try again.", next_url=after), status=401)
+        # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
+        after = request.path_qs if request.method == "GET" and request.path != SIGN_IN else "/review"
+        return html_response(review_page.render_sign_in(next_url=after), status=401)
 
     return check
 

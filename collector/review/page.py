@@ -340,7 +340,8 @@ DECISIONS = (("confirm", "c", "Confirm: a real failure"), ("reject", "r", "Rejec
              ("unclear", "u", "Criterion unclear"), ("skip", "s", "Skip for now"))
 
 
-def _decision_form(item: Mapping[str, Any], action: str, reviewer: str) -> str:
+def _decision_form(item: Mapping[str, Any], action: str, reviewer: str, signed_in: bool = False,
+                   waiting: str = "") -> str:
     state = str(item.get("state"))
     decided = state != "pending"
     notice = ""
@@ -352,16 +353,19 @@ def _decision_form(item: Mapping[str, Any], action: str, reviewer: str) -> str:
     if item.get("claimed_by"):
         notice += (f'<p class="box">Claimed by <span dir="auto">{_e(item["claimed_by"])}</span> until '
                    f'{when(item.get("claimed_until"))}: only they can decide it until then.</p>')
+    notice += f'<p class="box">{_e(waiting)}</p>' if waiting else ""
     force = ('<input type="hidden" name="force" value="1">' if decided else "")
+    name = ('<input type="text" id="reviewer" name="reviewer" readonly dir="auto" '
+            f'value="{_e(reviewer)}"><p class="muted">Signed in with your own token: decisions carry this name.</p>'
+            if signed_in else
+            '<input type="text" id="reviewer" name="reviewer" required autocomplete="name" dir="auto" '
+            f'value="{_e(reviewer)}">')
     buttons = "".join(f'<button class="{value}" type="submit" name="decision" value="{value}" '
                       f'accesskey="{key}">{_e(text)} <kbd>{key}</kbd></button>' for value, key, text in DECISIONS)
     return (f'<form method="post" action="{_e(action)}" id="decide">{notice}'
             '<label for="note">Note <span class="muted">(optional: why) <kbd>n</kbd></span></label>'
             '<textarea id="note" name="note" dir="auto"></textarea>'
-            '<label for="reviewer">Your name</label>'
-            f'<input type="text" id="reviewer" name="reviewer" required autocomplete="name" dir="auto" '
-            f'value="{_e(reviewer)}">'
-            f'{force}'
+            f'<label for="reviewer">Your name</label>{name}{force}'
             f'<div class="actions">{buttons}</div></form>')
 
 
@@ -372,9 +376,19 @@ def _help() -> str:
     return f'<details class="box" id="help"><summary>Keyboard <kbd>?</kbd></summary><ul>{rows}</ul></details>'
 
 
+def _waiting(detail: Mapping[str, Any]) -> str:
+    """"2 of 3 reviewers decided" on a pending item several people decide (their decisions stay hidden)."""
+    n = int(detail.get("reviewers_per_item") or 1)
+    if n <= 1 or (detail.get("item") or {}).get("state") != "pending":
+        return ""
+    return (f"{detail.get('decisions', 0)} of {n} reviewers decided this item; you see the others' decisions "
+            "once it is decided.")
+
+
 def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str | None = None,
                 reviewer: str = "", message: str | None = None, error: str | None = None,
-                next_url: str | None = None, prev_url: str | None = None, position: str = "") -> str:
+                next_url: str | None = None, prev_url: str | None = None, position: str = "",
+                signed_in: bool = False) -> str:
     """The page of one review item: the decision beside the transcript, with the criterion, the judge's
     reasoning and its quotes (each linking to its message) above the form.
 
@@ -387,6 +401,7 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
         error: an error to show on top (a refused decision).
         next_url, prev_url: the neighbouring items in the queue (``j`` / ``k``).
         position: where this item is in the queue (``"3 of 12 pending"``).
+        signed_in: ``reviewer`` is the name of the reviewer token in use (not to be retyped).
 
     Returns:
         A complete HTML document.
@@ -481,7 +496,8 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
         history_html = f"<h2>History</h2><ol>{rows}</ol>"
 
     panel = (f'<aside class="panel">{head}{warn_html}{criterion_html}{evidence_html}'
-             f'{_decision_form(item, action, reviewer)}{reasoning_html}{_help()}</aside>')
+             f'{_decision_form(item, action, reviewer, signed_in, _waiting(detail))}{reasoning_html}'
+             f'{_help()}</aside>')
     body = (top + nav + f'<div class="layout">{panel}<section class="chat">{transcript_html}{history_html}'
             '</section></div>')
     return _page(f"Review #{item_id}: {crit.get('id') or ''}", body, main_class="item")

@@ -226,6 +226,18 @@ def release(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str) -
     cur.execute("DELETE FROM review_claims WHERE item_id = ? AND reviewer = ?", [_item_id(item_id), reviewer.strip()])
 
 
+def _votes(cur: duckdb.DuckDBPyConnection, item_id: int) -> dict[str, str]:
+    """Each reviewer's decision of a pending item (the decisions made since it was last pending)."""
+    return dict(cur.execute("SELECT reviewer, state FROM review_history WHERE item_id = ? AND previous_state = "
+                            "'pending' AND id > coalesce((SELECT max(id) FROM review_history WHERE item_id = ? "
+                            "AND previous_state <> 'pending'), 0) ORDER BY id", [item_id, item_id]).fetchall())
+
+
+def _majority(votes: dict[str, str]) -> str:
+    counts = sorted(((list(votes.values()).count(v), v) for v in set(votes.values())), reverse=True)
+    return "unclear" if len(counts) > 1 and counts[0][0] == counts[1][0] else counts[0][1]
+
+
 def _holder(cur: duckdb.DuckDBPyConnection, item_id: int, at: dt.datetime) -> str | None:
     row = cur.execute("SELECT reviewer FROM review_claims WHERE item_id = ? AND until > ?", [item_id, at]).fetchone()
     return str(row[0]) if row else None
@@ -256,8 +268,12 @@ def review_history(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> list[d
     return [{k: iso_utc(v) for k, v in zip(cols, r)} for r in rows]
 
 
-def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:
+def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str, *, viewer: str | None = None,
+                reviewers_per_item: int = 1) -> dict[str, Any]:
     """One review item with everything a reviewer needs.
+
+    With ``reviewers_per_item`` above 1, a pending item's history shows ``viewer`` only their own decision:
+    each reviewer decides before seeing the others'. ``decisions`` says how many there are so far.
 
     Returns:
         ``{"item", "verdict", "criterion", "history", "conversation"}``: the item
@@ -277,6 +293,10 @@ def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str,
                       [item["verdict_id"]]).fetchone()
     assert row is not None  # items are only made with their verdict
     verdict = verdict_dict(row)
+    history = review_history(cur, item["id"])
+    votes = _votes(cur, item["id"]) if item["state"] == "pending" else {}
+    if reviewers_per_item > 1 and item["state"] == "pending":  # blind to the others until one's own is in
+        history = [h for h in history if viewer is not None and h["reviewer"] == viewer.strip()]
     crit = cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
                        "AND criterion_version = ?", [verdict["criterion_id"], verdict["criterion_version"]]
                        ).fetchone()
@@ -286,14 +306,21 @@ def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str,
         "criterion": {"id": verdict["criterion_id"], "version": verdict["criterion_version"],
                       "text": crit[0] if crit else None, "group": crit[1] if crit else None,
                       "severity": crit[2] if crit else None},
-        "history": review_history(cur, item["id"]),
+        "history": history,
+        "decisions": len(votes),
+        "reviewers_per_item": reviewers_per_item,
         "conversation": conversation_record(cur, verdict["conversation_id"]),
     }
 
 
 def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, reviewer: str,
-           note: str | None = None, force: bool = False, *, now: dt.datetime | None = None) -> dict[str, Any]:
+           note: str | None = None, force: bool = False, *, reviewers_per_item: int = 1,
+           now: dt.datetime | None = None) -> dict[str, Any]:
     """Confirm, reject or mark unclear a review item; the decision is added to the item's history.
+
+    With ``reviewers_per_item`` above 1 (``review.reviewers_per_item``) the item stays pending until that
+    many different reviewers have decided it; each decision is a row of its history, and the last one
+    gives the item the majority's state (a tie: ``unclear``: people disagree on what the criterion asks).
 
     Args:
         item_id: the item.
@@ -302,6 +329,7 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
         reviewer: who decided (required: provenance of every human edit).
         note: why, in the reviewer's words.
         force: decide an item that was decided already; the earlier decision stays in the history.
+        reviewers_per_item: how many different reviewers decide an item before it is decided.
         now: the clock (UTC).
 
     Returns:
@@ -335,13 +363,20 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
                     raise ReviewConflict(f"review item {item['id']} was already {item['state']} by "
                                          f"{item['reviewer']}; decide again with force (--force; \"force\": true "
                                          "in the API)")
+                votes = _votes(cur, item["id"]) if item["state"] == "pending" else {}
+                if reviewer in votes and not force:
+                    raise ReviewConflict(f"you ({reviewer}) decided review item {item['id']} already: it waits for "
+                                         f"{reviewers_per_item - len(votes)} more reviewer(s)")
                 cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), "
                             "?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer,
                              note, item["state"] != "pending", at])
-                cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? WHERE id = ?",
-                            [state, reviewer, note, at, item["id"]])
+                votes[reviewer] = state
                 cur.execute("DELETE FROM review_claims WHERE item_id = ?", [item["id"]])
+                if item["state"] != "pending" or len(votes) >= reviewers_per_item:
+                    final, who = (state, reviewer) if len(votes) <= 1 else (_majority(votes), ", ".join(sorted(votes)))
+                    cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? "
+                                "WHERE id = ?", [final, who, note if len(votes) <= 1 else None, at, item["id"]])
         except duckdb.TransactionException:  # another writer of this item, outside this process's decisions
             raise ReviewConflict(f"review item {item_id} changed while it was being decided; "
                                  "read it again and decide") from None

@@ -317,6 +317,27 @@ def test_a_claim_locks_an_item_to_its_reviewer_until_it_runs_out(cur: duckdb.Duc
         review.claim(cur, item["id"], "Ana", 900, now=T0 + dt.timedelta(minutes=19))
 
 
+def test_several_reviewers_decide_blind_to_each_other_and_the_majority_decides(
+        cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    store(cur, [verdict(cid, c, "fail", sha) for c in ("c1", "c2")], probability=1.0, rule=None, now=T0)
+    tie, majority = (i["id"] for i in review.list_reviews(cur, order="age"))
+    first = review.decide(cur, tie, "confirm", "Ana", "a real miss", reviewers_per_item=2)
+    assert (first["state"], first["reviewer"]) == ("pending", None)  # one of two
+    blind = review.review_item(cur, tie, viewer="Ben", reviewers_per_item=2)
+    assert blind["history"] == [] and blind["decisions"] == 1  # Ben decides before he sees Ana's
+    assert [h["reviewer"] for h in review.review_item(cur, tie, viewer="Ana", reviewers_per_item=2)["history"]] \
+        == ["Ana"]
+    with pytest.raises(review.ReviewConflict, match="you \\(Ana\\) decided review item .* already"):
+        review.decide(cur, tie, "reject", "Ana", reviewers_per_item=2)
+    done = review.decide(cur, tie, "reject", "Ben", reviewers_per_item=2)
+    assert (done["state"], done["reviewer"]) == ("unclear", "Ana, Ben")  # a tie: people disagree
+    assert len(review.review_item(cur, tie, viewer="Ben", reviewers_per_item=2)["history"]) == 2  # decided: all
+    for who, what in (("Ana", "confirm"), ("Ben", "reject"), ("Cleo", "confirm")):
+        last = review.decide(cur, majority, what, who, reviewers_per_item=3)
+    assert (last["state"], last["reviewer"]) == ("confirmed", "Ana, Ben, Cleo")
+
+
 def test_the_queue_puts_high_severity_first_then_the_oldest(cur: duckdb.DuckDBPyConnection) -> None:
     cid, sha = fixture_conversation(cur)
     evals.store_criteria(cur, [LLMCriterion(id=c, version=1, prompt=c, severity=sev)

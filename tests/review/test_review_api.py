@@ -535,6 +535,31 @@ def test_the_sign_in_page_takes_the_token_typed_in(locked: tuple[DaemonProcess, 
     assert away.header("Location") == "/review"  # never sent elsewhere
 
 
+def test_a_reviewer_token_names_the_reviewer_of_every_decision(tmp_path: Path) -> None:
+    ana = "ana-token-5e1b9c"
+    daemon = start_daemon(tmp_path, api={"auth": {"bearer_token": TOKEN}},
+                          review={"reviewers": [{"name": "Dr. Ana Ruiz", "token": ana}]})
+    try:
+        send_conversations(daemon.grpc, [carrier_conversation("rv-named")])
+        (item,) = wait_items(daemon, {("rv-named", CARRIER)}, token=TOKEN)
+        api, same = daemon.api, {"Origin": origin(daemon.api)}
+        signed = post_form(api, "/review/sign-in", {"token": ana, "next": f"/review/{item['id']}"}, same)
+        assert signed.status == 303
+        cookie = cookie_pair(signed)[0]
+        page = assert_page(call(api, "GET", f"/review/{item['id']}", headers={"Cookie": cookie}))
+        assert 'name="reviewer" readonly dir="auto" value="Dr. Ana Ruiz"' in page
+        saved = post_form(api, f"/review/{item['id']}/decision", {"decision": "confirm", "reviewer": "Mallory"},
+                          {**same, "Cookie": cookie})
+        assert saved.status == 303, saved.body
+        got = daemon.get(f"/api/review/{item['id']}", token=TOKEN)[1]["item"]
+        assert (got["state"], got["reviewer"]) == ("confirmed", "Dr. Ana Ruiz")  # not the typed name
+        # A reviewer's token opens the pages, not the JSON API.
+        assert_error(call(api, "GET", "/api/review", headers={"Authorization": f"Bearer {ana}"}), 401,
+                     "unauthorized")
+    finally:
+        stop_daemon(daemon)
+
+
 def test_daemon_log_says_what_it_judges_in_words(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> None:
     assert "judging 4 criteria (4 code, 0 LLM) on 100% of ended conversations" in judged[0].output()
 
