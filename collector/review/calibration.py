@@ -119,10 +119,7 @@ def items(cur: duckdb.DuckDBPyConnection, *, criterion: str | None = None, state
     """
     if state not in ("unlabelled", "labelled", "all"):
         raise ReviewInputError(f"state must be unlabelled, labelled or all, got {state!r}")
-    where, params = [], []
-    if criterion is not None:
-        where.append("i.criterion_id = ?")
-        params.append(criterion)
+    where, params = _of_criterion(criterion)
     mine = "l.reviewer = ?" if reviewer else "true"
     if state != "all":
         where.append(("NOT " if state == "unlabelled" else "")
@@ -301,13 +298,15 @@ def import_rows(cur: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]
     return counts
 
 
+def _of_criterion(criterion: str | None) -> tuple[list[str], list[Any]]:
+    """The WHERE clauses and parameters that keep the items (``i``) of one criterion, or all."""
+    return (["i.criterion_id = ?"], [criterion]) if criterion is not None else ([], [])
+
+
 def pairs(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> list[Pair]:
     """Every label beside the judge's current verdict on the same conversation and criterion (None when there
     is none: the verdict was superseded and not judged again yet)."""
-    where, params = [], []
-    if criterion is not None:
-        where.append("i.criterion_id = ?")
-        params.append(criterion)
+    where, params = _of_criterion(criterion)
     rows = cur.execute(
         "SELECT i.criterion_id, i.conversation_id, l.reviewer, l.label, "
         "(SELECT v.result FROM verdicts v WHERE v.conversation_id = i.conversation_id "
@@ -337,10 +336,7 @@ def frozen_items(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -
     Returns:
         ``{"items": [record, ...], "left_out": {"ties": n, "no_transcript": n}}``, in item order.
     """
-    where, params = [], []
-    if criterion is not None:
-        where.append("i.criterion_id = ?")
-        params.append(criterion)
+    where, params = _of_criterion(criterion)
     rows = cur.execute(
         "SELECT i.id, i.conversation_id, i.criterion_id, l.reviewer, l.label, l.note "
         f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "
