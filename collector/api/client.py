@@ -50,7 +50,8 @@ class Client(Protocol):
 
     def conversation(self, conversation_id: str) -> dict[str, Any] | None: ...
 
-    def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]: ...
+    def list_reviews(self, *, state: str, criterion: str | None, limit: int,
+                     **filters: Any) -> list[dict[str, Any]]: ...
 
     def review_item(self, item_id: str) -> dict[str, Any]: ...
 
@@ -143,8 +144,12 @@ class APIClient:
         record = self.get("/api/conversations/" + urllib.parse.quote(conversation_id, safe=""))
         return record if isinstance(record, dict) else None
 
-    def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]:
-        body = self.get("/api/review" + _query(state=state, criterion=criterion, limit=limit))
+    def list_reviews(self, *, state: str, criterion: str | None, limit: int,
+                     **filters: Any) -> list[dict[str, Any]]:
+        """``filters``: severity, service, flagged (bool), since (text such as 7d), assignee, order."""
+        if isinstance(filters.get("flagged"), bool):
+            filters["flagged"] = int(filters["flagged"])
+        body = self.get("/api/review" + _query(state=state, criterion=criterion, limit=limit, **filters))
         return list(body["items"])
 
     def review_item(self, item_id: str) -> dict[str, Any]:
@@ -300,11 +305,14 @@ class FileClient:
     def conversation(self, conversation_id: str) -> dict[str, Any] | None:
         return conversations.conversation_record(self.con, conversation_id)
 
-    def list_reviews(self, *, state: str, criterion: str | None, limit: int) -> list[dict[str, Any]]:
+    def list_reviews(self, *, state: str, criterion: str | None, limit: int,
+                     **filters: Any) -> list[dict[str, Any]]:
         if not self._evals():
             review.check_state(state)
             return []
-        return review.list_reviews(self.con, state=state, criterion=criterion, limit=limit)
+        if "since" in filters:
+            filters["since"] = _since(filters["since"])
+        return review.list_reviews(self.con, state=state, criterion=criterion, limit=limit, **filters)
 
     def review_item(self, item_id: str) -> dict[str, Any]:
         if not self._evals():

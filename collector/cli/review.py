@@ -31,10 +31,22 @@ def review() -> None:
 @click.option("--state", type=click.Choice([*REVIEW_STATES, "all"]), default="pending", show_default=True,
               help="Which items.")
 @click.option("--criterion", help="Only this criterion id.")
+@click.option("--severity", type=click.Choice(["high", "medium", "low"]), help="Only criteria of this severity.")
+@click.option("--service", help="Only conversations of this bot service.")
+@click.option("--flagged/--not-flagged", default=None, help="Only flagged fails (no verified quote), or only the others.")
+@click.option("--since", help="Only items queued since then (7d, 12h, or an ISO 8601 time).")
+@click.option("--assignee", help="Only items this reviewer holds (a claim or an assignment that has not run out).")
+@click.option("--order", type=click.Choice(["severity", "age"]), default="severity", show_default=True,
+              help="severity: high severity first, then the oldest; age: the oldest first.")
 @click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=100, show_default=True)
-def list_cmd(config_path: Path | None, as_json: bool, state: str, criterion: str | None, limit: int) -> None:
-    """Review items, the oldest first (the queue's order)."""
-    items = ask(config_path, lambda c: c.list_reviews(state=state, criterion=criterion, limit=limit))
+def list_cmd(config_path: Path | None, as_json: bool, state: str, criterion: str | None, severity: str | None,
+             service: str | None, flagged: bool | None, since: str | None, assignee: str | None, order: str,
+             limit: int) -> None:
+    """Review items in the queue's order: high severity first, then the oldest."""
+    given = {k: v for k, v in (("severity", severity), ("service", service), ("flagged", flagged),
+                               ("since", since), ("assignee", assignee)) if v is not None}
+    items = ask(config_path, lambda c: c.list_reviews(state=state, criterion=criterion, limit=limit, order=order,
+                                                      **given))
     if as_json:
         click.echo(json.dumps(items, ensure_ascii=False, indent=2))
         return

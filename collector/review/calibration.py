@@ -125,6 +125,8 @@ def items(cur: duckdb.DuckDBPyConnection, *, criterion: str | None = None, state
         where.append(("NOT " if state == "unlabelled" else "")
                      + f"EXISTS (SELECT 1 FROM calibration_labels l WHERE l.item_id = i.id AND {mine})")
         params += [reviewer] if reviewer else []
+    if state == "unlabelled":  # a task whose conversation retention deleted cannot be labelled any more
+        where.append("EXISTS (SELECT 1 FROM conversations c WHERE c.conversation_id = i.conversation_id)")
     rows = cur.execute(
         f"SELECT {', '.join('i.' + c for c in _ITEM)}, "
         "(SELECT count(*) FROM calibration_labels l WHERE l.item_id = i.id), "

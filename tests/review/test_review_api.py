@@ -220,6 +220,21 @@ def test_a_claimed_item_is_refused_to_a_second_reviewer(api: str, ids: dict[tupl
     assert mine.status == 200 and mine.json()["state"] == "confirmed" and mine.json()["claimed_by"] is None
 
 
+def test_the_cli_lists_the_queue_with_the_page_s_filters(judged: tuple[DaemonProcess, dict[tuple[str, str], int]],
+                                                         ids: dict[tuple[str, str], int]) -> None:
+    daemon = judged[0]
+    res = run_cli("review", "list", "--config", str(daemon.config_path), "--state", "all", "--severity", "high",
+                  "--json", "--limit", "1000")
+    assert res.returncode == 0, res.stderr
+    assert {i["criterion_id"] for i in json.loads(res.stdout)} == {REFUND}
+    assert sorted(i["id"] for i in json.loads(res.stdout)) == sorted(v for (_, c), v in ids.items() if c == REFUND)
+    everything = json.loads(run_cli("review", "list", "--config", str(daemon.config_path), "--state", "all",
+                                    "--json", "--limit", "1000").stdout)
+    assert everything[0]["severity"] == "high"  # high severity first
+    bad = run_cli("review", "list", "--config", str(daemon.config_path), "--since", "last tuesday")
+    assert bad.returncode == 2 and "since" in bad.stderr
+
+
 def test_unknown_items_are_404(api: str) -> None:
     assert_error(call(api, "GET", "/api/review/999999"), 404, "not_found", "999999")
     assert_error(call(api, "GET", "/api/review/abc"), 404, "not_found", "abc")
