@@ -127,11 +127,11 @@ def test_traffic_sampled_judged_queued_reviewed_and_counted(make_daemon: Any, tm
     llm = next(c for c in stats["criteria"] if c["criterion_id"] == "no-refund-promises")
     assert (llm["judged"], llm["pass"], llm["fail"], llm["not_applicable"], llm["error"], llm["not_run"],
             llm["pass_unverified"]) == (6, 3, 2, 0, 1, 0, 0)
-    assert llm["review"] == {"pending": 0, "confirmed": 1, "rejected": 1, "fails_rejected_share": 0.5}
+    assert llm["review"] == {"pending": 0, "confirmed": 1, "rejected": 1, "unclear": 0, "fails_rejected_share": 0.5}
     assert llm["failure_rate"]["estimate"] == pytest.approx(2 / 5)
     assert llm["failure_rate"]["low"] < 0.4 < llm["failure_rate"]["high"]
     code = next(c for c in stats["criteria"] if c["criterion_id"] == "looks-orders-up")
-    assert code["review"] == {"pending": 1, "confirmed": 0, "rejected": 0, "fails_rejected_share": None}
+    assert code["review"] == {"pending": 1, "confirmed": 0, "rejected": 0, "unclear": 0, "fails_rejected_share": None}
     assert stats["tokens"] == {"input_tokens": 600, "output_tokens": 120}
     assert len(judge.requests) == 6  # one call per conversation: nothing judged twice
     assert daemon.metric('tracejudge_eval_verdicts_total{result="fail"}') == 3
