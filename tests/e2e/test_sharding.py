@@ -22,36 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from collector.demo import ConversationIdProcessor, Persona, play
+from collector.demo import Persona
 
 from ..support.daemon import DaemonProcess, clean_env, wait_conversations, wait_until
+from ..support.online import send
 from ..support.review import carrier_conversation, refund_conversation, start_daemon, stop_daemon
 
 ROUTING_ATTRIBUTE = "gen_ai.conversation.id"
 TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 LOGS = "/opentelemetry.proto.collector.logs.v1.LogsService/Export"
 SHARDS = 2
-
-def send_tagged(grpc_endpoint: str, personas: Sequence[Persona]) -> None:
-    """tests.support.online.send, with the conversation id copied onto every span (the demo's processor, the
-    README's)."""
-    provider = TracerProvider(resource=Resource.create({"service.name": "review-test"}))
-    provider.add_span_processor(ConversationIdProcessor())
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True)))
-    try:
-        tracer = provider.get_tracer("tests")
-        for persona in personas:
-            play(tracer, persona)
-        assert provider.force_flush(60_000), "the OTLP exporter could not deliver"
-    finally:
-        provider.shutdown()
 
 
 def _attribute(attributes: Any) -> str | None:
@@ -203,8 +186,8 @@ def test_a_router_with_the_load_balancing_contract_keeps_each_conversation_whole
         shards = [daemons["shard0"], daemons["shard1"]]
         router = Router([d.grpc for d in shards])
 
-        send_tagged(router.endpoint, PERSONAS)
-        send_tagged(daemons["reference"].grpc, PERSONAS)
+        send(router.endpoint, PERSONAS, "review-test", every_span=True)
+        send(daemons["reference"].grpc, PERSONAS, "review-test", every_span=True)
 
         # Every batch carried its conversation id on its first span: no trace went by the empty key.
         assert router.keys == IDS

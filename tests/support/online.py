@@ -11,21 +11,26 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from collector.demo import Persona, ToolCall, Turn, play
+from collector.demo import ConversationIdProcessor, Persona, ToolCall, Turn, play
 
 from .daemon import DaemonProcess
 from .judge_server import FAIL_WORD, JUNK_WORD
 
 
-def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test") -> None:
-    """Play each conversation through the OpenTelemetry SDK's OTLP/gRPC exporter and flush."""
+def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test", *, every_span: bool = False) -> None:
+    """Play each conversation through the OpenTelemetry SDK's OTLP/gRPC exporter and flush.
+
+    ``every_span``: the conversation id on every span, through the demo's (the README's) span processor.
+    """
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if every_span:
+        provider.add_span_processor(ConversationIdProcessor())
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=grpc, insecure=True)))
     try:
         tracer = provider.get_tracer("tests")
         for persona in personas:
             play(tracer, persona)
-        assert provider.force_flush(30_000), "the OTLP exporter could not deliver"
+        assert provider.force_flush(60_000), "the OTLP exporter could not deliver"
     finally:
         provider.shutdown()
 
