@@ -339,9 +339,7 @@ class FileClient:
             self.con = connect(self.path, read_only=True)
 
     def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]:
-        if not self._evals():
-            return calibration.report_of([], max_false_pass)
-        if "calibration_labels" not in self.tables:
+        if not self._evals() or "calibration_labels" not in self.tables:  # nothing labelled in this file yet
             return calibration.report_of([], max_false_pass)
         return calibration.report(self.con, criterion, max_false_pass)
 
