@@ -226,11 +226,26 @@ async def send_all(bodies: list[bytes], transport: str, target: str) -> tuple[fl
     return elapsed, latencies, failures
 
 
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def peak_rss_mb(pid: int, children: bool = True) -> float:
+    """The process's peak resident set, plus each child's (the daemon's conversation stage and rewrite
+    processes): an upper bound of the peak of their sum."""
+    def hwm(p: int) -> float:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except FileNotFoundError:
+            pass
+        return 0.0
+
+    total = hwm(pid) or float("nan")
+    if children:
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                total += sum(hwm(int(c)) for c in task.read_text().split())
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def start_daemon(data: Path, extra_config: str = "") -> tuple[subprocess.Popen[bytes], dict[str, Any]]:

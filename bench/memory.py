@@ -63,11 +63,14 @@ def sample(api: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r'^(process_resident_memory_bytes|tracejudge_duckdb_memory_bytes\{tag="(\w+)"\}|'
-                     r'tracejudge_stage_held\{stage="(\w+)",what="(\w+)"\}) (\S+)$', line)
+                     r'tracejudge_stage_held\{stage="(\w+)",what="(\w+)"\}|'
+                     r'(tracejudge_conversations_process_resident_memory_bytes)) (\S+)$', line)
         if not m:
             continue
-        value = float(m.group(5))
-        if m.group(2):
+        value = float(m.group(6))
+        if m.group(5):
+            out["stage process"] = value / MB
+        elif m.group(2):
             out[f"duckdb {m.group(2)}"] = value / MB
         elif m.group(3):
             out[f"{m.group(3)} {m.group(4)}"] = value
@@ -76,6 +79,7 @@ def sample(api: str) -> dict[str, float]:
     duck = sum(v for k, v in out.items() if k.startswith("duckdb "))
     out["duckdb total"] = duck
     out["outside duckdb"] = out["rss"] - duck
+    out["rss"] += out.get("stage process", 0.0)  # the conversation stage's process is the daemon's memory too
     out["spans stored"] = get(api, "/api/spans/count")["spans"]
     return out
 
@@ -123,7 +127,7 @@ def main() -> None:
             proc.wait()
     keys = ["spans stored", "rss", "peak rss", "duckdb total"]
     keys += sorted(k for k in rows[-1] if k.startswith("duckdb ") and k != "duckdb total")
-    keys += ["outside duckdb"] + sorted(k for k in rows[-1] if k.split(" ")[0] in
+    keys += ["outside duckdb", "stage process"] + sorted(k for k in rows[-1] if k.split(" ")[0] in
                                         ("conversations", "evaluator", "retention"))
     keys += ["spans/s", "p99 ms", "settled s"]
     first = rows[0]

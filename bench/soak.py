@@ -104,6 +104,7 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
         rows.append({
             "t": now - start, "spans stored": m["spans stored"], "rss": m["rss"],
             "peak rss": ingest.peak_rss_mb(pid), "duckdb": m["duckdb total"], "outside duckdb": m["outside duckdb"],
+            "stage process": m.get("stage process", 0.0),
             "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
             "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
             "lag commits": st["committed_batch"] - st["conversations_batch"],
@@ -154,7 +155,7 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
-    keys = ["spans stored", "rss", "peak rss", "duckdb", "outside duckdb", "file", "p99 ms", "spans/s",
+    keys = ["spans stored", "rss", "peak rss", "duckdb", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
     print(f"\n{'interval end (s)':18}" + "".join(f"{r['t']:>12.0f}" for r in rows))

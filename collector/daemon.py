@@ -41,7 +41,8 @@ from judges import Criterion, Provider
 from .api.app import API
 from .background import Stage
 from .config import Config, is_loopback
-from .conversations import Conversations, conversation_counts
+from .conversations import conversation_counts
+from .conversations.process import StageProcess
 from .conversations.reindex import Runner
 from .errors import StoreUnavailable, UserError
 from .evals.evaluator import Evaluator
@@ -113,6 +114,19 @@ def _memory_gauges(store: Store) -> list[str]:
     return lines
 
 
+def _process_gauges(convs: StageProcess) -> list[str]:
+    """The conversation stage's process: its memory is the daemon's too."""
+    child = convs.process()
+    return ["# HELP tracejudge_conversations_process_resident_memory_bytes Resident memory of the conversation "
+            "stage's process (count it with the daemon's).",
+            "# TYPE tracejudge_conversations_process_resident_memory_bytes gauge",
+            f"tracejudge_conversations_process_resident_memory_bytes {child['rss_bytes']}",
+            "# HELP tracejudge_conversations_process_restarts_total Times the conversation stage's process "
+            "ended and was started again.",
+            "# TYPE tracejudge_conversations_process_restarts_total counter",
+            f"tracejudge_conversations_process_restarts_total {child['restarts']}"]
+
+
 def resident_bytes() -> int:
     """The process's resident set (Linux), 0 where /proc is not there."""
     try:
@@ -129,7 +143,7 @@ class Parts:
         self.metrics = Metrics()
         self.broken = asyncio.Event()  # set when the store's writer stops for good
         self.store: Store | None = None
-        self.convs: Conversations | None = None
+        self.convs: StageProcess | None = None
         self.evaluator: Evaluator | None = None
         self.retention: Retention | None = None
         self.extra: list[Stage] = []
@@ -229,11 +243,11 @@ class Daemon:
             return False
         try:
             # Each stage is recorded before it starts: its stop() closes whatever its start opened.
-            parts.convs = convs = Conversations(store, cfg.conversations, metrics)
+            parts.convs = convs = StageProcess(store, cfg.conversations, metrics)
             convs.start()
             store.on_commit(convs.on_commit)
             metrics.add_collector(lambda: _conversation_gauges(store))
-            metrics.add_collector(lambda: _memory_gauges(store))
+            metrics.add_collector(lambda: _memory_gauges(store) + _process_gauges(convs))
             if signals.requested:
                 return False
             cur = store.cursor()

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import duckdb
 
@@ -239,6 +239,12 @@ class AlreadyRunning(Exception):
     """A reindex runs already in this daemon."""
 
 
+class Swaps(Protocol):
+    """The live stage, in this process or its own: it runs a swap between two of its cycles."""
+
+    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]: ...
+
+
 class Runner:
     """A reindex in a running daemon, at most one at a time, in a thread of its own beside the live stage.
 
@@ -246,7 +252,7 @@ class Runner:
     (``Conversations.swap``); a stop leaves what it did for the next one to go on from.
     """
 
-    def __init__(self, store: Store, settings: Settings, live: Conversations) -> None:
+    def __init__(self, store: Store, settings: Settings, live: Swaps) -> None:
         self.store = store
         self.settings = settings
         self.live = live

@@ -151,13 +151,16 @@ class Conversations(Stage):
         return {**self.rows.held(), **self.map.held(), "memo_rows": self._memo_rows, "rebuilds_due": len(self._dirty),
                 "queued": self._queue.qsize()}
 
-    def on_commit(self, committed: Committed) -> None:
+    def on_commit(self, committed: Committed | Light) -> None:
         """Called by the store's writer thread after each commit: hand off, return.
 
         While the stage is behind, only the touched trace ids are queued (it reads
-        the rows back from DuckDB), so a lagging stage cannot hold every span in memory.
+        the rows back from DuckDB), so a lagging stage cannot hold every span in memory;
+        a ``Light`` commit (the stage in its own process) is always read back.
         """
-        if not self._waiting and self._queue.qsize() < self.max_queued_commits:
+        if isinstance(committed, Light):
+            self._queue.put(committed)
+        elif not self._waiting and self._queue.qsize() < self.max_queued_commits:
             self._queue.put(committed)
         else:
             self._queue.put(Light.of(committed))
@@ -495,8 +498,8 @@ class Conversations(Stage):
             tr = build_transcript(spans, logs, memo)
             self._memos[conv.id] = (memo, len(spans) + len(logs))  # most recently rebuilt last
             self._memo_rows += len(spans) + len(logs)
-            while self._memo_rows > self.memo_rows and len(self._memos) > 1:  # the newest stays, however long
-                self._drop_memo(next(iter(self._memos)))
+            if self._memo_rows > self.memo_rows:
+                self._trim_memos()
             digest = tr.content_hash(memo.digest)
             if digest != conv.hash:
                 conv.revision += 1
@@ -517,6 +520,16 @@ class Conversations(Stage):
         log.warning("conversation %s has new data, but the spans of its older traces were deleted "
                     "(storage.retention.spans): its stored transcript is kept as it was", conv.id)
         return dataclasses.replace(stored[0], trace_ids=tuple(conv.traces))
+
+    def _trim_memos(self) -> None:
+        """Down to ``memo_rows``: first the memos of conversations with no rebuild due, the least recently
+        rebuilt first (a deferred rebuild keeps its memo), then the oldest; the newest stays, however long."""
+        for cid in [c for c in self._memos if c not in self._dirty]:
+            if self._memo_rows <= self.memo_rows:
+                return
+            self._drop_memo(cid)
+        while self._memo_rows > self.memo_rows and len(self._memos) > 1:
+            self._drop_memo(next(iter(self._memos)))
 
     def _drop_memo(self, cid: str) -> ParseMemo | None:
         memo, rows = self._memos.pop(cid, (None, 0))

@@ -189,11 +189,13 @@ def test_kill9_while_requests_are_queued_loses_nothing_acknowledged(tmp_path: Pa
             assert send(daemon, body) == 200
         assert daemon.proc is not None
         wait_until(lambda: s.at("/ls/otel/v1/traces"), "a LangSmith send, through the rewrite process")
-        rewriter, = pool_workers(daemon.proc.pid)
+        stage = daemon.get("/api/status")[1]["conversations_process"]["pid"]
+        rewriter, = (pid for pid in pool_workers(daemon.proc.pid) if pid != stage)
         daemon.kill9()
-        wait_until(lambda: not Path(f"/proc/{rewriter}").exists() or
-                   Path(f"/proc/{rewriter}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
-                   "the rewrite process to end with the daemon")
+        for pid, what in ((rewriter, "the rewrite process"), (stage, "the conversation stage's process")):
+            wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists() or
+                       Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
+                       f"{what} to end with the daemon")
         down = False
         daemon.start()
         try:

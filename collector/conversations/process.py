@@ -1,0 +1,530 @@
+"""The conversation stage in a process of its own: rebuilding transcripts never holds the receivers'
+interpreter lock.
+
+On two cores the lock, not the cores, limited the stage: it shared one interpreter with the
+receivers and the writer, and gave way to them, so under a steady load it got a quarter of the
+time and fell behind without bound. ``StageProcess`` runs ``Conversations`` in a child process
+(``spawn``, niced, so that on a busy machine the kernel runs ingestion first).
+
+A file has one DuckDB process, so the child has no database of its own: its stage works on a
+``RemoteCursor``, whose statements this process runs, one at a time and in order, on a cursor of
+the store (``_serve``). DuckDB runs them without the interpreter lock. The child gets:
+
+- each commit, as the traces it touched (``Light``): it reads their rows back by commit range,
+  as a stage behind ingestion always did;
+- ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by a function that runs
+  here, on the served cursor, between two of the child's cycles.
+
+It sends back its status, what it holds and its counters (for /api/status and /metrics), and the
+answers to waits and swaps.
+
+A child that dies (killed, out of memory) has the transaction it had open rolled back; it is
+started again after a backoff and catches up from the stored batch mark, as a new start does, so
+nothing committed is lost. It exits with this process: it ignores SIGINT and SIGTERM (the parent
+stops it), and its pipes close when the parent goes, even after ``kill -9``.
+
+Lifecycle: ``StageProcess(store, settings, metrics)`` -> ``start()`` (creates the stage's tables,
+then starts the child, which opens its stage and catches up) -> ``on_commit`` ... -> ``stop()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import math
+import multiprocessing
+import os
+import queue
+import resource
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import duckdb
+
+from ..background import RETRY_FIRST, RETRY_MOST, Stage
+from ..config import Conversations as Settings
+from ..metrics import Metrics
+from ..store import Committed, Pacing, Store
+from .rows import Light
+from .tables import SCHEMA
+
+log = logging.getLogger("tracejudge.conversations")
+
+PREFETCH = 4096  # rows sent with a statement's answer; the rest on each fetch
+STATUS_EVERY = 0.2  # seconds between two reports of the child's status
+STOP_TIMEOUT = 4.0  # seconds a stopping child has to write what it rebuilt before it is killed
+NICE = 10
+_COUNTERS = ("conversations_ended", "conversations_reopened", "stage_errors")
+
+
+class ChildDied(Exception):
+    """The child process ended while something waited on it."""
+
+
+# ---------------------------------------------------------------- the child's side
+
+
+class RemoteCursor:
+    """The DuckDB cursor calls the stage makes, run by the parent on a cursor of its store."""
+
+    def __init__(self, conn: Connection, lock: threading.Lock) -> None:
+        self._conn = conn
+        self._lock = lock
+        self._rows: list[tuple[Any, ...]] = []
+        self._more = False
+
+    def call(self, *request: Any) -> Any:
+        with self._lock:
+            self._conn.send(request)
+            answer = self._conn.recv()
+        if answer[0] == "ok":
+            return answer[1]
+        _, module, name, message = answer
+        kind = getattr(duckdb, name, None) if module.startswith("duckdb") else None
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            raise kind(message)
+        raise RuntimeError(f"{name}: {message}")
+
+    def execute(self, sql: str, params: Any = None) -> "RemoteCursor":
+        self._rows, self._more = self.call("execute", sql, params)
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        got = self.fetchmany(1)
+        return got[0] if got else None
+
+    def fetchmany(self, n: int = 1) -> list[tuple[Any, ...]]:
+        if len(self._rows) < n and self._more:
+            rows, self._more = self.call("fetch", max(n - len(self._rows), PREFETCH))
+            self._rows.extend(rows)
+        out, self._rows = self._rows[:n], self._rows[n:]
+        return out
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        out = self._rows
+        while self._more:
+            rows, self._more = self.call("fetch", 0)
+            out.extend(rows)
+        self._rows = []
+        return out
+
+    def register(self, name: str, table: Any) -> None:
+        self.call("register", name, table)
+
+    def unregister(self, name: str) -> None:
+        self.call("unregister", name)
+
+    def close(self) -> None:
+        """The parent owns the cursor."""
+
+
+class RemoteStore:
+    """What ``Conversations`` asks of its store, in the child."""
+
+    def __init__(self, cursor: RemoteCursor) -> None:
+        self._cursor = cursor
+
+    def cursor(self, schema: str | None = None) -> Any:
+        assert schema is None, "a reindex runs in the daemon's own process"
+        return self._cursor
+
+    @property
+    def batch_id(self) -> int:
+        return int(self._cursor.call("batch_id"))
+
+    def pacing(self, *, idle_gap: float, share: float, max_wait: float, poll: float,
+               piece: float = math.inf) -> Pacing:
+        # Never busy: the child gives way through its nice value, not by waiting for pauses.
+        return Pacing(lambda: math.inf, idle_gap=idle_gap, share=share, max_wait=max_wait, poll=poll, piece=piece)
+
+
+def _child(queries: Connection, control: Connection, settings: Settings, log_format: str,
+           log_level: int) -> None:
+    """The child process: a ``Conversations`` stage over the parent's cursor, fed through ``control``."""
+    from .stage import Conversations
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.nice(NICE)
+    logging.basicConfig(level=log_level, format=log_format)
+    send_lock = threading.Lock()
+
+    def send(*message: Any) -> None:
+        with send_lock:
+            control.send(message)
+
+    cursor = RemoteCursor(queries, threading.Lock())
+    metrics = Metrics()
+    stage = Conversations(RemoteStore(cursor), settings, metrics)  # type: ignore[arg-type]
+    try:
+        stage.start()
+    except Exception as exc:  # noqa: BLE001 - the parent logs it and starts a child again
+        send("failed", type(exc).__module__, type(exc).__name__, str(exc))
+        return
+    done = threading.Event()
+
+    def report() -> None:
+        while True:
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            counters = {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}
+            try:
+                send("status", stage.status(), stage.held(), stage.stopped, counters, _rss(), rss)
+            except (OSError, EOFError):
+                return
+            if done.wait(STATUS_EVERY):
+                return
+
+    def answer_idle(token: int, timeout: float) -> None:
+        send("idle", token, stage.wait_idle(timeout))
+
+    def swap_in(token: int) -> None:
+        def run(_: Any) -> None:  # on the parent's cursor, which the swap function was given
+            cursor.call("swap", token)
+
+        def answered(future: concurrent.futures.Future[None]) -> None:
+            send("swapped", token, _error_text(future.exception()))
+
+        stage.swap(run).add_done_callback(answered)
+
+    threading.Thread(target=report, name="tracejudge-status", daemon=True).start()
+    try:
+        while True:
+            try:
+                msg = control.recv()
+            except (EOFError, OSError):
+                break  # the parent is gone
+            if msg[0] == "commits":
+                for light in msg[1]:
+                    stage.on_commit(light)
+            elif msg[0] == "idle":
+                threading.Thread(target=answer_idle, args=(msg[1], msg[2]), daemon=True).start()
+            elif msg[0] == "swap":
+                swap_in(msg[1])
+            elif msg[0] == "stop":
+                break
+    finally:
+        stage.stop()
+        done.set()
+        try:
+            send("status", stage.status(), stage.held(), stage.stopped,
+                 {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}, _rss(), 0)
+            send("stopped")
+        except (OSError, EOFError):
+            pass
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _error_text(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+# ---------------------------------------------------------------- the daemon's side
+
+
+class StageProcess(Stage):
+    """The daemon's conversation stage, run in a child process (see the module docstring)."""
+
+    name = "conversations"
+    takes_commits = True
+
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics) -> None:
+        super().__init__(store, metrics)
+        self.settings = settings
+        self.restarts = 0
+        self._status: dict[str, Any] = {"conversations_batch": 0, "conversations_pending": 0,
+                                        "conversations_failed": 0}
+        self._held: dict[str, int] = {}
+        self._child_stopped: str | None = None
+        self._rss = 0
+        self._peak_rss = 0
+        self._counted: dict[str, dict[tuple[str, ...], float]] = {}  # the current child's counters, as added
+        self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tokens = itertools.count(1)
+        self._waits: dict[int, tuple[threading.Event, list[bool]]] = {}
+        self._swaps: dict[int, tuple[Callable[[duckdb.DuckDBPyConnection], object],
+                                     concurrent.futures.Future[None]]] = {}
+        self._registered: dict[str, Any] = {}
+        self._proc: Any = None
+        self._control: Connection | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def open(self, schema: str | None = None) -> None:
+        raise NotImplementedError("a reindex opens a Conversations stage of its own")
+
+    def start(self) -> None:
+        """Create the stage's tables here (an error in them stops the start-up), then start the child;
+        it opens its stage and catches up while the daemon starts."""
+        self.cur = self.store.cursor()
+        self.cur.execute(SCHEMA)
+        self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
+        self._thread = threading.Thread(target=self._supervise, name="tracejudge-conversations", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Have the child write what it rebuilt and end (killed after ``STOP_TIMEOUT``), then close the cursor."""
+        if self._thread is not None:
+            self.stopping.set()
+            self._outgoing.put(("stop",))
+            self._thread.join(STOP_TIMEOUT)
+            if self._thread.is_alive():
+                log.warning("the conversation stage's process did not stop within %.0f s: killed; the next start "
+                            "catches up from the stored batch mark", STOP_TIMEOUT)
+                proc = self._proc
+                if proc is not None:
+                    proc.kill()
+                self._thread.join()
+            self._thread = None
+        if self.cur is not None:
+            self.cur.close()
+            self.cur = None
+
+    @property
+    def state(self) -> str:
+        if self._child_stopped is not None:
+            return f"stopped: {self._child_stopped}"
+        return super().state
+
+    @property
+    def stopped(self) -> str | None:
+        return self._child_stopped or self._stopped
+
+    def status(self) -> dict[str, Any]:
+        return {**self._status, "conversations_process": self.process()}
+
+    def held(self) -> dict[str, int]:
+        return dict(self._held)
+
+    def process(self) -> dict[str, int]:
+        """The child: its pid, resident memory now and at most, and how often it was started again."""
+        pid = self._proc.pid if self._proc is not None else 0
+        return {"pid": pid or 0, "rss_bytes": self._rss, "peak_rss_bytes": self._peak_rss,
+                "restarts": self.restarts}
+
+    # ------------------------------------------------------------ what the daemon asks
+
+    def on_commit(self, committed: Committed) -> None:
+        """From the writer's thread: queue which traces the commit touched (never blocks on the child)."""
+        self._outgoing.put(("commit", Light.of(committed)))
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until everything queued so far is processed (tests)."""
+        token = next(self._tokens)
+        event, result = threading.Event(), [False]
+        self._waits[token] = (event, result)
+        self._outgoing.put(("idle", token, timeout))
+        event.wait(timeout + 1)
+        self._waits.pop(token, None)
+        return result[0]
+
+    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]:
+        """``Conversations.swap``: ``fn`` runs here, on the served cursor, between two of the child's cycles."""
+        token = next(self._tokens)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._swaps[token] = (fn, done)
+        self._outgoing.put(("swap", token))
+        return done
+
+    # ------------------------------------------------------------ the supervisor thread
+
+    def _supervise(self) -> None:
+        failures = 0
+        while not self.stopping.is_set():
+            began = time.monotonic()
+            why = self._run_child()
+            if self.stopping.is_set():
+                return
+            if time.monotonic() - began > RETRY_MOST:
+                failures = 0
+            failures += 1
+            delay = min(RETRY_MOST, RETRY_FIRST * 2 ** (failures - 1))
+            self.restarts += 1
+            self.metrics.stage_errors.inc(stage=self.name)
+            log.error("the conversation stage's process ended (%s); it starts again in %.0f s and catches up "
+                      "from the stored batch mark", why, delay)
+            for token, (_, done) in list(self._swaps.items()):
+                self._swaps.pop(token, None)
+                done.set_exception(ChildDied(f"the conversation stage's process ended ({why}) before the swap"))
+            if self.stopping.wait(delay):
+                return
+
+    def _run_child(self) -> str:
+        """Start a child, serve its statements until it ends; why it ended."""
+        ctx = multiprocessing.get_context("spawn")
+        queries, child_queries = ctx.Pipe()
+        control, child_control = ctx.Pipe()
+        root = logging.getLogger()
+        fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None and h.formatter._fmt),
+                   "%(asctime)s %(levelname)s %(name)s: %(message)s")
+        proc = ctx.Process(target=_child, name="tracejudge-conversations", daemon=True,
+                           args=(child_queries, child_control, self.settings, fmt,
+                                 logging.getLogger("tracejudge").getEffectiveLevel()))
+        proc.start()
+        child_queries.close()
+        child_control.close()
+        self._proc, self._control, self._counted = proc, control, {}
+        ended = threading.Event()
+        reader = threading.Thread(target=self._read_control, args=(control, ended), name="tracejudge-conv-status",
+                                  daemon=True)
+        reader.start()
+        sender = threading.Thread(target=self._send, args=(control, ended), name="tracejudge-conv-send",
+                                  daemon=True)
+        sender.start()
+        try:
+            self._serve(queries)
+        finally:
+            ended.set()
+            self._outgoing.put(("wake",))
+            proc.join(STOP_TIMEOUT)  # its pipe closed: it is exiting
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+            queries.close()
+            control.close()
+            reader.join()
+            sender.join()
+            self._drop_registered()
+            self._rollback()
+        return f"exit code {proc.exitcode}" if proc.exitcode is not None else "it stopped answering"
+
+    def _serve(self, conn: Connection) -> None:
+        """Run the child's statements on the stage's cursor until its pipe closes."""
+        cur = self.cur
+        assert cur is not None
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                return
+            answer: tuple[Any, ...]
+            try:
+                answer = ("ok", self._answer(cur, request))
+            except Exception as exc:  # noqa: BLE001 - the child raises it where it made the call
+                answer = ("err", type(exc).__module__, type(exc).__name__, str(exc))
+            try:
+                conn.send(answer)
+            except (OSError, EOFError):
+                return
+
+    def _answer(self, cur: duckdb.DuckDBPyConnection, request: tuple[Any, ...]) -> Any:
+        op = request[0]
+        if op == "execute":
+            _, sql, params = request
+            cur.execute(sql, params) if params is not None else cur.execute(sql)
+            if cur.description is None:
+                return [], False
+            rows = cur.fetchmany(PREFETCH)
+            return rows, len(rows) == PREFETCH
+        if op == "fetch":
+            rows = cur.fetchmany(request[1]) if request[1] else cur.fetchall()
+            return rows, bool(request[1]) and len(rows) == request[1]
+        if op == "register":
+            cur.register(request[1], request[2])
+            self._registered[request[1]] = request[2]
+            return None
+        if op == "unregister":
+            cur.unregister(request[1])
+            self._registered.pop(request[1], None)
+            return None
+        if op == "batch_id":
+            return self.store.batch_id
+        if op == "swap":
+            fn, _ = self._swaps[request[1]]
+            fn(cur)
+            return None
+        raise ValueError(f"unknown request {op!r}")
+
+    def _send(self, control: Connection, ended: threading.Event) -> None:
+        """Hand the child what the daemon queued: commits in batches, waits, swaps, the stop."""
+        while not ended.is_set():
+            first = self._outgoing.get()
+            items = [first]
+            while True:
+                try:
+                    items.append(self._outgoing.get_nowait())
+                except queue.Empty:
+                    break
+            lights = [it[1] for it in items if it[0] == "commit"]
+            others = [it for it in items if it[0] not in ("commit", "wake")]
+            try:
+                if lights:
+                    control.send(("commits", lights))
+                for it in others:
+                    control.send(it)
+            except (OSError, EOFError):
+                if any(it[0] == "stop" for it in others):
+                    return
+                continue  # the child is gone: the next one catches up from the stored mark
+            if any(it[0] == "stop" for it in others):
+                return
+
+    def _read_control(self, control: Connection, ended: threading.Event) -> None:
+        while True:
+            try:
+                msg = control.recv()
+            except (EOFError, OSError):
+                return
+            kind = msg[0]
+            if kind == "failed":
+                log.error("the conversation stage could not start in its process (%s: %s)", msg[2], msg[3])
+            elif kind == "status":
+                self._status, self._held, self._child_stopped = msg[1], msg[2], msg[3]
+                self._add_counters(msg[4])
+                self._rss = msg[5]
+                self._peak_rss = max(self._peak_rss, msg[6])
+            elif kind == "idle":
+                event, result = self._waits.get(msg[1], (None, None))
+                if event is not None and result is not None:
+                    result[0] = msg[2]
+                    event.set()
+            elif kind == "swapped":
+                _, done = self._swaps.pop(msg[1], (None, None))
+                if done is not None:
+                    if msg[2] is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(RuntimeError(msg[2]))
+
+    def _add_counters(self, counters: dict[str, dict[tuple[str, ...], float]]) -> None:
+        """Add what the child's counters gained since its last report to the daemon's."""
+        for name, values in counters.items():
+            ours = getattr(self.metrics, name)
+            seen = self._counted.setdefault(name, {})
+            for key, value in values.items():
+                gained = value - seen.get(key, 0.0)
+                if gained:
+                    ours.inc(gained, **dict(zip(ours.labelnames, key)))
+                seen[key] = value
+
+    def _drop_registered(self) -> None:
+        if self.cur is None:
+            return
+        for name in list(self._registered):
+            try:
+                self.cur.unregister(name)
+            except duckdb.Error:
+                pass
+        self._registered.clear()
+
+    def _rollback(self) -> None:
+        """A child that died inside a transaction leaves it open on the served cursor."""
+        if self.cur is None:
+            return
+        try:
+            self.cur.execute("ROLLBACK")
+        except duckdb.Error:
+            pass  # none was open
+
+
