@@ -226,6 +226,30 @@ async def send_all(bodies: list[bytes], transport: str, target: str) -> tuple[fl
     return elapsed, latencies, failures
 
 
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def pss_mb(pid: int) -> float:
+    """The proportional set of the process and its children, summed: what they take together, each shared
+    page (the libraries every process maps) counted once, as a container's memory limit counts it."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) / 1024
+        except FileNotFoundError:
+            continue
+    return total
+
+
 def peak_rss_mb(pid: int, children: bool = True) -> float:
     """The process's peak resident set, plus each child's (the daemon's conversation stage and rewrite
     processes): an upper bound of the peak of their sum."""
@@ -240,11 +264,7 @@ def peak_rss_mb(pid: int, children: bool = True) -> float:
 
     total = hwm(pid) or float("nan")
     if children:
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            try:
-                total += sum(hwm(int(c)) for c in task.read_text().split())
-            except FileNotFoundError:
-                continue
+        total += sum(hwm(c) for c in _children(pid))
     return total
 
 
