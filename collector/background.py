@@ -89,11 +89,15 @@ class Stage:
         if self._thread is not None:
             self.stopping.set()
             self._wake()
-            self._thread.join()
+            self._join(self._thread)
             self._thread = None
         if self.cur is not None:
             self.cur.close()
             self.cur = None
+
+    def _join(self, thread: threading.Thread) -> None:
+        """Wait for the stage's thread at ``stop``."""
+        thread.join()
 
     @property
     def stopped(self) -> str | None:

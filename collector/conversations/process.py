@@ -204,7 +204,7 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
             try:
                 msg = control.recv()
             except (EOFError, OSError):
-                break  # the parent is gone
+                os._exit(0)  # the parent is gone (killed): there is nothing to write to
             if msg[0] == "commits":
                 for light in msg[1]:
                     stage.on_commit(light)
@@ -282,23 +282,18 @@ class StageProcess(Stage):
         self._thread = threading.Thread(target=self._supervise, name="tracejudge-conversations", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Have the child write what it rebuilt and end (killed after ``STOP_TIMEOUT``), then close the cursor."""
-        if self._thread is not None:
-            self.stopping.set()
-            self._outgoing.put(("stop",))
-            self._thread.join(STOP_TIMEOUT)
-            if self._thread.is_alive():
-                log.warning("the conversation stage's process did not stop within %.0f s: killed; the next start "
-                            "catches up from the stored batch mark", STOP_TIMEOUT)
-                proc = self._proc
-                if proc is not None:
-                    proc.kill()
-                self._thread.join()
-            self._thread = None
-        if self.cur is not None:
-            self.cur.close()
-            self.cur = None
+    def _wake(self) -> None:
+        self._outgoing.put(("stop",))
+
+    def _join(self, thread: threading.Thread) -> None:
+        """The child has ``STOP_TIMEOUT`` to write what it rebuilt and end; then it is killed."""
+        thread.join(STOP_TIMEOUT)
+        if thread.is_alive():
+            log.warning("the conversation stage's process did not stop within %.0f s: killed; the next start "
+                        "catches up from the stored batch mark", STOP_TIMEOUT)
+            if self._proc is not None:
+                self._proc.kill()
+            thread.join()
 
     @property
     def state(self) -> str:

@@ -9,8 +9,9 @@ logged and counted, and the next one comes after a delay.
 
 It runs in a thread of its own with its own event loop. Ingestion comes first:
 each piece of DuckDB work (reading a conversation, storing, scanning) runs
-alone, at the store's pace for it (``store.pacing``, ``_db_work``); judge calls
-in flight are never held up. Each cycle, about once a second or as soon as a
+alone, at the store's pace for it (``store.pacing``, ``_db``), in a thread of
+its own, so that judge calls in flight are never held up: run on the loop, the
+pieces held it for three quarters of the time at concurrency 64. Each cycle, about once a second or as soon as a
 conversation is judged:
 
 1. **scan**: conversations written since the last scan (``updated_at``) that
@@ -42,14 +43,15 @@ times (after 1, 10 and 60 minutes) on the criteria that errored.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import duckdb
 import orjson
@@ -63,15 +65,17 @@ from ..metrics import Counter, Gauge, Histogram, Metrics
 from ..store import Store
 from . import verdicts
 from .backfill import Backfill, backfill_jobs, run_backfill
-from .judging import JUDGEMENT_DUE, Job, Judging, OnStored, Outcome, ensure_schema, utc
+from .judging import JUDGEMENT_DUE, Job, Judging, OnStored, Outcome, Prepared, ensure_schema, utc
 from .sampling import ConversationFacts, Sampler
 from .setup import NO_PROVIDER
 
 log = logging.getLogger("tracejudge.evaluator")
+T = TypeVar("T")
 
 SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may land after a scan
 SCAN_PAGE = 2000
 MAX_PENDING = 5000
+PREPARE_AT_ONCE = 16  # conversations read for their judges in one piece of DuckDB work
 # The evaluator's pace (``collector.store.pacing``). Its pieces are single DuckDB statements, a few ms
 # each and mostly outside the interpreter lock, and judge calls wait behind them: a short pause
 # between requests is enough, at any load below saturation.
@@ -171,10 +175,12 @@ class Evaluator(Stage):
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._finished: dict[str, Outcome] = {}  # judged, not stored yet
         self._db_lock: asyncio.Lock | None = None
+        self._db_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracejudge-evaluator-db")
         self._mark: tuple[dt.datetime, str] = (utc(0), "")
         self._not_run_mark: str | None = "" if provider is not None else None
         """Conversations with not-run records queued up to this id; None once all are (or without a provider)."""
         self.scans = 0
+        self._next_scan = 0.0  # monotonic time of the next scan while work is queued
         """Scans completed since the start (each also looks for retries that are due)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None
@@ -222,17 +228,19 @@ class Evaluator(Stage):
         if not self.judging.criteria:
             raise UserError("no criteria to judge with: judges.criteria is empty")
         judging = self.judging.subset(criterion_ids) if criterion_ids else self.judging
-        assert self._loop is not None and self.cur is not None
+        assert self._loop is not None
         self._backfills.append(Backfill(id=len(self._backfills) + 1))
         progress = self._backfills[-1]
-        cur = self.cur
 
         async def run() -> None:
-            jobs = backfill_jobs(cur, since, simulated=simulated)
+            cur = self.store.cursor()  # its own: the stage's runs in the DuckDB thread meanwhile
             try:
+                jobs = backfill_jobs(cur, since, simulated=simulated)
                 await run_backfill(cur, judging, jobs, progress, parallel=self.max_in_flight)
             except Exception:  # noqa: BLE001
                 log.exception("tracejudge eval pass %d failed", progress.id)
+            finally:
+                cur.close()
 
         asyncio.run_coroutine_threadsafe(run(), self._loop)
         return progress
@@ -278,10 +286,11 @@ class Evaluator(Stage):
             for task in self._in_flight.values():
                 task.cancel()
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
-            try:
-                self._store_finished()  # what was judged before the stop is kept
+            try:  # what was judged before the stop is kept; after any piece still running
+                await self._loop.run_in_executor(self._db_thread, self._store_outcomes, self._take_finished())
             except Exception:  # noqa: BLE001
                 self.error("storing the last verdicts failed; those conversations are judged again")
+            self._db_thread.shutdown(wait=True)
             await self.judging.aclose()
 
     async def _sleep(self, seconds: float) -> None:
@@ -292,40 +301,47 @@ class Evaluator(Stage):
                 await asyncio.wait_for(self._woken.wait(), timeout=seconds)
         self._woken.clear()
 
-    @contextlib.asynccontextmanager
-    async def _db_work(self) -> AsyncIterator[None]:
-        """One piece of DuckDB work, one at a time, when ``pacing`` lets it run: requests go first.
-
-        Judge calls in flight are not held up: only reading, storing and
-        scanning. Once the stage is stopping, work no longer waits.
-        """
-        assert self._db_lock is not None
+    async def _db(self, work: Callable[[], T]) -> T:
+        """``work`` as one piece of DuckDB work, one at a time, when ``pacing`` lets it run (requests go
+        first), in the DuckDB thread: the loop goes on with the judge calls in flight meanwhile. Once the
+        stage is stopping, work no longer waits."""
+        assert self._db_lock is not None and self._loop is not None
         async with self._db_lock:
             await self.pacing.turn(self.stopping)
             try:
-                yield
+                return await self._loop.run_in_executor(self._db_thread, work)
             finally:
                 self.pacing.done()
 
     async def _cycle(self) -> bool:
         """Store what was judged, scan, start what there is room for; True when the scan has more to read now."""
-        async with self._db_work():
-            self._store_finished()
+        await self._store_finished()
         more = False
-        if len(self._pending) < MAX_PENDING:
-            async with self._db_work():
-                more = self._scan()
-                self._retries()
-                if self._not_run_mark is not None:
-                    self._not_run_mark = self._provider_now()
+        # With work queued, the scan waits for its interval: every cycle (one per judged conversation)
+        # it would take the DuckDB thread from the reads that start the next ones.
+        due = len(self._pending) < self.max_in_flight or time.monotonic() >= self._next_scan
+        if len(self._pending) < MAX_PENDING and due:
+            busy = self._busy_ids()  # read here: the loop changes these while the scan runs
+            more = await self._db(lambda: self._scan_all(busy))
             self.scans += 1
+            self._next_scan = time.monotonic() + self.poll
         self._start_pending()
         self.m.pending.set(len(self._pending))
         self.m.in_flight.set(len(self._in_flight))
         return more
 
-    def _scan(self) -> bool:
-        """Decide and queue ended conversations that need it; True when a full page came back."""
+    def _scan_all(self, busy: list[str]) -> bool:
+        """In the DuckDB thread: the scan, the retries due, and a page of criteria not run for want of a
+        provider; True when the scan has more to read now."""
+        more = self._scan(busy)
+        self._retries(busy)
+        if self._not_run_mark is not None:
+            self._not_run_mark = self._provider_now(busy)
+        return more
+
+    def _scan(self, busy: list[str]) -> bool:
+        """Decide and queue ended conversations that need it (``busy``: those queued, in flight or judged
+        and not stored); True when a full page came back."""
         assert self.cur is not None
         cur = self.cur
         now = self.clock()
@@ -344,7 +360,7 @@ class Evaluator(Stage):
             f"AND {JUDGEMENT_DUE} "
             "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
             "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
-            [since, since, after, self._busy_ids(), SCAN_PAGE]).fetchall()
+            [since, since, after, busy, SCAN_PAGE]).fetchall()
         settled = utc(now - self.settle)
         decisions = []
         last: tuple[dt.datetime, str] | None = None
@@ -369,7 +385,7 @@ class Evaluator(Stage):
             self._mark = max(self._mark, min(last, (utc(now - SCAN_SLACK), "")))
         return len(rows) == SCAN_PAGE and last is not None
 
-    def _retries(self) -> None:
+    def _retries(self, busy: list[str]) -> None:
         """Conversations whose verdicts had errors, once their retry time has come."""
         assert self.cur is not None
         rows = self.cur.execute(
@@ -377,12 +393,12 @@ class Evaluator(Stage):
             "JOIN sampling_decisions s USING (conversation_id) JOIN conversations c USING (conversation_id) "
             "WHERE p.retry_at <= ? AND c.revision = p.revision "
             "AND p.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) LIMIT ?",
-            [utc(self.clock()), self._busy_ids(), MAX_PENDING]).fetchall()
+            [utc(self.clock()), busy, MAX_PENDING]).fetchall()
         for cid, revision, attempts, probability, rule in rows:
             self._attempts[cid] = attempts + 1
             self._pending[cid] = Job(cid, revision, probability, rule, only_errors=True)
 
-    def _provider_now(self) -> str | None:
+    def _provider_now(self, busy: list[str]) -> str | None:
         """Queue a page of sampled conversations whose LLM criteria were not run for want of a provider.
 
         Returns the mark to go on from, or None when there are no more.
@@ -401,7 +417,7 @@ class Evaluator(Stage):
             "AND NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
             "AND v.criterion_id = n.criterion_id AND NOT v.superseded) "
             "AND n.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY n.conversation_id LIMIT ?",
-            [self._not_run_mark, llm, *NO_PROVIDER, [*self._in_flight, *self._finished], room]).fetchall()
+            [self._not_run_mark, llm, *NO_PROVIDER, busy, room]).fetchall()
         if not rows:
             return None
         log.info("judging %d conversations whose LLM criteria were not run for want of a provider", len(rows))
@@ -418,18 +434,40 @@ class Evaluator(Stage):
         self._pending[job.conversation_id] = job  # a key already there keeps its place
 
     def _start_pending(self) -> None:
-        while self._pending and len(self._in_flight) + len(self._finished) < self.max_in_flight:
-            cid, job = self._pending.popitem(last=False)
-            self._in_flight[cid] = asyncio.ensure_future(self._judge(job))
+        jobs: list[Job] = []
+        while self._pending and len(self._in_flight) + len(self._finished) + len(jobs) < self.max_in_flight:
+            jobs.append(self._pending.popitem(last=False)[1])
+        for i in range(0, len(jobs), PREPARE_AT_ONCE):
+            part = jobs[i:i + PREPARE_AT_ONCE]
+            task = asyncio.ensure_future(self._judge_all(part))
+            for job in part:
+                self._in_flight[job.conversation_id] = task
 
-    async def _judge(self, job: Job) -> None:
-        """Read, judge; the outcome waits in ``_finished`` for the next cycle to store it with others."""
-        assert self.cur is not None
+    async def _judge_all(self, jobs: list[Job]) -> None:
+        """Read these conversations in one piece of DuckDB work, then judge each; each outcome waits in
+        ``_finished`` for the next cycle to store it with others."""
         started = time.monotonic()
+        cur = self.cur
+        assert cur is not None
+        try:
+            prepared = await self._db(lambda: [self._prepare(cur, job) for job in jobs])
+            await asyncio.gather(*(self._judge(job, p, started) for job, p in zip(jobs, prepared)))
+        finally:
+            for job in jobs:
+                self._in_flight.pop(job.conversation_id, None)
+
+    def _prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None | duckdb.Error:
+        """In the DuckDB thread: ``Judging.prepare``, or the error that reading it raised."""
+        try:
+            return self.judging.prepare(cur, job)
+        except duckdb.Error as exc:
+            return exc
+
+    async def _judge(self, job: Job, prepared: Prepared | None | duckdb.Error, started: float) -> None:
         attempts = self._attempts.pop(job.conversation_id, 1)
         try:
-            async with self._db_work():
-                prepared = self.judging.prepare(self.cur, job)
+            if isinstance(prepared, duckdb.Error):
+                raise prepared
             if prepared is not None:
                 run = await self.judging.judge(prepared.conversation, prepared.todo)
                 self._finished[job.conversation_id] = Outcome(job, run, prepared.sha256, prepared.skipped, attempts)
@@ -444,21 +482,29 @@ class Evaluator(Stage):
         if self._woken is not None:
             self._woken.set()  # the next cycle stores it and fills the free slot
 
-    def _store_finished(self) -> None:
+    def _take_finished(self) -> list[Outcome]:
+        outcomes = list(self._finished.values())
+        self._finished.clear()
+        return outcomes
+
+    async def _store_finished(self) -> None:
         """Store every outcome waiting, in one transaction, then count it and look for changed transcripts."""
-        if not self._finished:
+        outcomes = self._take_finished()
+        if outcomes:
+            await self._db(lambda: self._store_outcomes(outcomes))
+
+    def _store_outcomes(self, outcomes: list[Outcome]) -> None:
+        """In the DuckDB thread: store ``outcomes``; what failed to store goes back to the queue."""
+        if not outcomes:
             return
         assert self.cur is not None
-        outcomes = list(self._finished.values())
         try:
             self.judging.store(self.cur, outcomes)
         except duckdb.Error:
             self.error(f"storing the verdicts of {len(outcomes)} conversations failed; they are judged again")
             for o in outcomes:
                 self._pending.setdefault(o.job.conversation_id, o.job)
-            self._finished.clear()
             return
-        self._finished.clear()
         for o in outcomes:
             self._account(o)
         # A transcript that changed while it was judged is judged again once it has ended again:
