@@ -30,6 +30,7 @@ then starts the child, which opens its stage and catches up) -> ``on_commit`` ..
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import gc
 import itertools
 import logging
@@ -58,6 +59,7 @@ log = logging.getLogger("tracejudge.conversations")
 WHOLE_COMMITS = 4  # commits sent with their rows at most at once (the rest as the traces they touched)
 PREFETCH = 4096  # rows sent with a statement's answer; the rest on each fetch
 STATUS_EVERY = 0.2  # seconds between two reports of the child's status
+TRIM_EVERY = 25  # reports between two trims of the child's heap (5 s)
 STOP_TIMEOUT = 4.0  # seconds a stopping child has to write what it rebuilt before it is killed
 NICE = 10
 GC_THRESHOLD = 10_000  # allocations between two collections of the youngest generation (Python's is 700)
@@ -175,8 +177,12 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
         return
     done = threading.Event()
 
+    trim = _malloc_trim()
+
     def report() -> None:
-        while True:
+        for n in itertools.count(1):
+            if trim is not None and n % TRIM_EVERY == 0:
+                trim(0)  # what the last rebuilds freed goes back to the system, not kept by malloc
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             counters = {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}
             try:
@@ -223,6 +229,14 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
             send("stopped")
         except (OSError, EOFError):
             pass
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, where there is one."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
 
 
 def _rss() -> int:
