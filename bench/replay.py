@@ -48,7 +48,7 @@ SELECT 'c-' || md5(i::VARCHAR), 'shopbot', ts - INTERVAL 5 MINUTE, CASE WHEN i %
        CASE WHEN i % 20 = 0 THEN 'open' ELSE 'ended' END, 4, 2000 + i % 500, 300 + i % 90, 5, 8,
        '["gpt-4o-mini"]', 'You are ShopBot, the support assistant of an online bookshop. Answer briefly.', true, NULL,
        md5('hash' || i), 1, '["' || md5('trace' || i) || '"]', md5('trace' || i), ts - INTERVAL 5 MINUTE, ts,
-       CASE WHEN i % 20 = 0 THEN NULL ELSE ts END, ts, 0, 0, '["otel_genai"]'
+       CASE WHEN i % 20 = 0 THEN NULL ELSE ts END, ts, 0, 0, '["otel_genai"]', NULL
 FROM (SELECT i, TIMESTAMPTZ '2026-11-01 00:00:00+00' + i * INTERVAL 1 SECOND AS ts FROM range(?, ?) t(i))
 """
 

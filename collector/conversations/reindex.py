@@ -44,6 +44,7 @@ from .tables import SCHEMA as TABLES
 log = logging.getLogger("tracejudge.reindex")
 
 SCHEMA = "reindex"
+LAYOUT = "traces-v2"  # reindex_traces with each trace's first commit
 CHUNK = 500  # traces rebuilt and committed together
 _REBUILT = ("conversations", "messages", "trace_conversations")
 
@@ -93,7 +94,8 @@ class Reindex:
         """Start a reindex, or resume the one a crash or a stop cut off (same settings)."""
         cur = self.store.cursor()
         try:
-            fingerprint = self.settings.model_dump_json()
+            # With the layout of its tables: one an older version left cannot be resumed.
+            fingerprint = f"{LAYOUT} {self.settings.model_dump_json()}"
             if self._resumable(cur, fingerprint):
                 done = int(self._state(cur, "reindex.done"))
                 self.progress.resumed, self.progress.resumed_from = True, done
@@ -120,11 +122,12 @@ class Reindex:
             cur = stage.cur
             assert cur is not None
             while True:
-                rows = cur.execute(f"SELECT n, trace_id, arrived FROM {SCHEMA}.reindex_traces WHERE n > ? "
+                rows = cur.execute(f"SELECT n, trace_id, arrived, first FROM {SCHEMA}.reindex_traces WHERE n > ? "
                                    "ORDER BY n LIMIT ?", [self.progress.done, self.chunk]).fetchall()
-                self._now = max((at for _, _, at in rows), default=self.clock())
+                self._now = max((at for _, _, at, _ in rows), default=self.clock())
                 with Transaction(cur):
-                    stage.rebuild({t: at for _, t, at in rows})  # the last, empty one ends the idle ones now
+                    # The last, empty one ends the idle ones now.
+                    stage.rebuild({t: at for _, t, at, _ in rows}, firsts={t: first for _, t, _, first in rows})
                     last = rows[-1][0] if rows else self.progress.done
                     cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('reindex.done', ?)", [str(last)])
                 self.progress.done = last
@@ -185,7 +188,8 @@ class Reindex:
             return False
         if self._state(cur, "reindex.settings") == fingerprint and self._state(cur, "reindex.done") is not None:
             return True
-        log.info("an earlier reindex was cut off with other conversation settings: starting again")
+        log.info("an earlier reindex was cut off with other conversation settings (or by an older version): "
+                 "starting again")
         return False
 
     def _start(self, cur: duckdb.DuckDBPyConnection, fingerprint: str) -> None:
@@ -200,11 +204,11 @@ class Reindex:
                 shadow.execute(TABLES)
                 shadow.execute(TRACE_MAP)
                 upto = self.store.batch_id
-                # One pass over the rows, so that each chunk reads its traces by number.
+                # One pass over the rows, so that each chunk reads its traces by number, each from its first commit.
                 shadow.execute(
                     "CREATE TABLE reindex_traces AS SELECT row_number() OVER (ORDER BY batch, arrived, trace_id) "
-                    "AS n, trace_id, arrived FROM (SELECT trace_id, epoch(max(received_at)) AS arrived, "
-                    "max(batch_id) AS batch FROM (SELECT trace_id, received_at, batch_id FROM main.span_records "
+                    "AS n, trace_id, arrived, first FROM (SELECT trace_id, epoch(max(received_at)) AS arrived, "
+                    "max(batch_id) AS batch, min(batch_id) AS first FROM (SELECT trace_id, received_at, batch_id FROM main.span_records "
                     "WHERE batch_id <= ? UNION ALL SELECT trace_id, received_at, batch_id FROM main.log_records "
                     "WHERE batch_id <= ? AND trace_id IS NOT NULL) GROUP BY trace_id)", [upto, upto])
                 # A conversation with a trace whose rows are gone cannot be rebuilt whole.

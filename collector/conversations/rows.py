@@ -2,9 +2,11 @@
 
 A trace first seen whole in the commits handed to the stage keeps its rows in
 memory (the least recently used go beyond ``max_rows``); any other trace is read
-back from ``span_records`` and ``log_records`` when a rebuild needs it, within
-the range of commits known to hold it when there is one (rows are stored in
-commit order, so the read skips the other row groups).
+back from ``span_records`` and ``log_records`` when a rebuild needs it, from the
+first commit its caller knows to hold its rows (rows are stored in commit order,
+so the read skips every older row group: its cost follows the age of the
+conversation, not the size of the table). Each trace's rows know the first
+commit among them (``TraceRows.first_batch``), which is how callers learn it.
 
 Every row is a ``StoredRow``: its JSON columns are parsed once between two
 writes of the stage, however many readers (the conversation key, the end rules,
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import duckdb
 
@@ -41,6 +43,7 @@ class TraceRows:
 
     spans: list[StoredRow] = field(default_factory=list)
     logs: list[StoredRow] = field(default_factory=list)
+    first_batch: int | None = None  # the first commit among these rows; None without rows
 
     def __len__(self) -> int:
         return len(self.spans) + len(self.logs)
@@ -48,6 +51,12 @@ class TraceRows:
     def extend(self, other: "TraceRows") -> None:
         self.spans.extend(other.spans)
         self.logs.extend(other.logs)
+        self.saw(other.first_batch)
+
+    def saw(self, batch_id: int | None) -> None:
+        """Rows of this commit are among these."""
+        if batch_id is not None and (self.first_batch is None or batch_id < self.first_batch):
+            self.first_batch = batch_id
 
     def start(self) -> int:
         """The earliest start (or log time) of its rows, in ns; 0 without one."""
@@ -102,28 +111,26 @@ class Taken:
         self.arrived[tid] = received_at
         self.first.setdefault(tid, batch_id)
         self.last[tid] = batch_id
-        return self.rows.setdefault(tid, TraceRows())
+        rows = self.rows.setdefault(tid, TraceRows())
+        rows.saw(batch_id)
+        return rows
 
 
 class RowCache:
     """Rows of recent traces, and the reads of the others (see the module docstring)."""
 
-    def __init__(self, max_rows: int, max_bounds: int = 200_000) -> None:
+    def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
-        self.max_bounds = max_bounds
         self._traces: OrderedDict[str, TraceRows] = OrderedDict()
         self._rows = 0  # rows held
-        # trace -> (first, last) batch holding its rows, for traces first seen by this stage whole
-        # (the same premise as the cache's); bounded, the oldest go first.
-        self._bounds: OrderedDict[str, tuple[int, int]] = OrderedDict()
 
     def clear(self) -> None:
         self._traces.clear()
         self._rows = 0
 
     def held(self) -> dict[str, int]:
-        """Rows cached, traces cached, and traces whose range of commits is known."""
-        return {"cached_rows": self._rows, "cached_traces": len(self._traces), "trace_ranges": len(self._bounds)}
+        """Rows cached and traces cached."""
+        return {"cached_rows": self._rows, "cached_traces": len(self._traces)}
 
     def take(self, cur: duckdb.DuckDBPyConnection, committed: list[Committed | Light]) -> Taken:
         """The rows these commits brought, by trace: handed over, or read back for light commits."""
@@ -163,19 +170,16 @@ class RowCache:
                 continue  # older rows are in DuckDB: read the whole trace when needed
             else:
                 self._traces[tid] = rows
-                self._bounds[tid] = (taken.first[tid], taken.last[tid])
-                self._bounds.move_to_end(tid)
             self._rows += len(rows)
-        for tid, hi in taken.last.items():  # rows that went to DuckDB only widen the trace's range
-            bounds = self._bounds.get(tid)
-            if bounds is not None and hi > bounds[1]:
-                self._bounds[tid] = (bounds[0], hi)
-        while len(self._bounds) > self.max_bounds:
-            self._bounds.popitem(last=False)
         self._evict()
 
-    def get(self, cur: duckdb.DuckDBPyConnection, trace_ids: Iterable[str]) -> dict[str, TraceRows]:
-        """Every stored row of these traces: the cache, else one read from DuckDB."""
+    def get(self, cur: duckdb.DuckDBPyConnection, trace_ids: Iterable[str],
+            since: Callable[[str], int | None] | None = None) -> dict[str, TraceRows]:
+        """Every stored row of these traces: the cache, else one read from DuckDB.
+
+        ``since(trace)``: the first commit that can hold the trace's rows, None when unknown; the read
+        of the traces not cached starts at the earliest (without one, it reads the whole table).
+        """
         out: dict[str, TraceRows] = {}
         missing = []
         for t in trace_ids:
@@ -186,7 +190,8 @@ class RowCache:
             else:
                 missing.append(t)
         if missing:
-            loaded = self._read(cur, missing)
+            firsts = [since(t) for t in missing] if since is not None else [None]
+            loaded = self._read(cur, missing, None if None in firsts else min(f for f in firsts if f is not None))
             for t, rows in loaded.items():
                 self._traces[t] = rows
                 self._rows += len(rows)
@@ -209,23 +214,28 @@ class RowCache:
             for row in rows.logs:
                 row.release()
 
-    def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str]) -> dict[str, TraceRows]:
+    def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str], since: int | None
+              ) -> dict[str, TraceRows]:
         loaded = {t: TraceRows() for t in missing}
         where = "trace_id IN (SELECT unnest(?))"
         params: list[Any] = [missing]
-        ranges = [self._bounds.get(t) for t in missing]
-        if all(r is not None for r in ranges):
-            where += " AND batch_id BETWEEN ? AND ?"
-            params += [min(r[0] for r in ranges if r), max(r[1] for r in ranges if r)]
-        res = cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)} FROM span_records WHERE {where}", params)
+        if since is not None:
+            where += " AND batch_id >= ?"
+            params.append(since)
+        res = cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)}, batch_id FROM span_records WHERE {where}", params)
+        n = len(SPAN_COLUMNS)
         for rec in res.fetchall():
-            loaded[rec[0]].spans.append(StoredRow(zip(SPAN_COLUMNS, rec)))
+            trace = loaded[rec[0]]
+            trace.spans.append(StoredRow(zip(SPAN_COLUMNS, rec)))  # zip stops before batch_id
+            trace.saw(rec[n])
         res = cur.execute(f"SELECT {', '.join(LOG_COLUMNS)}, batch_id, seq FROM log_records WHERE {where}", params)
         n = len(LOG_COLUMNS)
         for rec in res.fetchall():
             row = StoredRow(zip(LOG_COLUMNS, rec))
             row["arrival"] = (rec[n], rec[n + 1] or 0)  # NULL: stored before the place was kept
-            loaded[rec[1]].logs.append(row)
+            trace = loaded[rec[1]]
+            trace.logs.append(row)
+            trace.saw(rec[n])
         return loaded
 
     def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light]

@@ -339,15 +339,16 @@ class Conversations(Stage):
             " AND trace_id IS NOT NULL) "
             "GROUP BY trace_id ORDER BY 3, 2, 1", [batch + 1, last, batch + 1, last]).fetchall()]
 
-    def rebuild(self, arrived: dict[str, float]) -> None:
+    def rebuild(self, arrived: dict[str, float], firsts: Mapping[str, int] | None = None) -> None:
         """A reindex's step, on a stage ``open``ed in the reindex's schema: take these traces in (their
-        rows read back from DuckDB), rebuild their conversations, end those idle by the stage's clock,
-        and write it all (in the caller's transaction, if one is open).
+        rows read back from DuckDB, from ``firsts``, the first commit with rows of each, where given),
+        rebuild their conversations, end those idle by the stage's clock, and write it all (in the
+        caller's transaction, if one is open).
 
         Raises:
             Stopping: ``stop`` came meanwhile (the caller's transaction must not commit).
         """
-        self._touch(arrived, since=self._processed_batch + 1)
+        self._touch(arrived, since=self._processed_batch + 1, firsts=firsts)
         self._rebuild_due(force=True)
         self._sweep_idle()
         self._flush()
@@ -371,17 +372,20 @@ class Conversations(Stage):
         # A trace seen for the first time has all its rows in these commits: the cache keeps
         # them, so that only traces with older rows are read back from DuckDB.
         self.rows.keep(taken, {t for t, cid in current.items() if cid is not None} | set(self.map.pending))
-        convs = self._touch(taken.arrived, current, since=taken.first)
+        # A trace in no conversation and not pending is new (the cache's premise): its rows start in these commits.
+        convs = self._touch(taken.arrived, current, since=taken.first, firsts=taken.first)
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
         return convs
 
     def _touch(self, arrived: dict[str, float], current: dict[str, str | None] | None = None,
-               since: Mapping[str, int] | int = 0) -> set[str]:
+               since: Mapping[str, int] | int = 0, firsts: Mapping[str, int] | None = None) -> set[str]:
         """Resolve each touched trace to its conversation and mark those conversations for a rebuild.
 
         ``arrived``: when each trace's rows last arrived; ``current`` the trace map for these
         traces when the caller has read it already; ``since`` the first commit with a trace's
-        new rows (for the batch mark), per trace or for all.
+        new rows (for the batch mark), per trace or for all; ``firsts`` the first commit with
+        any row of a trace in no conversation and not pending, where the caller knows it (a trace
+        it does not is read from the whole table).
         """
         if not arrived:
             return set()
@@ -389,17 +393,32 @@ class Conversations(Stage):
         traces = list(arrived)
         if current is None:
             current = self.map.of(cur, traces)
+        # Their conversations' first commits bound the reads of these traces' older rows.
+        self.map.load(cur, [c for c in current.values() if c is not None])
+
+        def first_of(tid: str) -> int | None:
+            cid = current.get(tid)
+            if cid is not None:
+                return self.map.convs[cid].first_batch
+            pending = self.map.pending.get(tid)
+            if pending is not None:
+                return pending[1]
+            return firsts.get(tid) if firsts is not None else None
+
         keys: dict[str, str] = {}
+        trace_first: dict[str, int | None] = {}
         for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
             chunk = traces[i:i + 500]
-            rows = self.rows.get(cur, chunk)
+            rows = self.rows.get(cur, chunk, since=first_of)
             for tid in chunk:
                 self._check_stop()
                 self._give_way()
                 key = conversation_key(rows[tid].spans, self.settings.id_attributes)
                 if key is None and current.get(tid) is None and not is_genai(rows[tid]):
-                    self.map.pending[tid] = arrived[tid]  # nothing conversational yet
+                    # nothing conversational yet
+                    self.map.pending[tid] = (arrived[tid], rows[tid].first_batch)
                     continue
+                trace_first[tid] = rows[tid].first_batch
                 self.map.pending.pop(tid, None)
                 if key is None:
                     key = self.map.chained(tid, rows[tid])
@@ -420,6 +439,9 @@ class Conversations(Stage):
                     self._since.setdefault(old, first)
                 self._writes.moves[tid] = cid
                 self.map.move(tid, cid)
+            b = trace_first[tid]
+            if b is not None and (conv.first_batch is not None or not conv.traces):  # None with traces: unknown
+                conv.first_batch = b if conv.first_batch is None else min(conv.first_batch, b)
             # Also when the map has it already: a stop can come between writing the map and the
             # conversation (its rebuild waits for the next interval), and the catch-up mends it.
             if tid not in conv.traces:
@@ -443,7 +465,8 @@ class Conversations(Stage):
         convs = self.map.convs
         for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
             part = [convs[c] for c in due[i:i + 200] if c in convs]
-            rows = self.rows.get(self._db(), {t for conv in part for t in conv.traces})
+            firsts = {t: conv.first_batch for conv in part for t in conv.traces}
+            rows = self.rows.get(self._db(), firsts, since=firsts.get)
             for conv in part:
                 self._check_stop()
                 self._rebuild_one(conv, rows)
@@ -485,7 +508,10 @@ class Conversations(Stage):
             self._rows_written.pop(conv.id, None)
             return
         if rows is None or any(t not in rows for t in conv.traces):
-            rows = self.rows.get(self._db(), conv.traces)
+            rows = self.rows.get(self._db(), conv.traces, since=lambda _: conv.first_batch)
+        # Now that every row of its traces is at hand, their first commit is known exactly.
+        conv.first_batch = min((b for t in conv.traces if (b := rows[t].first_batch) is not None),
+                               default=conv.first_batch)
         # Oldest first, as trace_ids promises: the same order live and in a reindex, whatever order
         # the traces' commits came in.
         conv.traces.sort(key=lambda t: (rows[t].start(), t))
@@ -570,6 +596,7 @@ class Conversations(Stage):
         all without rebuilding each, and a stop in between leaves the rest open for the next start."""
         cur = self._db()
         stamp = dt.datetime.fromtimestamp(now, dt.timezone.utc)
+        convs = sorted(convs, key=lambda c: c.first_batch or 0)  # each part reads from its first commit on
         for i in range(0, len(convs), END_CHUNK):
             self._check_stop()
             self._give_way()
@@ -578,7 +605,8 @@ class Conversations(Stage):
             ends = dict(cur.execute(
                 "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_conversations t "
                 "JOIN span_records s USING (trace_id) WHERE t.conversation_id IN (SELECT unnest(?::VARCHAR[])) "
-                "AND s.end_time_unix_nano > 0 GROUP BY 1", [[c.id for c in part]]).fetchall())
+                "AND s.end_time_unix_nano > 0 AND s.batch_id >= ? GROUP BY 1",
+                [[c.id for c in part], part[0].first_batch or 0]).fetchall())
             rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
                      dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
             with Transaction(cur), registered(cur, "ended_now", rows_table(
@@ -615,5 +643,5 @@ class Conversations(Stage):
                 self._writes.conversations[conv.id] = row.ended(conv, now)
                 self._forget(conv)
         self._end_stored(as_stored, now)
-        for tid in [t for t, at in self.map.pending.items() if now - at >= limit]:
+        for tid in [t for t, (at, _) in self.map.pending.items() if now - at >= limit]:
             del self.map.pending[tid]

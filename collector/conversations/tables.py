@@ -41,8 +41,12 @@ CREATE TABLE IF NOT EXISTS conversations (
     updated_at TIMESTAMPTZ,
     unparsed_spans INTEGER,
     unparsed_logs INTEGER,
-    sources VARCHAR
+    sources VARCHAR,
+    first_batch UBIGINT
 );
+-- The first commit holding rows of the conversation's traces (reads of them skip older ones).
+-- Added to older files; NULL there until the conversation is rebuilt.
+ALTER TABLE conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
 CREATE TABLE IF NOT EXISTS messages (
     conversation_id VARCHAR NOT NULL,
     seq INTEGER NOT NULL,
@@ -63,7 +67,7 @@ CONVERSATION_COLUMNS = (
     "conversation_id", "service", "started_at", "ended_at", "ended_by", "state", "user_turns", "input_tokens",
     "output_tokens", "llm_calls", "message_count", "models", "system", "content_captured", "no_content_reason",
     "transcript_hash", "revision", "trace_ids", "newest_trace_id", "first_arrival_at", "last_arrival_at",
-    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources",
+    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources", "first_batch",
 )
 MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
                    "span_id", "source", "truncated")

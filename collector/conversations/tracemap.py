@@ -47,6 +47,9 @@ class Tracked:
     stored: bool = False  # has rows in the conversations/messages tables
     last_span_end: dt.datetime | None = None
     rebuilt_at: float = 0.0
+    # The first commit holding rows of its traces, so that reading them skips older commits; None when
+    # unknown (stored before it was kept: read whole once, and its rebuild learns it).
+    first_batch: int | None = None
 
     def end(self, ended_by: str, at: float) -> None:
         self.state, self.ended_by, self.closed_at = "ended", ended_by, at
@@ -75,7 +78,8 @@ class TraceMap:
 
     def __init__(self) -> None:
         self.convs: dict[str, Tracked] = {}  # open conversations, and ended ones touched recently
-        self.pending: dict[str, float] = {}  # traces with no conversation yet -> when they last arrived
+        # traces with no conversation yet -> (when they last arrived, the first commit with their rows)
+        self.pending: dict[str, tuple[float, int | None]] = {}
         self._traces: dict[str, str] = {}  # trace -> conversation, for the traces of ``convs``
         self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> conversation
 
@@ -143,8 +147,8 @@ class TraceMap:
 def _read(cur: duckdb.DuckDBPyConnection, where: str, params: list[Any]) -> list[Tracked]:
     """Stored conversations as the stage tracks them."""
     return [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
-                    rec[9], rec[4], rec[5], rec[6] or 0, stored=True)
+                    rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10])
             for rec in cur.execute(
                 "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at) FROM conversations "
+                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch FROM conversations "
                 f"WHERE {where}", params).fetchall()]

@@ -72,6 +72,7 @@ class ConversationRow:
     unparsed_spans: int
     unparsed_logs: int
     sources: str
+    first_batch: int | None
 
     @classmethod
     def of(cls, conv: Tracked, tr: Transcript, now: float) -> "ConversationRow":
@@ -87,7 +88,7 @@ class ConversationRow:
             newest_trace_id=conv.newest_trace, first_arrival_at=_ts(conv.first_arrival),
             last_arrival_at=_ts(conv.last_arrival), closed_at=_ts(conv.closed_at), updated_at=_ts(now),
             unparsed_spans=tr.unparsed_spans, unparsed_logs=tr.unparsed_logs,
-            sources=orjson.dumps(list(tr.sources)).decode())
+            sources=orjson.dumps(list(tr.sources)).decode(), first_batch=conv.first_batch)
 
     def ended(self, conv: Tracked, now: float) -> "ConversationRow":
         """This row once the conversation ended idle, its transcript unchanged."""
