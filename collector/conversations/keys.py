@@ -11,7 +11,7 @@ default attributes to look in are ``config.DEFAULT_ID_ATTRIBUTES``).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
@@ -116,21 +116,29 @@ def conversation_key(spans: list[dict[str, Any]],
     are skipped. Returns None when no span carries one; the caller then keys the
     trace as ``trace:<trace_id>`` (or chains it, see ``group_traces``).
     """
+    ordered = iter(sorted(spans, key=_span_order))
     parsed: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for row in sorted(spans, key=_span_order):
-        try:
-            attrs = json_column(row, "attributes") or {}
-            resource = json_column(row, "resource") or {}
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
-            continue
-        if isinstance(attrs, dict) and isinstance(resource, dict):
-            parsed.append((attrs, resource))
+
+    def each() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """The rows' (attributes, resource), parsed as far as a reader goes: an id on the first span
+        (the root, as a rule) leaves the others' attributes, model calls' long histories, unparsed."""
+        yield from parsed
+        for row in ordered:
+            try:
+                attrs = json_column(row, "attributes") or {}
+                resource = json_column(row, "resource") or {}
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
+                continue
+            if isinstance(attrs, dict) and isinstance(resource, dict):
+                parsed.append((attrs, resource))
+                yield attrs, resource
+
     for name in id_attributes:
-        for attrs, _ in parsed:
+        for attrs, _ in each():
             v = _lookup(attrs, name)
             if v:
                 return v
-        for _, resource in parsed:
+        for _, resource in parsed:  # every row is parsed by now
             v = _lookup(resource, name)
             if v:
                 return v

@@ -2,7 +2,7 @@
 
 ``conversation_v1`` turns a ``Transcript`` into the record; ``conversation_record``
 reads a stored conversation back into a ``Transcript`` (``stored_transcript``)
-and hands it to the same builder (``stored_record``). ``stored_transcripts`` is
+and hands it to the same builder (``stored_record``); ``conversation_records`` reads many at once. ``stored_transcripts`` is
 the same read for many conversations at once (a page of an export), their
 messages in one query. The API, the CLI, the evaluator, the review page and exports all read
 conversations through it, so what a judge is shown is what a reviewer and an
@@ -100,6 +100,16 @@ def conversation_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) ->
     if stored is None:
         return None
     return stored_record(conversation_id, *stored)
+
+
+def conversation_records(cur: duckdb.DuckDBPyConnection, conversation_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``conversation_record`` of many conversations in two reads (their rows, then their messages);
+    those not stored are left out."""
+    if not conversation_ids:
+        return {}
+    rows = cur.execute(f"SELECT {stored_select()} FROM conversations WHERE conversation_id IN "
+                       "(SELECT unnest(?::VARCHAR[])) ORDER BY conversation_id", [list(conversation_ids)]).fetchall()
+    return {cid: stored_record(cid, transcript, facts) for cid, transcript, facts in stored_transcripts(cur, rows)}
 
 
 def stored_record(conversation_id: str, transcript: Transcript, facts: StoredFacts, *,

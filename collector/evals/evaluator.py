@@ -450,18 +450,18 @@ class Evaluator(Stage):
         cur = self.cur
         assert cur is not None
         try:
-            prepared = await self._db(lambda: [self._prepare(cur, job) for job in jobs])
+            prepared = await self._db(lambda: self._prepare(cur, jobs))
             await asyncio.gather(*(self._judge(job, p, started) for job, p in zip(jobs, prepared)))
         finally:
             for job in jobs:
                 self._in_flight.pop(job.conversation_id, None)
 
-    def _prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None | duckdb.Error:
-        """In the DuckDB thread: ``Judging.prepare``, or the error that reading it raised."""
+    def _prepare(self, cur: duckdb.DuckDBPyConnection, jobs: list[Job]) -> list[Prepared | None | duckdb.Error]:
+        """In the DuckDB thread: ``Judging.prepare_many``, or for each job the error that reading them raised."""
         try:
-            return self.judging.prepare(cur, job)
+            return list(self.judging.prepare_many(cur, jobs))
         except duckdb.Error as exc:
-            return exc
+            return [exc] * len(jobs)
 
     async def _judge(self, job: Job, prepared: Prepared | None | duckdb.Error, started: float) -> None:
         attempts = self._attempts.pop(job.conversation_id, 1)

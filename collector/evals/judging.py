@@ -31,7 +31,7 @@ from judges import (
     transcript_sha256,
 )
 
-from ..conversations.record import conversation_record
+from ..conversations.record import conversation_records
 from ..errors import UserError
 from ..store.transactions import Transaction
 from . import simulations, verdicts
@@ -183,28 +183,45 @@ class Judging:
 
     def prepare(self, cur: duckdb.DuckDBPyConnection, job: Job) -> Prepared | None:
         """The conversation record, and the criteria that still need a verdict on its current transcript."""
-        if job.simulated:
-            record = simulations.simulated_record(cur, job.conversation_id)
-        else:
-            record = conversation_record(cur, job.conversation_id)
-            if record is not None:
-                record["sampling"] = {"probability": job.probability, "rule": job.rule}
-        if record is None:
-            return None
-        conversation = Conversation.model_validate(record)
-        sha = transcript_sha256(conversation.messages)
-        rows = cur.execute(
-            "SELECT criterion_id, criterion_version, judge_model, result FROM verdicts "
-            "WHERE conversation_id = ? AND transcript_sha256 = ?", [job.conversation_id, sha]).fetchall()
-        done = {(cid, version, model) for cid, version, model, result in rows if result != "error"}
-        errored = {(cid, version, model) for cid, version, model, result in rows if result == "error"}
-        todo = []
-        for c in self.criteria:
-            key = (c.id, c.version, self._judge_model(c))
-            if key in done or (job.only_errors and key not in errored):
+        return self.prepare_many(cur, [job])[0]
+
+    def prepare_many(self, cur: duckdb.DuckDBPyConnection, jobs: Sequence[Job]) -> list[Prepared | None]:
+        """``prepare`` of several jobs in three reads, whatever their number (the evaluator's reads of its
+        conversations are what its DuckDB thread spends its time on under load); None for one not stored."""
+        records = conversation_records(cur, [j.conversation_id for j in jobs if not j.simulated])
+        for job in jobs:
+            if job.simulated:
+                record = simulations.simulated_record(cur, job.conversation_id)
+                if record is not None:
+                    records[job.conversation_id] = record
+            elif job.conversation_id in records:
+                records[job.conversation_id]["sampling"] = {"probability": job.probability, "rule": job.rule}
+        conversations = {cid: Conversation.model_validate(r) for cid, r in records.items()}
+        shas = {cid: transcript_sha256(c.messages) for cid, c in conversations.items()}
+        found: dict[str, list[tuple[str, int, str | None, str]]] = {}
+        if shas:
+            for cid, criterion, version, model, result in cur.execute(
+                    "SELECT v.conversation_id, criterion_id, criterion_version, judge_model, result FROM verdicts v "
+                    "JOIN (SELECT unnest(?::VARCHAR[]) AS conversation_id, unnest(?::VARCHAR[]) AS transcript_sha256) "
+                    "USING (conversation_id, transcript_sha256)", [list(shas), list(shas.values())]).fetchall():
+                found.setdefault(cid, []).append((criterion, version, model, result))
+        out: list[Prepared | None] = []
+        for job in jobs:
+            conversation = conversations.get(job.conversation_id)
+            if conversation is None:
+                out.append(None)
                 continue
-            todo.append(c)
-        return Prepared(conversation, todo, sha, len(self.criteria) - len(todo))
+            rows = found.get(job.conversation_id, [])
+            done = {(c, v, m) for c, v, m, result in rows if result != "error"}
+            errored = {(c, v, m) for c, v, m, result in rows if result == "error"}
+            todo = []
+            for c in self.criteria:
+                key = (c.id, c.version, self._judge_model(c))
+                if key in done or (job.only_errors and key not in errored):
+                    continue
+                todo.append(c)
+            out.append(Prepared(conversation, todo, shas[job.conversation_id], len(self.criteria) - len(todo)))
+        return out
 
     async def judge(self, conversation: Conversation, criteria: Sequence[Criterion]) -> JudgeRun:
         """Run the criteria on one conversation; a conversation without content runs none of them."""

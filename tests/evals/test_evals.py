@@ -219,6 +219,28 @@ def test_renaming_a_tool_is_judged_again(cur: duckdb.DuckDBPyConnection) -> None
     assert _todo(cur, "conv") == ["c1", "c2"]
 
 
+def test_conversations_read_together_for_their_judges_are_read_as_each_alone(cur: duckdb.DuckDBPyConnection) -> None:
+    """The evaluator reads a group of conversations in one go: each gets its own transcript, sampling and
+    criteria left to judge; one not stored gets None, in its place."""
+    done = add_conversation(cur, "done", TOOL_TURNS)
+    add_conversation(cur, "fresh", _renamed(TOOL_TURNS, "find_order"))
+    half = add_conversation(cur, "half", TOOL_TURNS[:2])
+    store(cur, [verdict("done", c.id, "pass", done) for c in TOOL_CRITERIA] + [verdict("half", "c1", "fail", half),
+              verdict("half", "c2", "error", half), verdict("fresh", "c1", "pass", done)],
+          probability=1.0, rule=None)
+    judging = Judging(TOOL_CRITERIA, ScriptedProvider("{}", model=LLM.model), concurrency=1, timeout=1.0)
+    judging.bind()
+    jobs = [Job("half", 1, 0.5, "rules[0]"), Job("missing", 1, 1.0, "default"), Job("done", 1, 1.0, "default"),
+            Job("fresh", 1, 0.25, "default"), Job("half", 1, 0.5, "rules[0]", only_errors=True)]
+    together = judging.prepare_many(cur, jobs)
+    assert together == [judging.prepare(cur, job) for job in jobs]
+    assert [None if p is None else [c.id for c in p.todo] for p in together] == [
+        ["c2"], None, [], ["c1", "c2"], ["c2"]]
+    assert [p.conversation.sampling.probability for p in together if p is not None] == [0.5, 1.0, 0.25, 0.5]
+    assert {p.conversation.id: len(p.conversation.messages) for p in together if p is not None} == {
+        "half": 2, "done": len(TOOL_TURNS), "fresh": len(TOOL_TURNS)}
+
+
 def test_verdicts_under_the_earlier_digest_are_not_judged_again(cur: duckdb.DuckDBPyConnection) -> None:
     """A file from before the digest covered the rendered transcript: its verdicts stay current."""
     add_conversation(cur, "conv", TOOL_TURNS)
