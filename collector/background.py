@@ -34,12 +34,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import duckdb
 
 from .metrics import Metrics
-from .store import Store
+
+if TYPE_CHECKING:
+    from .store import Store  # imported when first asked for (collector.store)
 
 log = logging.getLogger("tracejudge.stages")
 

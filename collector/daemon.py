@@ -51,6 +51,7 @@ from .forward import Forwarder
 from .forward.verdicts import VerdictEvents
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
+from .memory import limit_arenas, resident_bytes
 from .metrics import Metrics
 from .retention import Retention
 from .review import queue as review_queue
@@ -125,15 +126,6 @@ def _process_gauges(convs: StageProcess) -> list[str]:
             "ended and was started again.",
             "# TYPE tracejudge_conversations_process_restarts_total counter",
             f"tracejudge_conversations_process_restarts_total {child['restarts']}"]
-
-
-def resident_bytes() -> int:
-    """The process's resident set (Linux), 0 where /proc is not there."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class Parts:
@@ -407,6 +399,7 @@ class Daemon:
 
 def serve(config: Config, signals: StopSignals, extra_stages: Sequence[StageFactory] = ()) -> int:
     """Run the daemon until SIGTERM/SIGINT (``signals`` installed before start-up); the exit status."""
+    limit_arenas()  # before the threads start: see collector.memory
     try:
         stopped = asyncio.run(Daemon(config, extra_stages=extra_stages).run(signals))
     finally:

@@ -30,7 +30,6 @@ then starts the child, which opens its stage and catches up) -> ``on_commit`` ..
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import gc
 import itertools
 import logging
@@ -38,21 +37,25 @@ import math
 import multiprocessing
 import os
 import queue
-import resource
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import duckdb
 
 from ..background import RETRY_FIRST, RETRY_MOST, Stage
 from ..config import Conversations as Settings
+from ..memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
 from ..metrics import Metrics
-from ..store import Committed, Pacing, Store
+from ..store import Committed, Pacing, register, rows_table
 from .rows import Light
 from .tables import SCHEMA
+
+if TYPE_CHECKING:
+    from ..store import Store  # imported when first asked for (collector.store)
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -84,8 +87,11 @@ class RemoteCursor:
 
     def call(self, *request: Any) -> Any:
         with self._lock:
-            self._conn.send(request)
-            answer = self._conn.recv()
+            try:
+                self._conn.send(request)
+                answer = self._conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)  # the parent is gone (killed) mid-statement: nothing can be written now
         if answer[0] == "ok":
             return answer[1]
         _, module, name, message = answer
@@ -117,8 +123,9 @@ class RemoteCursor:
         self._rows = []
         return out
 
-    def register(self, name: str, table: Any) -> None:
-        self.call("register", name, table)
+    def register_rows(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """The parent builds the Arrow table: this process never loads pyarrow (see collector.store)."""
+        self.call("register_rows", name, columns, rows)
 
     def unregister(self, name: str) -> None:
         self.call("unregister", name)
@@ -154,6 +161,7 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    limit_arenas()  # as the daemon does, before this process starts its threads
     os.nice(NICE)
     logging.basicConfig(level=log_level, format=log_format)
     # A rebuild makes many short-lived containers and few cycles: collecting every 700 allocations
@@ -177,16 +185,15 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
         return
     done = threading.Event()
 
-    trim = _malloc_trim()
+    trim = trimmer()
 
     def report() -> None:
         for n in itertools.count(1):
             if trim is not None and n % TRIM_EVERY == 0:
                 trim(0)  # what the last rebuilds freed goes back to the system, not kept by malloc
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             counters = {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}
             try:
-                send("status", stage.status(), stage.held(), stage.stopped, counters, _rss(), rss)
+                send("status", stage.status(), stage.held(), stage.stopped, counters, resident_bytes(), peak_resident_bytes())
             except (OSError, EOFError):
                 return
             if done.wait(STATUS_EVERY):
@@ -225,26 +232,10 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
         done.set()
         try:
             send("status", stage.status(), stage.held(), stage.stopped,
-                 {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}, _rss(), 0)
+                 {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}, resident_bytes(), 0)
             send("stopped")
         except (OSError, EOFError):
             pass
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, where there is one."""
-    try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _error_text(exc: BaseException | None) -> str | None:
@@ -453,9 +444,10 @@ class StageProcess(Stage):
         if op == "fetch":
             rows = cur.fetchmany(request[1]) if request[1] else cur.fetchall()
             return rows, bool(request[1]) and len(rows) == request[1]
-        if op == "register":
-            cur.register(request[1], request[2])
-            self._registered[request[1]] = request[2]
+        if op == "register_rows":
+            table = rows_table(request[2], request[3])
+            register(cur, request[1], table)
+            self._registered[request[1]] = table
             return None
         if op == "unregister":
             cur.unregister(request[1])

@@ -30,16 +30,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import duckdb
 
 from ..config import Conversations as Settings
 from ..metrics import Metrics
-from ..store import Store, Transaction
+from ..store import Transaction
 from ..store.schema import TRACE_MAP
 from .stage import Conversations
 from .tables import SCHEMA as TABLES
+
+if TYPE_CHECKING:
+    from ..store import Store  # imported when first asked for (collector.store)
 
 log = logging.getLogger("tracejudge.reindex")
 

@@ -37,14 +37,14 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import duckdb
 
 from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
-from ..store import Committed, Store, Transaction, registered, rows_table
+from ..store import Committed, Transaction, registered_rows
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -54,6 +54,9 @@ from .tables import SCHEMA
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
 from .writes import ConversationRow, Writes, message_rows
+
+if TYPE_CHECKING:
+    from ..store import Store  # imported when first asked for (collector.store)
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -609,8 +612,8 @@ class Conversations(Stage):
                 [[c.id for c in part], part[0].first_batch or 0]).fetchall())
             rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
                      dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
-            with Transaction(cur), registered(cur, "ended_now", rows_table(
-                    ("conversation_id", "ended_at", "ended_by", "closed_at", "updated_at"), rows)):
+            with Transaction(cur), registered_rows(
+                    cur, "ended_now", ("conversation_id", "ended_at", "ended_by", "closed_at", "updated_at"), rows):
                 cur.execute("UPDATE conversations SET state = 'ended', ended_at = e.ended_at, ended_by = e.ended_by, "
                             "closed_at = e.closed_at, updated_at = e.updated_at FROM ended_now e "
                             "WHERE conversations.conversation_id = e.conversation_id")

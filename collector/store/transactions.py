@@ -5,6 +5,10 @@ another on the same cursor it is part of that one, so a caller that stores sever
 things at once wraps them all in one commit. ``registered`` hands DuckDB an Arrow
 table for one bulk statement: row-by-row inserts cost DuckDB about 1.5 ms a row,
 an Arrow insert microseconds.
+
+pyarrow is imported where a table is built, not with this module: the conversation
+stage's process writes through a cursor whose statements the daemon runs, hands its
+rows over with ``registered_rows``, and so never loads pyarrow (about 40 MB).
 """
 
 from __future__ import annotations
@@ -12,10 +16,27 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import pyarrow as pa
+
+from ..ingest.batches import LogBatch, SpanBatch
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+@dataclass
+class Committed:
+    """What one transaction of the writer stored; handed to commit listeners."""
+
+    batch_id: int
+    received_at: float
+    spans: SpanBatch
+    logs: LogBatch
+    spans_stored: int
+    logs_stored: int
 
 
 class Transaction:
@@ -47,10 +68,40 @@ class Transaction:
             pass  # a database DuckDB invalidated cannot roll back: the error that got us here is the news
 
 
+def register(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:
+    """``cur.register``, after running the cursor's last result to its end.
+
+    DuckDB 2 refuses to register while a result is not read to its end, as one is
+    after a ``fetchone()`` of an INSERT's count; nobody reads it once a table is registered.
+    """
+    complete = getattr(cur, "complete", None)  # DuckDB 2; before it, register never waited
+    if complete is not None:
+        complete()
+    cur.register(name, table)
+
+
 @contextlib.contextmanager
 def registered(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> Iterator[str]:
     """``table`` readable as ``name`` on ``cur`` for the statements of the block."""
-    cur.register(name, table)
+    register(cur, name, table)
+    try:
+        yield name
+    finally:
+        cur.unregister(name)
+
+
+@contextlib.contextmanager
+def registered_rows(cur: Any, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Iterator[str]:
+    """``rows`` (tuples in ``columns`` order) readable as ``name`` on ``cur`` for the statements of the block.
+
+    A cursor with ``register_rows`` (the stage process's) has its table built where it runs.
+    """
+    remote = getattr(cur, "register_rows", None)
+    if remote is None:
+        with registered(cur, name, rows_table(columns, rows)):
+            yield name
+        return
+    remote(name, columns, rows)
     try:
         yield name
     finally:
@@ -59,6 +110,8 @@ def registered(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> It
 
 def rows_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> pa.Table:
     """Rows (tuples in ``columns`` order) as an Arrow table, column by column."""
+    import pyarrow as pa  # see the module's docstring
+
     return pa.table({name: pa.array([r[i] for r in rows]) for i, name in enumerate(columns)})
 
 
@@ -66,7 +119,7 @@ def insert_rows(cur: duckdb.DuckDBPyConnection, statement: str, columns: Sequenc
                 rows: Sequence[Sequence[Any]]) -> None:
     """``statement`` (``INSERT [OR REPLACE] INTO t``) with ``rows``, in one bulk insert; nothing when empty."""
     if rows:
-        with registered(cur, "incoming_rows", rows_table(columns, rows)):
+        with registered_rows(cur, "incoming_rows", columns, rows):
             cur.execute(f"{statement} SELECT * FROM incoming_rows")
 
 

@@ -55,21 +55,9 @@ from ..metrics import Metrics
 from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
 from .pacing import Pacing
 from .schema import LOG_ARROW, SPAN_ARROW, create_schema
-from .transactions import Transaction, registered
+from .transactions import Committed, Transaction, registered
 
 log = logging.getLogger("tracejudge.store")
-
-
-@dataclass
-class Committed:
-    """What one transaction stored; handed to commit listeners."""
-
-    batch_id: int
-    received_at: float
-    spans: SpanBatch
-    logs: LogBatch
-    spans_stored: int
-    logs_stored: int
 
 
 @dataclass
