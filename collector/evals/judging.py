@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import duckdb
 
@@ -33,7 +35,7 @@ from judges import (
 
 from ..conversations.record import conversation_records
 from ..errors import UserError
-from ..store.transactions import Transaction
+from ..store.transactions import Transaction, insert_rows
 from . import simulations, verdicts
 
 PROGRESS_SCHEMA = """
@@ -46,6 +48,7 @@ CREATE TABLE IF NOT EXISTS eval_progress (
     retry_at TIMESTAMPTZ
 );
 """
+PROGRESS_COLUMNS = ("conversation_id", "revision", "judged_at", "errors", "attempts", "retry_at")
 
 # An ended conversation the evaluator has still to decide, judge at its current revision, or retry
 # (aliases: c conversations, s sampling_decisions, p eval_progress). The scan queues the first two;
@@ -240,23 +243,35 @@ class Judging:
         return run
 
     def store(self, cur: duckdb.DuckDBPyConnection, outcomes: Sequence[Outcome], *, progress: bool = True) -> None:
-        """Store verdicts, not-run records and progress rows of several conversations in one transaction."""
+        """Store verdicts, not-run records and progress rows of several conversations in one transaction.
+
+        A few statements for all of them, not a few for each: under load the evaluator stores what
+        twenty or more conversations produced at once, and the DuckDB thread was busy storing them
+        one by one (three quarters of its time in bench/online.py) while judge calls waited to start.
+        """
         now = utc(self.clock())
         with Transaction(cur):
+            groups: dict[tuple[float, str | None], list[Outcome]] = defaultdict(list)
             for o in outcomes:
-                job, run = o.job, o.run
-                o.stored = verdicts.store_verdicts(cur, run.verdicts, probability=job.probability, rule=job.rule,
-                                                   now=now, current={job.conversation_id: o.sha256})
-                if self.on_stored is not None and not job.simulated:  # reviewers review production
-                    self.on_stored(cur, o.stored, now)
-                if run.not_run:
-                    verdicts.store_not_run(cur, run.not_run, now=now)
-                if progress:
-                    errors = sum(1 for v in run.verdicts if v.result == "error")
-                    retry = (utc(self.clock() + RETRY_AFTER[o.attempts - 1])
-                             if errors and o.attempts <= len(RETRY_AFTER) else None)
-                    cur.execute("INSERT OR REPLACE INTO eval_progress VALUES (?, ?, ?, ?, ?, ?)",
-                                [job.conversation_id, job.revision, now, errors, o.attempts, retry])
+                groups[(o.job.probability, o.job.rule)].append(o)
+            for (probability, rule), group in groups.items():
+                owner = {verdicts.verdict_id(v): o for o in group for v in o.run.verdicts}
+                stored = verdicts.store_verdicts(cur, [v for o in group for v in o.run.verdicts],
+                                                 probability=probability, rule=rule, now=now,
+                                                 current={o.job.conversation_id: o.sha256 for o in group})
+                for o in group:
+                    o.stored = [vid for vid in stored if owner[vid] is o]
+            if self.on_stored is not None:  # reviewers review production
+                self.on_stored(cur, [vid for o in outcomes if not o.job.simulated for vid in o.stored], now)
+            verdicts.store_not_run(cur, [n for o in outcomes for n in o.run.not_run], now=now)
+            if progress:
+                insert_rows(cur, "INSERT OR REPLACE INTO eval_progress", PROGRESS_COLUMNS,
+                            [self._progress(o, now) for o in outcomes])
+
+    def _progress(self, o: Outcome, now: dt.datetime) -> tuple[Any, ...]:
+        errors = sum(1 for v in o.run.verdicts if v.result == "error")
+        retry = utc(self.clock() + RETRY_AFTER[o.attempts - 1]) if errors and o.attempts <= len(RETRY_AFTER) else None
+        return (o.job.conversation_id, o.job.revision, now, errors, o.attempts, retry)
 
     async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, progress: bool = True) -> Outcome | None:
         """Judge one conversation and store the outcome; None when the conversation is gone."""

@@ -30,7 +30,7 @@ from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript
 
 from ..conversations.record import conversation_record
 from ..listing import iso_utc
-from ..store.transactions import Transaction, registered, utc_now
+from ..store.transactions import Transaction, registered, registered_rows, utc_now
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sampling_decisions (
@@ -89,6 +89,7 @@ CREATE TABLE IF NOT EXISTS evals_state (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
 
 
+NOT_RUN_COLUMNS = ("conversation_id", "criterion_id", "criterion_version", "reason", "at")
 VERDICT_COLUMNS = (
     "id", "conversation_id", "criterion_id", "criterion_version", "judge_provider", "judge_model",
     "transcript_sha256", "result", "error_reason", "reasoning", "evidence", "evidence_verified", "flagged",
@@ -364,11 +365,12 @@ def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
                   now: dt.datetime | None = None) -> None:
     """Record criteria that could not run (no provider, no content, budget), the latest reason winning."""
     at = utc_now(now)
-    with Transaction(cur):
-        for r in not_run:
-            cur.execute('INSERT INTO not_run VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET '
-                        'reason = excluded.reason, "at" = excluded."at"',
-                        [r.conversation_id, r.criterion_id, r.criterion_version, r.reason, at])
+    latest = {(r.conversation_id, r.criterion_id, r.criterion_version): r.reason for r in not_run}
+    if not latest:
+        return
+    with registered_rows(cur, "_not_run", NOT_RUN_COLUMNS, [(*key, reason, at) for key, reason in latest.items()]):
+        cur.execute('INSERT INTO not_run SELECT * FROM _not_run ON CONFLICT DO UPDATE SET '
+                    'reason = excluded.reason, "at" = excluded."at"').fetchall()
 
 
 def verdict_dict(row: Sequence[Any]) -> dict[str, Any]:

@@ -241,6 +241,63 @@ def test_conversations_read_together_for_their_judges_are_read_as_each_alone(cur
         "half": 2, "done": len(TOOL_TURNS), "fresh": len(TOOL_TURNS)}
 
 
+def _stored_tables(cur: duckdb.DuckDBPyConnection) -> dict[str, list[Any]]:
+    return {t: cur.execute(f"SELECT * EXCLUDE ({skip}) FROM {t} ORDER BY ALL").fetchall() for t, skip in [
+        ("verdicts", "seq"), ("not_run", "\"at\""), ("eval_progress", "judged_at"),
+        ("review_items", "id, created_at"), ("calibration_items", "id, created_at")]}
+
+
+def test_outcomes_stored_together_are_stored_as_each_alone(tmp_path: Path) -> None:
+    """The evaluator stores what a group of conversations produced in one go: the same verdicts, superseded
+    ones, not-run records, progress rows, review and calibration items as storing each alone."""
+    from collector.evals.judging import Outcome
+    from collector.evals.judging import ensure_schema as judging_schema
+    from collector.review.queue import item_opener
+    from collector.config import Config
+    from judges import JudgeRun
+
+    cfg = Config.model_validate({"review": {"calibration_rate": 0.5}})
+    tables = []
+    for name, together in (("alone", False), ("together", True)):
+        con = duckdb.connect(str(tmp_path / f"{name}.duckdb"))
+        c = con.cursor()
+        c.execute(CONVERSATIONS_SCHEMA)
+        judging_schema(c)
+        review.ensure_schema(c)
+        shas = {cid: add_conversation(c, cid, TOOL_TURNS[:n]) for cid, n in (("a", 4), ("b", 2), ("sim", 4))}
+        c.execute("INSERT INTO not_run VALUES ('a', 'c2', 1, 'no provider configured', ?)", [T0])
+        store(c, [verdict("b", "c1", "fail", "1" * 64)], probability=1.0, rule=None, now=T0)  # an older transcript
+        judging = Judging(TOOL_CRITERIA, None, concurrency=1, timeout=1.0, on_stored=item_opener(cfg),
+                          clock=lambda: T0.timestamp())
+        outcomes = [
+            Outcome(Job("a", 1, 0.5, "rules[0]"), JudgeRun(verdicts=[
+                verdict("a", "c1", "fail", shas["a"]), verdict("a", "c2", "pass", shas["a"])], not_run=[],
+                usage=Usage()), shas["a"], 0),
+            Outcome(Job("b", 1, 1.0, "default"), JudgeRun(verdicts=[
+                verdict("b", "c1", "fail", shas["b"], flagged=True), verdict("b", "c2", "error", shas["b"])],
+                not_run=[NotRun(conversation_id="b", criterion_id="c3", criterion_version=1, reason="budget")],
+                usage=Usage()), shas["b"], 0, attempts=2),
+            Outcome(Job("sim", 1, 1.0, "default", simulated=True), JudgeRun(verdicts=[
+                verdict("sim", "c1", "fail", shas["sim"])], not_run=[], usage=Usage()), shas["sim"], 0),
+        ]
+        if together:
+            judging.store(c, outcomes)
+        else:
+            for o in outcomes:
+                judging.store(c, [o])
+        assert [o.stored for o in outcomes] == [
+            [evals.verdict_id(v) for v in o.run.verdicts] for o in outcomes]
+        tables.append(_stored_tables(c))
+        con.close()
+    alone, together_ = tables
+    assert together_ == alone
+    # b's older fail was stored superseded, so never queued; the simulated conversation's fail is not queued.
+    assert [(r[1], r[2]) for r in alone["review_items"]] == [("a", "c1"), ("b", "c1")]
+    assert alone["not_run"] == [("b", "c3", 1, "budget")]  # a's record gave way to its verdict on c2
+    assert alone["eval_progress"] == [  # b's error is retried after its 2nd wait
+        ("a", 1, 0, 1, None), ("b", 1, 1, 2, T0 + dt.timedelta(seconds=600)), ("sim", 1, 0, 1, None)]
+
+
 def test_verdicts_under_the_earlier_digest_are_not_judged_again(cur: duckdb.DuckDBPyConnection) -> None:
     """A file from before the digest covered the rendered transcript: its verdicts stay current."""
     add_conversation(cur, "conv", TOOL_TURNS)
