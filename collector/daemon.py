@@ -51,7 +51,7 @@ from .forward import Forwarder
 from .forward.verdicts import VerdictEvents
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
-from .memory import limit_arenas, resident_bytes
+from .memory import resident_bytes
 from .metrics import Metrics
 from .retention import Retention
 from .review import queue as review_queue
@@ -399,7 +399,6 @@ class Daemon:
 
 def serve(config: Config, signals: StopSignals, extra_stages: Sequence[StageFactory] = ()) -> int:
     """Run the daemon until SIGTERM/SIGINT (``signals`` installed before start-up); the exit status."""
-    limit_arenas()  # before the threads start: see collector.memory
     try:
         stopped = asyncio.run(Daemon(config, extra_stages=extra_stages).run(signals))
     finally:

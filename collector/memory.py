@@ -1,7 +1,7 @@
 """The process's memory as the kernel counts it, and the glibc allocator settings that keep it low.
 
-Both the daemon and the conversation stage's process use these. The stage's process cannot
-import ``daemon``, which imports it, so they live here.
+The command line caps the arenas before any command starts (the daemon, a reindex), the
+conversation stage's process does at its own start, and both report their resident set.
 
 glibc's malloc gives each new thread an arena of its own, up to eight per core, and
 seldom returns an arena's free memory. The daemon has many threads (receivers, the
