@@ -24,6 +24,7 @@ Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +149,7 @@ def _log_rank(row: dict[str, Any]) -> tuple[str, str]:
     return (str(row.get("body") or ""), str(row.get("attributes") or ""))
 
 
-def _log_groups(logs: list[dict[str, Any]], known_texts: dict[str, Any]
+def _log_groups(logs: Sequence[dict[str, Any]], known_texts: dict[str, Any]
                 ) -> tuple[dict[tuple[str, str | None], _LogGroup], int, dict[str, Any]]:
     """Log rows deduplicated and grouped by (trace, span), in emission order.
 
@@ -584,7 +585,7 @@ class ParseMemo:
 # ---------------------------------------------------------------- build
 
 
-def build_transcript(spans: list[dict[str, Any]], logs: list[dict[str, Any]],
+def build_transcript(spans: Sequence[dict[str, Any]], logs: Sequence[dict[str, Any]],
                      memo: ParseMemo | None = None) -> Transcript:
     """Rebuild one conversation from all its stored span and log rows.
 

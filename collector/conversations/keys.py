@@ -63,6 +63,7 @@ class StoredRow(dict[str, Any]):
     """
 
     __slots__ = ("_parsed",)
+    _parsed: dict[str, tuple[Any, BaseException | None]]  # column -> (value, error), once parsed
 
     def json(self, column: str) -> Any:
         """``load_json_column`` of the column, parsed on the first call (its ``ValueError`` raised again after)."""
@@ -107,7 +108,7 @@ def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
     return repair_text(v) if v else None
 
 
-def conversation_key(spans: list[dict[str, Any]],
+def conversation_key(spans: Sequence[dict[str, Any]],
                      id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> str | None:
     """The conversation id of one trace, from any of its span rows.
 

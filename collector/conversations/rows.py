@@ -142,11 +142,11 @@ class RowCache:
                 span_rows, log_rows = stored[c.batch_id]
                 for tid in c.trace_ids:
                     taken.add(tid, c.batch_id, c.received_at)
-                for row in span_rows:
-                    taken.rows[row["trace_id"]].spans.append(row)
-                for row in log_rows:
-                    if row["trace_id"] in taken.rows:
-                        taken.rows[row["trace_id"]].logs.append(row)
+                for stored_row in span_rows:
+                    taken.rows[stored_row["trace_id"]].spans.append(stored_row)
+                for stored_row in log_rows:
+                    if stored_row["trace_id"] in taken.rows:
+                        taken.rows[stored_row["trace_id"]].logs.append(stored_row)
                 continue
             for row in c.spans.rows():
                 taken.add(row["trace_id"], c.batch_id, c.received_at).spans.append(StoredRow(row))

@@ -163,6 +163,7 @@ class DigestMemo:
 def _judge_message(m: TranscriptMessage) -> JudgeMessage:
     """The message as a judge reads it; no validation: a message the record's reader would refuse still hashes."""
     return JudgeMessage.model_construct(
-        role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+        role=m.role, content=m.content,  # type: ignore[arg-type]  # the stored role, not validated here
+        tool_call_id=m.tool_call_id, name=m.name,
         tool_calls=[JudgeToolCall.model_construct(id=tc.id, name=tc.name, arguments=tc.arguments)
                     for tc in m.tool_calls])
