@@ -18,22 +18,30 @@ settings.register_profile("explore")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator[Any]:
-    started: list[DaemonProcess] = []
+@pytest.fixture(autouse=True)
+def no_daemon_left() -> Iterator[None]:
+    """Every daemon a test made ends with the test, also one it never stopped because it failed first:
+    a daemon left running holds its ports and its file, and outlives the suite. Daemons of module-scoped
+    fixtures were made before this and are their fixture's to stop."""
+    before = len(DaemonProcess.started)
+    yield
+    for d in DaemonProcess.started[before:]:
+        d.end()
+    del DaemonProcess.started[before:]
 
+
+def pytest_sessionfinish() -> None:
+    for d in DaemonProcess.started:  # those of module-scoped fixtures, if one did not stop its own
+        d.end()
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Any:
     def make(env: dict[str, str] | None = None, start: bool = True, **sections: Any) -> DaemonProcess:
         d = DaemonProcess(tmp_path, base_config(tmp_path, **sections), env)
-        started.append(d)
         return d.start() if start else d
 
-    yield make
-    for d in started:
-        if d.proc is not None and d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait()
-        if hasattr(d, "log") and not d.log.closed:
-            d.log.close()
+    return make
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import pytest
 from collector.evals.verdicts import VERDICT_COLUMNS
 
 from ..support.daemon import DaemonProcess, base_config, clean_env
-from ..support.review import stop_daemon
 from ..support.stored import T0, StoredConversation, create_store, text_messages, verdict_row, write
 
 CRITERIA = {"tone": "style", "triage": "safety", "handover": None}
@@ -280,4 +279,4 @@ def test_a_file_a_daemon_runs_on_is_read_through_its_api(stores: tuple[Path, Sha
         assert set(_lines(tmp_path, "d.jsonl")) == set(_lines(tmp_path, "one.jsonl"))
         assert daemon.stop() == 0
     finally:
-        stop_daemon(daemon)
+        daemon.end()

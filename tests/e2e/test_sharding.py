@@ -29,7 +29,7 @@ from collector.demo import Persona
 
 from ..support.daemon import DaemonProcess, clean_env, wait_conversations, wait_until
 from ..support.online import send
-from ..support.review import carrier_conversation, refund_conversation, start_daemon, stop_daemon
+from ..support.review import carrier_conversation, refund_conversation, start_daemon
 
 ROUTING_ATTRIBUTE = "gen_ai.conversation.id"
 TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -212,7 +212,7 @@ def test_a_router_with_the_load_balancing_contract_keeps_each_conversation_whole
         if router is not None:
             router.close()
         for daemon in daemons.values():
-            stop_daemon(daemon)
+            daemon.end()
 
     # stats --json has no time-dependent field (no generated-at stamp, no ages): counts, rates and
     # review states only, so the two outputs are compared whole.

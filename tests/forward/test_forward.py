@@ -20,7 +20,6 @@ from collector.errors import ConfigError
 from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite, rewrite_all
 
 from ..support.daemon import DaemonProcess, base_config, pool_workers, wait_until
-from ..support.review import stop_daemon
 from ..support.wire import add_attributes, post, span_request_bytes
 
 
@@ -146,7 +145,7 @@ def test_each_backend_type_gets_its_path_headers_and_the_request(tmp_path: Path)
             assert forwarded(daemon, "ls")["queued_requests"] == 0 and forwarded(daemon, "ls")["sent"] == 1
             assert daemon.stop() == 0
         finally:
-            stop_daemon(daemon)
+            daemon.end()
 
 
 def test_a_backend_down_across_a_restart_gets_everything_in_order_once(tmp_path: Path) -> None:
@@ -173,7 +172,7 @@ def test_a_backend_down_across_a_restart_gets_everything_in_order_once(tmp_path:
             assert sum(r.status == 503 for r in s.received) >= 2 and s.received[-1].status == 200
             assert daemon.stop() == 0
         finally:
-            stop_daemon(daemon)
+            daemon.end()
 
 
 def test_kill9_while_requests_are_queued_loses_nothing_acknowledged(tmp_path: Path) -> None:
@@ -209,7 +208,7 @@ def test_kill9_while_requests_are_queued_loses_nothing_acknowledged(tmp_path: Pa
             assert 1 <= forwarded(daemon, "raw")["resent_after_restart"] <= len(sent)
             assert daemon.stop() == 0
         finally:
-            stop_daemon(daemon)
+            daemon.end()
 
 
 def test_a_permanent_400_is_dropped_counted_and_never_retried(tmp_path: Path) -> None:
@@ -231,7 +230,7 @@ def test_a_permanent_400_is_dropped_counted_and_never_retried(tmp_path: Path) ->
             assert daemon.metric('tracejudge_forward_dropped_total{exporter="lw",reason="http_400"}') == 1
             assert daemon.stop() == 0
         finally:
-            stop_daemon(daemon)
+            daemon.end()
 
 
 def test_a_full_queue_pushes_back_with_503_and_loses_nothing(tmp_path: Path) -> None:
@@ -258,7 +257,7 @@ def test_a_full_queue_pushes_back_with_503_and_loses_nothing(tmp_path: Path) -> 
             assert b"".join(s.delivered()) == b"".join(accepted)
             assert daemon.stop() == 0
         finally:
-            stop_daemon(daemon)
+            daemon.end()
         assert daemon.query("SELECT count(*) FROM span_records")[0][0] == 4 * len(accepted)
 
 
@@ -348,4 +347,4 @@ def test_verdicts_and_review_decisions_go_out_as_evaluation_events(tmp_path: Pat
             assert all(a["tracejudge.conversation.id"] == "ev-2" for _, _, a in _events(s)[before:])
             assert daemon.stop() == 0
         finally:
-            stop_daemon(daemon)
+            daemon.end()

@@ -30,7 +30,7 @@ from replay.export import write_lines
 
 from ..support.daemon import DaemonProcess, base_config, clean_env, wait_conversations, wait_until
 from ..support.online import send
-from ..support.review import CARRIER, CRITERIA, carrier_conversation, stop_daemon, wait_items
+from ..support.review import CARRIER, CRITERIA, carrier_conversation, wait_items
 from ..support.stored import T0, StoredConversation, create_store, text_messages, tool_turn, write
 from ..support.synthetic import real_conversations
 
@@ -456,7 +456,7 @@ def test_through_the_daemon_and_from_the_file_the_lines_are_the_same(tmp_path: P
             assert res.returncode == 0, res.stderr
             assert (tmp_path / f"file-{name}.jsonl").read_bytes() == live[name], name
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def wait_conversations_token(daemon: DaemonProcess) -> None:
@@ -502,7 +502,7 @@ def test_a_daemon_streams_an_export_of_many_pages(tmp_path: Path) -> None:
         assert len(lines) == len(convs) > 2 * export.PAGE
         assert len((tmp_path / "live-s.jsonl").read_bytes().splitlines()) == len(convs[::3])
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def test_the_progress_bar_goes_to_a_terminal_only(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.daemon import DaemonProcess, clean_env, run_cli
 from tests.support.review import CARRIER, CARRIER_ANSWER, carrier_conversation, send_conversations, start_daemon, \
-    stop_daemon, wait_items
+    wait_items
 
 
 def _sim(i: int, *, fail: bool) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def _json(config: Path, *args: str) -> Any:
 def daemon(tmp_path: Path) -> Any:
     d = start_daemon(tmp_path)
     yield d
-    stop_daemon(d)
+    d.end()
 
 
 def _entry(stats: dict[str, Any], criterion: str) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def test_simulated_conversations_are_imported_judged_on_demand_and_compared(daem
     assert "simulation failure rate" in text and CARRIER in text
 
     # The same on the file, with no daemon: the new ones only, judged once.
-    stop_daemon(daemon)
+    daemon.end()
     more = _write(tmp_path / "more.jsonl", [_sim(i, fail=True) for i in range(8, 12)])
     assert _json(cfg, "replay", "import", str(more)) == {"stored": 2, "already_imported": 2}
     again = _json(cfg, "eval", "--source", "simulation")

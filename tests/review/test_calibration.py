@@ -25,7 +25,6 @@ from ..support.review import (
     refund_conversation,
     send_conversations,
     start_daemon,
-    stop_daemon,
 )
 
 CONVERSATIONS = [*(carrier_conversation(f"cal-c{n}") for n in range(1, 5)),
@@ -41,7 +40,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         wait_until(lambda: len(blind(d, CARRIER)) == len(CONVERSATIONS), "a blind item per conversation")
         yield d
     finally:
-        stop_daemon(d)
+        d.end()
 
 
 def blind(d: DaemonProcess, criterion: str, state: str = "all") -> list[dict[str, Any]]:
@@ -195,4 +194,4 @@ def test_without_a_daemon_the_file_is_labelled_and_measured(tmp_path: Path) -> N
         assert entry["confusion"]["pass"]["fail"] == 2 and entry["false_fail"]["rate"] == 1.0
         assert entry["false_pass"]["n"] == 0 and entry["calibrated"] is False
     finally:
-        stop_daemon(d)
+        d.end()

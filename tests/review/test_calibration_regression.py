@@ -29,7 +29,6 @@ from ..support.review import (
     refund_conversation,
     send_conversations,
     start_daemon,
-    stop_daemon,
 )
 
 CONVERSATIONS = [*(carrier_conversation(f"rg-c{n}") for n in range(1, 5)),
@@ -88,7 +87,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         assert d.stop() == 0
         yield World(d, str(d.config_path), live, folder, api_set, api_stats)
     finally:
-        stop_daemon(d)
+        d.end()
 
 
 def cli(w: World, *args: str) -> Any:

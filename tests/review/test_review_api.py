@@ -42,7 +42,6 @@ from ..support.review import (
     refund_conversation,
     send_conversations,
     start_daemon,
-    stop_daemon,
     wait_items,
 )
 
@@ -56,7 +55,7 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
         items = wait_items(daemon, EXPECTED_ITEMS)
         yield daemon, {(i["conversation_id"], i["criterion_id"]): i["id"] for i in items}
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 @pytest.fixture(scope="module")
@@ -472,7 +471,7 @@ def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
         (item,) = wait_items(daemon, {("rv-locked", CARRIER)}, token=TOKEN)
         yield daemon, item["id"]
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def cookie_pair(reply: Reply) -> tuple[str, str]:
@@ -572,7 +571,7 @@ def test_a_reviewer_token_names_the_reviewer_of_every_decision(tmp_path: Path) -
         assert_error(call(api, "GET", "/api/review", headers={"Authorization": f"Bearer {ana}"}), 401,
                      "unauthorized")
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def test_daemon_log_says_what_it_judges_in_words(judged: tuple[DaemonProcess, dict[tuple[str, str], int]]) -> None:

@@ -29,7 +29,6 @@ from ..support.review import (
     refund_conversation,
     send_conversations,
     start_daemon,
-    stop_daemon,
     wait_items,
 )
 
@@ -104,7 +103,7 @@ def test_a_reviewer_follows_a_quote_and_confirms_with_the_keyboard_landing_on_th
         stamp = by_css(browser, "time")
         assert stamp.get_attribute("title").endswith("UTC") and not stamp.text.endswith("UTC")
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def test_at_390_px_the_decision_buttons_are_on_screen(phone: Any, tmp_path: Path) -> None:
@@ -123,7 +122,7 @@ def test_at_390_px_the_decision_buttons_are_on_screen(phone: Any, tmp_path: Path
         assert phone.execute_script("return document.documentElement.scrollWidth") <= width  # no sideways scroll
         phone.save_screenshot(str(shots(tmp_path) / "review-item-390.png"))
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 HOSTILE = Persona("hostile", "en", "review-test", [
@@ -148,7 +147,7 @@ def test_a_transcript_of_markup_renders_as_text_and_runs_nothing(browser: Any, t
         assert "pwned" not in browser.title
         assert browser.execute_script("return document.scripts.length") == 1  # the page's own, nothing else
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def test_a_token_typed_into_the_sign_in_page_lets_the_reviewer_decide(browser: Any, tmp_path: Path) -> None:
@@ -168,7 +167,7 @@ def test_a_token_typed_into_the_sign_in_page_lets_the_reviewer_decide(browser: A
         got = daemon.get(f"/api/review/{item['id']}", token=TOKEN)[1]["item"]
         assert (got["state"], got["reviewer"]) == ("rejected", "Dr. Ana Ruiz")
     finally:
-        stop_daemon(daemon)
+        daemon.end()
 
 
 def _labelled(browser: Any, daemon: DaemonProcess, criterion: str) -> int:
@@ -196,4 +195,4 @@ def test_a_blind_task_labelled_on_the_page_moves_the_calibration_counts(browser:
         assert _labelled(browser, daemon, criterion) == 1
         browser.save_screenshot(str(shots(tmp_path) / "calibration.png"))
     finally:
-        stop_daemon(daemon)
+        daemon.end()

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import yaml
 
@@ -71,6 +71,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
 class DaemonProcess:
     """A real ``tracejudge serve`` subprocess."""
 
+    started: ClassVar[list["DaemonProcess"]] = []
+    """Every daemon made, in order: whatever a test leaves running ends with it (tests/conftest.py)."""
+
     def __init__(self, data_dir: Path, config: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.config = config
@@ -81,6 +84,7 @@ class DaemonProcess:
         self.env = env or clean_env()
         self.proc: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
+        DaemonProcess.started.append(self)  # also one a test starts by hand
 
     def start(self, timeout: float = 30) -> "DaemonProcess":
         self.runtime_file.unlink(missing_ok=True)
@@ -180,6 +184,14 @@ class DaemonProcess:
 
     def kill9(self) -> None:
         self.stop(signal.SIGKILL)
+
+    def end(self) -> None:
+        """Kill it if it still runs, and close its log: a test's teardown, whatever happened in the test."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if hasattr(self, "log") and not self.log.closed:
+            self.log.close()
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         """Read DuckDB directly; only once the daemon has stopped (it holds the file lock)."""

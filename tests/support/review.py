@@ -127,10 +127,3 @@ def start_daemon(folder: Path, **sections: Any) -> DaemonProcess:
                       judges={"criteria": [str(criteria)]}, **sections)
     return DaemonProcess(folder, cfg).start()
 
-
-def stop_daemon(daemon: DaemonProcess) -> None:
-    if daemon.proc is not None and daemon.proc.poll() is None:
-        daemon.proc.kill()
-        daemon.proc.wait()
-    if hasattr(daemon, "log") and not daemon.log.closed:
-        daemon.log.close()
