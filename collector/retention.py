@@ -23,8 +23,8 @@ something is due:
 Nothing the conversation stage has not taken in yet is touched: every delete is
 bounded by its stored batch mark. Each transaction waits for a pause in
 ingestion (``store.pacing``) and deletes at most ``chunk`` conversations or
-``CHUNK_COMMITS`` commits. Forwarding does not exist yet; when it comes, what is
-still queued for an exporter must bound the deletes the same way.
+``CHUNK_COMMITS`` commits. Forwarding keeps its own copy of every request it has
+still to send (``collector.forward.queue``), so no delete here takes one from it.
 
 DuckDB marks deleted rows and, at its next checkpoint, frees row groups left
 empty and rewrites ones mostly deleted; the freed blocks are reused by later
@@ -53,8 +53,13 @@ from .store import Store, Transaction
 log = logging.getLogger("tracejudge.retention")
 
 INTERVAL = 60.0  # seconds between sweeps when nothing was due
-CHUNK = 100  # conversations per transaction
-CHUNK_COMMITS = 4  # commits (up to max_batch_spans rows each) of traces of no conversation per transaction
+# Conversations per transaction. Each transaction waits for a pause in ingestion, and pauses are what
+# retention runs short of: at 100, a soak at 3,000 spans/s (about 190 conversations/s) deleted slower
+# than data arrived, for minutes at a time.
+CHUNK = 400
+# Commits (up to max_batch_spans rows each) looked through for traces of no conversation per transaction.
+# At 4, the same soak spent most of its turns walking commits whose every trace had a conversation.
+CHUNK_COMMITS = 64
 # Its pace: deleting holds DuckDB's writer for a few ms per statement; it waits for the same pause
 # as the conversation stage and takes at most a tenth of the time when none comes.
 IDLE_GAP = 0.1
@@ -161,22 +166,25 @@ class Retention(Stage):
         at, after = self._state("retention.spans_at", ""), self._state("retention.spans_after", "")
         since = dt.datetime.fromisoformat(at) if at else utc(0)
         rows = cur.execute(
-            "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL FROM conversations c "
+            "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL, c.first_batch "
+            "FROM conversations c "
             "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id WHERE c.last_arrival_at < ? "
             "AND (c.last_arrival_at > ? OR (c.last_arrival_at = ? AND c.conversation_id > ?)) "
             "ORDER BY c.last_arrival_at, c.conversation_id LIMIT ?",
             [horizon, since, since, after, self.chunk]).fetchall()
         ids: list[str] = []
+        firsts: list[int | None] = []
         last: tuple[dt.datetime, str] | None = None
-        for cid, state, arrived, decided in rows:
+        for cid, state, arrived, decided, first in rows:
             if state != "ended" or not decided:
                 break  # it may end with this arrival time, or its sampling rules read its spans: wait for it
             ids.append(cid)
+            firsts.append(first)
             last = (arrived, cid)
         if last is None:
             return False
         with Transaction(cur):
-            n = self._delete_rows(ids, last[0], mark)
+            n = self._delete_rows(ids, last[0], mark, firsts)
             self._set_state("retention.spans_at", last[0].isoformat())
             self._set_state("retention.spans_after", last[1])
         self._count(deleted, n)
@@ -217,16 +225,16 @@ class Retention(Stage):
         reviewed = ("AND NOT EXISTS (SELECT 1 FROM review_items r WHERE r.conversation_id = c.conversation_id) "
                     if self.settings.keep_reviewed else "")
         rows = cur.execute(
-            "SELECT c.conversation_id, c.last_arrival_at FROM conversations c "
+            "SELECT c.conversation_id, c.last_arrival_at, c.first_batch FROM conversations c "
             "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
             "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
             f"WHERE c.state = 'ended' AND c.last_arrival_at < ? AND NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE} "
             f"{reviewed}ORDER BY c.last_arrival_at, c.conversation_id LIMIT ?", [horizon, self.chunk]).fetchall()
         if not rows:
             return False
-        ids = [cid for cid, _ in rows]
+        ids = [cid for cid, _, _ in rows]
         with Transaction(cur):
-            spans = self._delete_rows(ids, max(at for _, at in rows), mark)
+            spans = self._delete_rows(ids, max(at for _, at, _ in rows), mark, [first for _, _, first in rows])
             for table in ("messages", "sampling_decisions", "verdicts", "not_run", "eval_progress"):
                 cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
             if not self.settings.keep_reviewed:
@@ -244,17 +252,23 @@ class Retention(Stage):
         self.m.deleted.inc(gone, what="conversations")
         return len(rows) == self.chunk
 
-    def _delete_rows(self, conversations: list[str], newest: dt.datetime, mark: int) -> tuple[int, int]:
-        """Span and log rows of these conversations' traces; (spans, logs) deleted."""
+    def _delete_rows(self, conversations: list[str], newest: dt.datetime, mark: int,
+                     firsts: list[int | None]) -> tuple[int, int]:
+        """Span and log rows of these conversations' traces; (spans, logs) deleted.
+
+        ``firsts`` are their ``first_batch`` values (None where not known yet).
+        """
         cur = self.cur
         assert cur is not None
+        # Rows are stored in arrival order, so both bounds let DuckDB skip row groups: received_at the
+        # newer ones, the first commit of the conversations the older ones (the spans deleted before).
+        since = 0 if any(f is None for f in firsts) else min(f for f in firsts if f is not None)
         out = []
         for table in _TABLES:
-            # received_at bounds the scan (rows are stored in arrival order, so DuckDB skips newer row groups).
             [(found,)] = cur.execute(
-                f"DELETE FROM {table} WHERE received_at <= ? AND batch_id <= ? AND trace_id IN ("
+                f"DELETE FROM {table} WHERE received_at <= ? AND batch_id BETWEEN ? AND ? AND trace_id IN ("
                 "SELECT trace_id FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
-                [newest + dt.timedelta(seconds=1), mark, conversations]).fetchall()
+                [newest + dt.timedelta(seconds=1), since, mark, conversations]).fetchall()
             out.append(int(found))
         return out[0], out[1]
 
