@@ -193,7 +193,8 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
                 trim(0)  # what the last rebuilds freed goes back to the system, not kept by malloc
             counters = {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}
             try:
-                send("status", stage.status(), stage.held(), stage.stopped, counters, resident_bytes(), peak_resident_bytes())
+                send("status", stage.status(), stage.held(), stage.stopped, counters, resident_bytes(),
+                     peak_resident_bytes())
             except (OSError, EOFError):
                 return
             if done.wait(STATUS_EVERY):

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from .files import ATTACHED, connect, file_fault, unreadable
 from .pacing import Pacing
-from .transactions import Committed, Transaction, insert_rows, register, registered, registered_rows, rows_table, utc_now
+from .transactions import (Committed, Transaction, insert_rows, register, registered, registered_rows, rows_table,
+                           utc_now)
 
 if TYPE_CHECKING:
     from .writer import Store

@@ -98,10 +98,9 @@ def registered_rows(cur: Any, name: str, columns: Sequence[str], rows: Sequence[
     """
     remote = getattr(cur, "register_rows", None)
     if remote is None:
-        with registered(cur, name, rows_table(columns, rows)):
-            yield name
-        return
-    remote(name, columns, rows)
+        register(cur, name, rows_table(columns, rows))
+    else:
+        remote(name, columns, rows)
     try:
         yield name
     finally:
