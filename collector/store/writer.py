@@ -342,11 +342,14 @@ class Store:
 
     @staticmethod
     def _last_batch(con: duckdb.DuckDBPyConnection) -> int:
-        row = con.execute(
+        # fetchall, not fetchone: a result left unfinished on the connection every cursor comes from
+        # keeps a transaction open, and once anything changes the catalog (a reindex creates its
+        # schema) DuckDB refuses to checkpoint until it ends, so the WAL and memory grow without bound.
+        rows = con.execute(
             f"SELECT greatest((SELECT max(batch_id) FROM {ATTACHED}.span_records), "
             f"(SELECT max(batch_id) FROM {ATTACHED}.log_records))"
-        ).fetchone()
-        return int(row[0] or 0) if row else 0
+        ).fetchall()
+        return int(rows[0][0] or 0) if rows else 0
 
     def _usable(self) -> bool:
         """Whether the attached file still answers (DuckDB invalidates it when a checkpoint fails)."""
