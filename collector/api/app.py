@@ -175,8 +175,8 @@ class API:
 
     async def spans_count(self, request: web.Request) -> web.Response:
         def q(cur: Any) -> dict[str, int]:
-            spans, traces = cur.execute("SELECT count(*), count(DISTINCT trace_id) FROM span_records").fetchone()
-            logs = cur.execute("SELECT count(*) FROM log_records").fetchone()[0]
+            spans, traces = cur.execute("SELECT count(*), count(DISTINCT trace_id) FROM span_records").fetchall()[0]
+            logs = cur.execute("SELECT count(*) FROM log_records").fetchall()[0][0]
             return {"spans": spans, "traces": traces, "log_records": logs}
 
         return web.json_response(await self.read(q))

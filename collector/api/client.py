@@ -31,6 +31,7 @@ from ..review import queue as review
 from ..review import stats as review_stats
 from ..runtime import running_daemon
 from ..store import connect
+from ..store.transactions import one
 from . import export
 from .export import Export, ExportFilter
 
@@ -373,7 +374,7 @@ class FileClient:
 
     def stats_rows(self, *, since: str | None, criterion: str | None, source: str = "production") -> dict[str, Any]:
         if not self._evals():
-            ended = self.con.execute("SELECT count(*) FROM conversations WHERE state = 'ended'").fetchone()
+            ended = one(self.con.execute("SELECT count(*) FROM conversations WHERE state = 'ended'"))
             counts: dict[str, Any] = ({"imported": 0} if source == "simulation" else
                                       {"ended": ended[0] if ended else 0, "sampled": 0, "not_sampled": 0,
                                        "skipped": {}})
@@ -405,7 +406,7 @@ class FileClient:
         return Export(walk.total, iter(walk), walk.close)
 
     def status(self) -> dict[str, Any]:
-        row = self.con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
+        row = one(self.con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'"))
         return {"daemon": None, "conversations_batch": int(row[0]) if row else 0,
                 "storage": storage_status(self.path, self.retention, time.time(), oldest_rows(self.con))}
 

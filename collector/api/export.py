@@ -38,6 +38,7 @@ import orjson
 
 from ..conversations.record import (STORED_COLUMNS, message_select, stored_conversation, stored_message,
                                     stored_record, stored_select, stored_transcripts)
+from ..store.transactions import one
 
 PAGE = 2000
 """Conversations per page of a walk by id. Finding a page's messages by id scans the ``messages`` table,
@@ -133,7 +134,7 @@ def count(cur: duckdb.DuckDBPyConnection, f: ExportFilter, *, evals: bool = True
     if _needs_evals(f) and not evals:
         return 0
     where, params = _where(f, None)
-    row = cur.execute(f"SELECT count(*) FROM conversations c {where}", params).fetchone()
+    row = one(cur.execute(f"SELECT count(*) FROM conversations c {where}", params))
     return int(row[0]) if row else 0
 
 
@@ -160,7 +161,7 @@ class Walk:
         self.total = count(cur, f, evals=evals)
         """The conversations the filter selects: exactly what the walk writes."""
         self.written = 0
-        row = cur.execute("SELECT max(rowid) FROM messages").fetchone()
+        row = one(cur.execute("SELECT max(rowid) FROM messages"))
         self._end = 0 if row is None or row[0] is None else int(row[0]) + 1
         self._pos = 0  # the next window's first rowid
         self._after: str | None = None  # the last id of the page before, by id

@@ -38,6 +38,7 @@ from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Transaction
 from ..store.schema import TRACE_MAP
+from ..store.transactions import one
 from .stage import Conversations
 from .tables import SCHEMA as TABLES
 
@@ -106,7 +107,7 @@ class Reindex:
             else:
                 self._start(cur, fingerprint)
             self.progress.done = int(self._state(cur, "reindex.done"))
-            row = cur.execute(f"SELECT count(*) FROM {SCHEMA}.reindex_traces").fetchone()
+            row = one(cur.execute(f"SELECT count(*) FROM {SCHEMA}.reindex_traces"))
             self.progress.total = int(row[0]) if row else 0
             self.progress.kept = int(self._state(cur, "reindex.kept"))
         finally:
@@ -171,7 +172,7 @@ class Reindex:
                 cur.execute("INSERT OR REPLACE INTO main.tracejudge_state VALUES ('conversations.batch', ?)",
                             [upto])
                 cur.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
-                row = cur.execute("SELECT count(*) FROM main.conversations").fetchone()
+                row = one(cur.execute("SELECT count(*) FROM main.conversations"))
         except Exception as exc:
             self._failed(exc)
             raise
@@ -185,8 +186,8 @@ class Reindex:
     # ------------------------------------------------------------ its schema
 
     def _resumable(self, cur: duckdb.DuckDBPyConnection, fingerprint: str) -> bool:
-        row = cur.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
-                          "AND schema_name = ? AND table_name = 'tracejudge_state'", [SCHEMA]).fetchone()
+        row = one(cur.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
+                          "AND schema_name = ? AND table_name = 'tracejudge_state'", [SCHEMA]))
         if not row or not row[0]:
             return False
         if self._state(cur, "reindex.settings") == fingerprint and self._state(cur, "reindex.done") is not None:
@@ -222,7 +223,7 @@ class Reindex:
                 for table in _REBUILT:
                     shadow.execute(f"INSERT INTO {table} SELECT * FROM main.{table} WHERE conversation_id IN "
                                    "(SELECT conversation_id FROM reindex_kept)")
-                row = shadow.execute("SELECT count(*) FROM reindex_kept").fetchone()
+                row = one(shadow.execute("SELECT count(*) FROM reindex_kept"))
                 shadow.execute("DROP TABLE reindex_kept")
                 for key, value in (("reindex.settings", fingerprint), ("reindex.upto", str(upto)),
                                    ("reindex.done", "0"), ("reindex.kept", str(row[0] if row else 0))):
@@ -232,7 +233,7 @@ class Reindex:
 
     @staticmethod
     def _state(cur: duckdb.DuckDBPyConnection, key: str) -> Any:
-        row = cur.execute(f"SELECT value FROM {SCHEMA}.tracejudge_state WHERE key = ?", [key]).fetchone()
+        row = one(cur.execute(f"SELECT value FROM {SCHEMA}.tracejudge_state WHERE key = ?", [key]))
         return row[0] if row else None
 
     def _failed(self, exc: BaseException) -> None:

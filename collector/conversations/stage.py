@@ -45,6 +45,7 @@ from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
+from ..store.transactions import one
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -133,7 +134,7 @@ class Conversations(Stage):
     def _load_state(self) -> None:
         """Where the stored conversations stand: the batch mark and the open conversations."""
         cur = self._db()
-        row = cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchone()
+        row = one(cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'"))
         self._processed_batch = int(row[0]) if row else 0
         self._resume_from = self._processed_batch
         self._resume_to = self.store.batch_id  # the last commit made before now

@@ -13,6 +13,7 @@ from typing import Any
 import duckdb
 
 from ..listing import iso_utc
+from ..store.transactions import one
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -106,6 +107,6 @@ def conversation_counts(cur: duckdb.DuckDBPyConnection) -> dict[str, int]:
     counts = {"open": 0, "ended": 0}
     for state, n in cur.execute("SELECT state, count(*) FROM conversations GROUP BY state").fetchall():
         counts[state] = n
-    row = cur.execute("SELECT count(*) FROM conversations WHERE NOT content_captured").fetchone()
+    row = one(cur.execute("SELECT count(*) FROM conversations WHERE NOT content_captured"))
     counts["without_content"] = int(row[0]) if row else 0
     return counts

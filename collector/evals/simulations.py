@@ -25,7 +25,7 @@ import orjson
 from judges import Conversation
 
 from ..errors import UserError
-from ..store.transactions import Transaction, insert_rows, utc_now
+from ..store.transactions import Transaction, insert_rows, one, utc_now
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS simulated_conversations (
@@ -97,8 +97,8 @@ def store_simulations(cur: duckdb.DuckDBPyConnection, conversations: Sequence[Co
 
 def simulated_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> dict[str, Any] | None:
     """The conversation/v1 record of a stored simulated conversation, or None."""
-    row = cur.execute("SELECT record FROM simulated_conversations WHERE conversation_id = ?",
-                      [conversation_id]).fetchone()
+    row = one(cur.execute("SELECT record FROM simulated_conversations WHERE conversation_id = ?",
+                      [conversation_id]))
     return orjson.loads(row[0]) if row else None
 
 
@@ -111,13 +111,13 @@ def simulation_ids(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = N
 
 def present(cur: duckdb.DuckDBPyConnection) -> bool:
     """Whether the file has the table (one written before simulations existed, opened read-only, has not)."""
-    row = cur.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'simulated_conversations' "
-                      "AND schema_name = current_schema()").fetchone()
+    row = one(cur.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'simulated_conversations' "
+                      "AND schema_name = current_schema()"))
     return bool(row and row[0])
 
 
 def count(cur: duckdb.DuckDBPyConnection) -> int:
     if not present(cur):
         return 0
-    row = cur.execute("SELECT count(*) FROM simulated_conversations").fetchone()
+    row = one(cur.execute("SELECT count(*) FROM simulated_conversations"))
     return int(row[0]) if row else 0

@@ -30,7 +30,7 @@ from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript
 
 from ..conversations.record import conversation_record
 from ..listing import iso_utc
-from ..store.transactions import Transaction, registered, registered_rows, utc_now
+from ..store.transactions import Transaction, one, registered, registered_rows, utc_now
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sampling_decisions (
@@ -134,7 +134,7 @@ def migrate_digests(cur: duckdb.DuckDBPyConnection) -> int:
     Returns:
         How many verdicts moved.
     """
-    row = cur.execute("SELECT value FROM evals_state WHERE key = 'transcript_digest'").fetchone()
+    row = one(cur.execute("SELECT value FROM evals_state WHERE key = 'transcript_digest'"))
     if row is not None and row[0] == DIGEST:
         return 0
     moved = 0
@@ -156,8 +156,8 @@ def migrate_digests(cur: duckdb.DuckDBPyConnection) -> int:
             for vid, criterion, version, model in errors:
                 cur.execute("UPDATE verdicts SET id = ? WHERE id = ?",
                             [_verdict_key(cid, criterion, version, model, new), vid])
-            n = cur.execute("UPDATE verdicts SET transcript_sha256 = ? WHERE conversation_id = ? "
-                            "AND transcript_sha256 = ?", [new, cid, old]).fetchone()
+            n = one(cur.execute("UPDATE verdicts SET transcript_sha256 = ? WHERE conversation_id = ? "
+                            "AND transcript_sha256 = ?", [new, cid, old]))
             moved += int(n[0]) if n else 0
         cur.execute("INSERT OR REPLACE INTO evals_state VALUES ('transcript_digest', ?)", [DIGEST])
     return moved
@@ -215,8 +215,8 @@ def sampling_decision(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> d
     """The stored sampling decision of a conversation, or None when it was never decided."""
     cols = ("conversation_id", "revision", "transcript_hash", "sampled", "probability", "rule", "skipped_reason",
             "decided_at")
-    row = cur.execute(f"SELECT {', '.join(cols)} FROM sampling_decisions WHERE conversation_id = ?",
-                      [conversation_id]).fetchone()
+    row = one(cur.execute(f"SELECT {', '.join(cols)} FROM sampling_decisions WHERE conversation_id = ?",
+                      [conversation_id]))
     return None if row is None else {k: iso_utc(v) for k, v in zip(cols, row)}
 
 

@@ -44,6 +44,7 @@ from ..background import Stage
 from ..metrics import Counter, Metrics
 from ..review import queue as review_queue
 from ..store import Store
+from ..store.transactions import one
 
 log = logging.getLogger("tracejudge.forward")
 
@@ -166,7 +167,7 @@ class VerdictEvents(Stage):
 
     def _position(self, key: str) -> int:
         assert self.cur is not None
-        row = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = ?", [key]).fetchone()
+        row = one(self.cur.execute("SELECT value FROM tracejudge_state WHERE key = ?", [key]))
         return int(row[0]) if row else 0
 
     def _remember(self, key: str, value: int) -> None:

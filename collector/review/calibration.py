@@ -35,7 +35,7 @@ from ..conversations.record import conversation_record
 from ..evals.sampling import unit_hash
 from ..evals.verdicts import where_clause
 from ..listing import iso_utc
-from ..store.transactions import Transaction, utc_now
+from ..store.transactions import Transaction, one, utc_now
 from .errors import ReviewInputError, ReviewNotFound
 from .regression import KEY
 
@@ -95,10 +95,10 @@ def _add(cur: duckdb.DuckDBPyConnection, pairs: Sequence[tuple[str, str]], now: 
     made = 0
     with Transaction(cur):
         for conversation_id, criterion_id in pairs:
-            row = cur.execute("INSERT OR IGNORE INTO calibration_items SELECT nextval('calibration_item_seq'), "
+            row = one(cur.execute("INSERT OR IGNORE INTO calibration_items SELECT nextval('calibration_item_seq'), "
                               "?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM calibration_items WHERE conversation_id = ? "
                               "AND criterion_id = ?)",
-                              [conversation_id, criterion_id, utc_now(now), conversation_id, criterion_id]).fetchone()
+                              [conversation_id, criterion_id, utc_now(now), conversation_id, criterion_id]))
             made += int(row[0]) if row else 0
     return made
 
@@ -145,8 +145,8 @@ def _item_id(item_id: int | str) -> int:
 
 
 def _criterion(cur: duckdb.DuckDBPyConnection, criterion_id: str) -> dict[str, Any]:
-    row = cur.execute("SELECT criterion_version, text, severity, criterion_group FROM criteria "
-                      "WHERE criterion_id = ? ORDER BY criterion_version DESC LIMIT 1", [criterion_id]).fetchone()
+    row = one(cur.execute("SELECT criterion_version, text, severity, criterion_group FROM criteria "
+                      "WHERE criterion_id = ? ORDER BY criterion_version DESC LIMIT 1", [criterion_id]))
     return {"id": criterion_id, "version": row[0] if row else None, "text": row[1] if row else None,
             "severity": row[2] if row else None, "group": row[3] if row else None}
 
@@ -163,16 +163,16 @@ def item(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str | Non
     found = _one(cur, _item_id(item_id))
     mine = None
     if reviewer:
-        row = cur.execute("SELECT label, note, labelled_at FROM calibration_labels WHERE item_id = ? AND reviewer = ?",
-                          [found["id"], reviewer]).fetchone()
+        row = one(cur.execute("SELECT label, note, labelled_at FROM calibration_labels WHERE item_id = ? AND reviewer = ?",
+                          [found["id"], reviewer]))
         mine = {"label": row[0], "note": row[1], "labelled_at": iso_utc(row[2])} if row else None
     return {"item": found, "criterion": _criterion(cur, found["criterion_id"]),
             "conversation": conversation_record(cur, found["conversation_id"]), "your_label": mine}
 
 
 def _one(cur: duckdb.DuckDBPyConnection, item_id: int) -> dict[str, Any]:
-    row = cur.execute(f"SELECT {', '.join(_ITEM)}, (SELECT count(*) FROM calibration_labels l WHERE l.item_id = i.id) "
-                      "FROM calibration_items i WHERE id = ?", [item_id]).fetchone()
+    row = one(cur.execute(f"SELECT {', '.join(_ITEM)}, (SELECT count(*) FROM calibration_labels l WHERE l.item_id = i.id) "
+                      "FROM calibration_items i WHERE id = ?", [item_id]))
     if row is None:
         raise ReviewNotFound(f"no calibration item {item_id!r}")
     return {**{k: iso_utc(v) for k, v in zip(_ITEM, row)}, "labels": int(row[4])}
@@ -189,8 +189,8 @@ def _check(label: str, reviewer: str) -> tuple[str, str]:
 def _upsert(cur: duckdb.DuckDBPyConnection, item_id: int, label: str, reviewer: str, note: str | None,
             source: str, at: dt.datetime) -> str:
     """Store one label; ``added``, ``changed`` or ``unchanged`` (the same label and note again)."""
-    row = cur.execute("SELECT label, note FROM calibration_labels WHERE item_id = ? AND reviewer = ?",
-                      [item_id, reviewer]).fetchone()
+    row = one(cur.execute("SELECT label, note FROM calibration_labels WHERE item_id = ? AND reviewer = ?",
+                      [item_id, reviewer]))
     if row is not None and (row[0], row[1] or None) == (label, note or None):
         return "unchanged"
     cur.execute("INSERT OR REPLACE INTO calibration_labels VALUES (?, ?, ?, ?, ?, ?)",
@@ -357,10 +357,10 @@ def frozen_items(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -
         if record is None:
             gone += 1
             continue
-        verdict = cur.execute(
+        verdict = one(cur.execute(
             "SELECT result, judge_model, judge_provider, criterion_version FROM verdicts WHERE conversation_id = ? "
             "AND criterion_id = ? AND NOT superseded ORDER BY seq DESC LIMIT 1",
-            [conversation_id, criterion_id]).fetchone()
+            [conversation_id, criterion_id]))
         version = verdict[3] if verdict else _criterion(cur, criterion_id)["version"]
         out.append({**record, KEY: {
             "criterion_id": criterion_id, "criterion_version": version, "label": human,

@@ -25,7 +25,7 @@ from .errors import ReviewConflict, ReviewInputError, ReviewNotFound
 from .errors import ReviewError as ReviewError  # re-exported: the API catches it here
 from ..evals.verdicts import VERDICT_COLUMNS, verdict_dict, where_clause
 from ..listing import iso_utc
-from ..store.transactions import Transaction, utc_now
+from ..store.transactions import Transaction, one, utc_now
 
 SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS review_item_seq;
@@ -94,13 +94,13 @@ def open_items(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], queue
     if not verdict_ids:
         return 0
     with Transaction(cur):
-        row = cur.execute(
+        row = one(cur.execute(
             "INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
             "SELECT nextval('review_item_seq'), id, conversation_id, criterion_id, 'pending', ? "
             "FROM (SELECT * FROM verdicts WHERE list_contains(?, id) AND NOT superseded AND result <> 'error' "
             "AND (list_contains(?, result) OR (result = 'fail' AND flagged)) "
             "AND id NOT IN (SELECT verdict_id FROM review_items) ORDER BY seq)",
-            [utc_now(now), list(verdict_ids), list(queue_results)]).fetchone()
+            [utc_now(now), list(verdict_ids), list(queue_results)]))
     return int(row[0]) if row else 0
 
 
@@ -189,7 +189,7 @@ def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], 
 def progress(cur: duckdb.DuckDBPyConnection, *, now: dt.datetime | None = None) -> dict[str, Any]:
     """``{"pending", "done_today", "by_reviewer": {name: decisions today}}``, today being the UTC day."""
     day = utc_now(now).replace(hour=0, minute=0, second=0, microsecond=0)
-    pending = cur.execute("SELECT count(*) FROM review_items WHERE state = 'pending'").fetchone()
+    pending = one(cur.execute("SELECT count(*) FROM review_items WHERE state = 'pending'"))
     by = dict(cur.execute("SELECT reviewer, count(*) FROM review_history WHERE decided_at >= ? GROUP BY 1 "
                           "ORDER BY 2 DESC, 1", [day]).fetchall())
     return {"pending": int(pending[0]) if pending else 0, "done_today": sum(by.values()), "by_reviewer": by}
@@ -239,7 +239,7 @@ def _majority(votes: dict[str, str]) -> str:
 
 
 def _holder(cur: duckdb.DuckDBPyConnection, item_id: int, at: dt.datetime) -> str | None:
-    row = cur.execute("SELECT reviewer FROM review_claims WHERE item_id = ? AND until > ?", [item_id, at]).fetchone()
+    row = one(cur.execute("SELECT reviewer FROM review_claims WHERE item_id = ? AND until > ?", [item_id, at]))
     return str(row[0]) if row else None
 
 
@@ -252,8 +252,8 @@ def _item_id(item_id: int | str) -> int:
 
 
 def _item(cur: duckdb.DuckDBPyConnection, item_id: int | str) -> dict[str, Any]:
-    row = cur.execute(f"SELECT {', '.join(_ITEM_COLUMNS)} FROM review_items WHERE id = ?",
-                      [_item_id(item_id)]).fetchone()
+    row = one(cur.execute(f"SELECT {', '.join(_ITEM_COLUMNS)} FROM review_items WHERE id = ?",
+                      [_item_id(item_id)]))
     if row is None:
         raise ReviewNotFound(f"no review item {item_id!r}")
     return dict(zip(_ITEM_COLUMNS, row))
@@ -289,17 +289,17 @@ def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str, *, viewer: s
     if not found:
         raise ReviewNotFound(f"no review item {item_id!r}")
     item = found[0]
-    row = cur.execute(f"SELECT {', '.join(VERDICT_COLUMNS)} FROM verdicts WHERE id = ?",
-                      [item["verdict_id"]]).fetchone()
+    row = one(cur.execute(f"SELECT {', '.join(VERDICT_COLUMNS)} FROM verdicts WHERE id = ?",
+                      [item["verdict_id"]]))
     assert row is not None  # items are only made with their verdict
     verdict = verdict_dict(row)
     history = review_history(cur, item["id"])
     votes = _votes(cur, item["id"]) if item["state"] == "pending" else {}
     if reviewers_per_item > 1 and item["state"] == "pending":  # blind to the others until one's own is in
         history = [h for h in history if viewer is not None and h["reviewer"] == viewer.strip()]
-    crit = cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
+    crit = one(cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
                        "AND criterion_version = ?", [verdict["criterion_id"], verdict["criterion_version"]]
-                       ).fetchone()
+                       ))
     return {
         "item": item,
         "verdict": verdict,

@@ -22,6 +22,7 @@ from ..config import Review
 from ..evals import simulations
 from ..evals.simulations import simulated_sql
 from ..evals.verdicts import verdict_filters, where_clause
+from ..store.transactions import Transaction, one
 from . import calibration
 
 Source = Literal["production", "simulation"]
@@ -147,6 +148,12 @@ def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         "conversations": {...}, "tokens": {...}, "calibration": [[criterion_id, conversation_id, reviewer,
         label, current verdict's result or None], ...]}``.
     """
+    with Transaction(cur):  # one snapshot: counted apart, conversations and verdicts judged meanwhile would not agree
+        return _stats_rows(cur, since, criterion, source)
+
+
+def _stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
+                source: Source) -> dict[str, Any]:
     present = simulations.present(cur)
     current, params = _current(present, since, criterion, source)
     # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
@@ -173,7 +180,7 @@ def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
     criteria = cur.execute(
         "SELECT criterion_id, criterion_version, criterion_group FROM criteria QUALIFY row_number() OVER "
         "(PARTITION BY criterion_id ORDER BY criterion_version DESC) = 1").fetchall()
-    judged_row = cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params).fetchone()
+    judged_row = one(cur.execute(f"SELECT count(DISTINCT conversation_id) FROM ({current})", params))
     return {
         "verdicts": [list(r) for r in rows],
         "not_run": [list(r) for r in not_run],
@@ -206,8 +213,8 @@ def _sum_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _labels(cur: duckdb.DuckDBPyConnection, criterion: str | None) -> list[list[Any]]:
     """Every blind label beside the current verdict (``calibration.pairs``); none in a file without the tables."""
-    found = cur.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'calibration_labels'"
-                        ).fetchone()
+    found = one(cur.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'calibration_labels'"
+                        ))
     return [list(p) for p in calibration.pairs(cur, criterion)] if found and found[0] else []
 
 
@@ -280,7 +287,7 @@ def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | No
     if since is not None:
         ended_sql += " AND closed_at >= ?"
         params.append(since)
-    ended_row = cur.execute(ended_sql, params).fetchone()
+    ended_row = one(cur.execute(ended_sql, params))
     decided = cur.execute(
         "SELECT sampled, skipped_reason, count(*) FROM sampling_decisions "
         + ("WHERE decided_at >= ? " if since is not None else "") + "GROUP BY ALL",
@@ -302,6 +309,6 @@ def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion
     # Tokens are money spent: superseded verdicts count too.
     where, params = verdict_filters(criterion=criterion, since=since)
     where.append(of_source)
-    row = cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
-                      f"{where_clause(where)}", params).fetchone()
+    row = one(cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
+                      f"{where_clause(where)}", params))
     return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}

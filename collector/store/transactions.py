@@ -68,11 +68,22 @@ class Transaction:
             pass  # a database DuckDB invalidated cannot roll back: the error that got us here is the news
 
 
+def one(cur: Any) -> tuple[Any, ...] | None:
+    """The first row of ``cur``'s last result, read to its end (``fetchone`` leaves it open).
+
+    A result not read to its end keeps its transaction open, and after any change to
+    the catalog (a schema made or dropped) DuckDB refuses every checkpoint while one
+    is open: on an idle long-lived cursor the WAL and DuckDB's memory then grow for good.
+    """
+    rows = cur.fetchall()
+    return rows[0] if rows else None
+
+
 def register(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:
     """``cur.register``, after running the cursor's last result to its end.
 
     DuckDB 2 refuses to register while a result is not read to its end, as one is
-    after a ``fetchone()`` of an INSERT's count; nobody reads it once a table is registered.
+    after an INSERT whose count nobody reads; nobody reads it once a table is registered.
     """
     complete = getattr(cur, "complete", None)  # DuckDB 2; before it, register never waited
     if complete is not None:

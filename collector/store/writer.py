@@ -55,7 +55,7 @@ from ..metrics import Metrics
 from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
 from .pacing import Pacing
 from .schema import LOG_ARROW, SPAN_ARROW, create_schema
-from .transactions import Committed, Transaction, registered
+from .transactions import Committed, Transaction, one, registered
 
 log = logging.getLogger("tracejudge.store")
 
@@ -316,11 +316,11 @@ class Store:
         if table == "log_records":
             arrow = arrow.append_column("seq", pa.array(range(len(batch)), pa.uint32()))
         with registered(con, f"incoming_{table}", arrow) as view:
-            row = con.execute(
+            row = one(con.execute(
                 f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, ?::TIMESTAMPTZ AS received_at, ? AS batch_id "
                 f"FROM {view}",
                 [stamp, self._batch_id],
-            ).fetchone()
+            ))
         return int(row[0]) if row else 0
 
     def _finish(self, items: list[_Item], exc: Exception | None = None) -> None:

@@ -558,6 +558,37 @@ def test_stats_failures_in_lightly_sampled_traffic_widen_the_interval(cur: duckd
                                            pytest.approx(wilson(estimate, capped)[1]))
 
 
+class WritesBetween:
+    """A cursor that, once the verdict counts are read, lets another cursor store a conversation's verdicts."""
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection, other: duckdb.DuckDBPyConnection) -> None:
+        self.cur, self.other, self.written = cur, other, False
+
+    def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
+        out = self.cur.execute(sql, params)
+        if "GROUP BY v.criterion_id" in sql and not self.written:
+            self.written = True
+            store(self.other, [verdict("late", "k", "fail"), verdict("late", "j", "pass")], probability=1.0, rule=None)
+        return out
+
+
+def test_stats_count_conversations_and_verdicts_on_one_snapshot(cur: duckdb.DuckDBPyConnection) -> None:
+    """Verdicts stored while the figures are read: every count is of the same moment (the demo's test saw four
+    conversations judged beside the verdicts of two)."""
+    store(cur, [verdict("first", "k", "pass"), verdict("first", "j", "pass")], probability=1.0, rule=None)
+    other = cur.cursor()
+    try:
+        between = WritesBetween(cur, other)
+        rows = review_stats.stats_rows(between)  # type: ignore[arg-type]
+        assert between.written
+        assert rows["judged"] == 1 and sum(r[-1] for r in rows["verdicts"]) == 2, rows
+        out = review_stats.stats(cur)  # and afterwards, all of it
+        assert out["conversations"]["judged"] == 2 and {c["criterion_id"]: c["fail"] for c in out["criteria"]} == {
+            "j": 0, "k": 1}
+    finally:
+        other.close()
+
+
 # --- review page ----------------------------------------------------------------------------------------
 
 HOSTILE = 'Ignore that. <script>alert("x")</script><img src=x onerror=alert(1)> & "quotes"'

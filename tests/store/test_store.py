@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import ast
 import threading
 from pathlib import Path
 from typing import Iterator
 
+import duckdb
 import pytest
 
 from collector.errors import StoreUnavailable
 from collector.ingest.batches import SPAN_COLUMNS, SpanBatch
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Committed, Store
+from collector.store.transactions import one
 
-from ..support.daemon import wait_until
+from ..support.daemon import REPO, wait_until
 from ..support.wire import span_request_bytes
 
 
@@ -110,3 +113,32 @@ def test_the_file_checkpoints_after_a_schema_is_created(store: Store) -> None:
     finally:
         cur.close()
         other.close()
+
+
+def test_a_row_read_with_one_lets_the_file_checkpoint(store: Store) -> None:
+    """``fetchone`` leaves its result open, and then, once the catalog changed, no checkpoint can run."""
+    cur, other = store.cursor(), store.cursor()
+    try:
+        assert one(cur.execute("SELECT count(*) FROM span_records")) == (0,)
+        other.execute("CREATE SCHEMA rebuilt")
+        other.execute("CHECKPOINT").fetchall()
+        cur.execute("SELECT count(*) FROM span_records").fetchone()
+        other.execute("CREATE SCHEMA again")
+        with pytest.raises(duckdb.TransactionException, match="CHECKPOINT"):
+            other.execute("CHECKPOINT")
+    finally:
+        cur.close()
+        other.close()
+
+
+def test_no_module_leaves_a_duckdb_result_open_with_fetchone() -> None:
+    """The rule the test above gives the reason for: every first row is read with ``one``."""
+    found = []
+    for path in (REPO / "collector").rglob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        if "import sqlite3" in source:  # SQLite's cursors hold no DuckDB transaction
+            continue
+        found += [f"{path.relative_to(REPO)}:{node.lineno}" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "fetchone"]
+    assert not found, found
