@@ -12,6 +12,13 @@ every process of the group, then ``demo`` forwards SIGTERM) would then kill a
 daemon still finishing its shutdown. ``ignore()`` covers the last stretch: the
 interpreter restores the default action of signals with Python handlers as it
 exits.
+
+The kernel hands a process's signal to any thread that does not block it, and
+the Python handler runs only when the main thread next runs bytecode: a loop
+asleep in ``select`` with nothing to do would sleep through a SIGTERM that
+landed on a DuckDB or gRPC thread. ``attach()`` therefore points the signal
+wakeup fd at a socket the loop reads, which wakes it whichever thread took the
+signal.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import threading
 from types import FrameType
 
 log = logging.getLogger("tracejudge.daemon")
@@ -33,6 +42,7 @@ class StopSignals:
         self.received: list[str] = []  # signal names, in arrival order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
 
     @property
     def requested(self) -> bool:
@@ -47,6 +57,11 @@ class StopSignals:
         """Everything has stopped: a signal from here to the exit changes nothing."""
         for sig in SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for sock in self._wakeup:
+                sock.close()
+            self._wakeup = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread between two bytecodes: record, and leave the rest to the loop.
@@ -71,10 +86,26 @@ class StopSignals:
         self._event = asyncio.Event()
         if self.requested:
             self._event.set()
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread() and self._wakeup is None:
+            read, write = socket.socketpair()
+            read.setblocking(False)
+            write.setblocking(False)
+            loop.add_reader(read.fileno(), _drain, read)
+            signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (read, write)
 
     async def wait(self) -> str:
         """The name of the first signal, once one has arrived (``attach`` first)."""
         assert self._event is not None
         await self._event.wait()
         return self.received[0]
+
+
+def _drain(sock: socket.socket) -> None:
+    """Empty the wakeup socket; waking the loop was the point (the handler itself runs as bytecode)."""
+    try:
+        while sock.recv(512):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
