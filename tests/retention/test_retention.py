@@ -22,7 +22,9 @@ from collector.metrics import Metrics
 from collector.retention import Retention
 from collector.store import Store
 
-from ..support.daemon import DaemonProcess, run_cli, wait_conversations, wait_until
+from ..forward.test_forward import forwarded, sink, traces
+from ..forward.test_forward import send as forward_send
+from ..support.daemon import DaemonProcess, base_config, run_cli, wait_conversations, wait_until
 from ..support.online import persona, send
 
 DAY = 86400.0
@@ -244,3 +246,35 @@ def test_without_retention_the_daemon_says_the_file_grows(make_daemon: Any) -> N
     daemon.wait_output("storage.retention is not set: nothing is ever deleted")
     assert daemon.get("/api/status")[1]["storage"]["retention"]["spans"]["keep_seconds"] is None
     assert daemon.metric("tracejudge_retention_deleted_total") == 0
+
+
+def test_spans_queued_for_an_exporter_are_forwarded_after_retention_deleted_them(tmp_path: Path) -> None:
+    """The forward queue keeps its own copy of each request: retention may delete the spans' rows while a
+    backend is down, and the backend still gets every request once it is back."""
+    with sink() as backend:
+        down = True
+        backend.answer = lambda r: (503, {"Retry-After": "1"}) if down else (200, {})
+        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{backend.base}/v1/traces"}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        try:
+            sent = [traces(seed, conversation=None) for seed in (1, 2, 3)]
+            for body in sent:
+                assert forward_send(daemon, body) == 200
+            wait_until(lambda: forwarded(daemon, "raw")["retried"] >= 1, "the sender retrying")
+            wait_conversations(daemon)  # retention deletes only what the conversation stage has taken in
+            assert daemon.stop() == 0
+            store, stage = open_retention(daemon.duckdb, [time.time() + 2 * DAY], spans="1d")
+            try:
+                assert stage.sweep()["spans"] == 12
+                assert one(store, "SELECT count(*) FROM span_records") == 0
+            finally:
+                stage.stop()
+                store.close()
+            daemon.start()
+            assert forwarded(daemon, "raw")["queued_requests"] >= 1
+            down = False
+            wait_until(lambda: forwarded(daemon, "raw")["queued_requests"] == 0, "the queue emptied")
+            assert b"".join(backend.delivered()) == b"".join(sent), "every request once, in order"
+            assert daemon.stop() == 0
+        finally:
+            daemon.end()
