@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collector.config import Config, env_settings, load_config, parse_duration, validate_config
+from collector.config import Config, env_settings, load_config, parse_duration, size_bytes, validate_config
 from collector.errors import ConfigError
 
 from .support.daemon import REPO, clean_env, run_cli
@@ -206,3 +206,11 @@ def test_only_listed_protocols_listen() -> None:
     assert cfg.receivers.otlp.protocols.http.endpoint == "127.0.0.1:4318"
     cfg, _ = validate_config({}, Path("."), "t")
     assert cfg.receivers.otlp.protocols.grpc is not None and cfg.receivers.otlp.protocols.http is not None
+
+
+def test_sizes_read_in_duckdbs_units() -> None:
+    assert size_bytes("128MB") == 128_000_000 and size_bytes("2GiB") == 2 * 1024**3 and size_bytes("1.5 KB") == 1500
+    # The reindex on a file takes the smaller of the configured limit and its own cap.
+    assert min("256MB", "128MB", key=size_bytes) == "128MB" and min("100MiB", "128MB", key=size_bytes) == "100MiB"
+    with pytest.raises(ValueError, match="not a size"):
+        size_bytes("lots")
