@@ -193,7 +193,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
     client = APIClient(info.api, cfg.api.auth.bearer_token)
-    counts = client.get("/api/spans/count")
+    counts = client.get("/api/spans/count?traces=true")
     api = info.api
     cfg_arg = f"--config {config_path}"
     criteria = folder / "criteria.yaml"

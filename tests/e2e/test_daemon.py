@@ -108,7 +108,10 @@ def test_api_endpoints_and_error_shape(daemon: Any) -> None:
     assert daemon.get("/readyz")[1]["status"] == "ready"
     body, ids = span_request_bytes(8)
     post(daemon.http, "/v1/traces", body)
-    assert daemon.get("/api/spans/count")[1] == {"spans": 8, "traces": 2, "log_records": 0}
+    assert daemon.get("/api/spans/count")[1] == {"spans": 8, "log_records": 0}  # the same time at any size
+    assert daemon.get("/api/spans/count?traces=true")[1] == {"spans": 8, "traces": 2, "log_records": 0}
+    status, err = daemon.get("/api/spans/count?traces=yes", check=False)
+    assert status == 400 and err["error"]["code"] == "bad_parameter" and "traces" in err["error"]["message"]
     trace = daemon.get(f"/api/traces/{ids[0][0].upper()}")[1]
     assert [s["span_id"] for s in trace["spans"]] == [s for t, s in ids if t == ids[0][0]]
     assert trace["spans"][0]["start_time"].startswith("2025-11-30T05:00:00")
@@ -176,7 +179,7 @@ def test_tls_on_every_listener(make_daemon: Any, tmp_path: Path) -> None:
     with provider.get_tracer("t").start_as_current_span("chat over tls"):
         pass
     provider.shutdown()
-    req = urllib.request.Request(info["api"] + "/api/spans/count")
+    req = urllib.request.Request(info["api"] + "/api/spans/count?traces=1")
     with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
         # one span sent by two exporters: stored once
         assert json.loads(resp.read()) == {"spans": 1, "traces": 1, "log_records": 0}
