@@ -154,7 +154,7 @@ class DaemonProcess:
         return status, json.loads(body) if ctype_json else body
 
     def counts(self) -> dict[str, int]:
-        return self.get("/api/spans/count")[1]  # type: ignore[no-any-return]
+        return self.get("/api/spans/count?traces=true")[1]  # type: ignore[no-any-return]
 
     def metric(self, name: str) -> float:
         text = self.get("/metrics")[1]
