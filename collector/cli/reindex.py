@@ -22,7 +22,7 @@ POLL = 0.5  # seconds between two looks at a daemon's reindex
 FILE_MEMORY_LIMIT = "128MB"
 """DuckDB's ``memory_limit`` for a reindex on the file (no daemon), when storage.memory_limit is larger: it
 reads each row once, so a larger cache gains nothing. On a 1,000,000-span file: peak RSS 355 MB and 211 s,
-against 465 MB and 198 s at the default 256MB (bench/restart.py)."""
+against 465 MB and 198 s at 256MB (bench/restart.py)."""
 
 
 @click.command()

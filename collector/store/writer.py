@@ -52,6 +52,7 @@ import pyarrow as pa
 from ..errors import StoreUnavailable
 from ..ingest.batches import LogBatch, SpanBatch
 from ..metrics import Metrics
+from ..memory import arrow_on_malloc
 from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
 from .pacing import Pacing
 from .schema import LOG_ARROW, SPAN_ARROW, create_schema
@@ -78,7 +79,7 @@ _STOP = object()
 class Store:
     """The DuckDB file and its single writer thread."""
 
-    def __init__(self, path: Path, *, memory_limit: str = "256MB", max_queue_spans: int = 200_000,
+    def __init__(self, path: Path, *, memory_limit: str = "128MB", max_queue_spans: int = 200_000,
                  max_batch_spans: int = 8192, retry_after: float = 1.0, metrics: Metrics | None = None) -> None:
         self.path = path
         self.memory_limit = memory_limit
@@ -111,6 +112,7 @@ class Store:
             DatabaseLocked: another process holds the file.
             UserError: the file cannot be read (one line naming it and what is wrong).
         """
+        arrow_on_malloc()
         con = connect(self.path, memory_limit=self.memory_limit, row_group_size=ROW_GROUP_SIZE)
         try:
             create_schema(con)
