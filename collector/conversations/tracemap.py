@@ -24,6 +24,7 @@ import duckdb
 import orjson
 
 from ..normalize import Attrs, span_kind
+from ..store.transactions import by_keys
 from .keys import json_column, response_links
 from .rows import TraceRows
 
@@ -94,7 +95,7 @@ class TraceMap:
 
     def load_open(self, cur: duckdb.DuckDBPyConnection) -> None:
         """Bring every open conversation into memory (at start)."""
-        for conv in _read(cur, "state = 'open'", []):
+        for conv in _read(cur, "state = 'open'"):
             self.keep(conv)
 
     def of(self, cur: duckdb.DuckDBPyConnection, trace_ids: list[str]) -> dict[str, str | None]:
@@ -102,8 +103,8 @@ class TraceMap:
         out: dict[str, str | None] = {t: self._traces.get(t) for t in trace_ids}
         unknown = [t for t, c in out.items() if c is None]
         if unknown:
-            for t, c in cur.execute("SELECT trace_id, conversation_id FROM trace_conversations "
-                                    "WHERE trace_id IN (SELECT unnest(?))", [unknown]).fetchall():
+            for t, c in by_keys(cur, "SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN {keys}",
+                                unknown):
                 out[t] = c
         return out
 
@@ -112,7 +113,7 @@ class TraceMap:
         missing = sorted({c for c in cids if c not in self.convs})
         if not missing:
             return
-        found = {c.id: c for c in _read(cur, "conversation_id IN (SELECT unnest(?))", [missing])}
+        found = {c.id: c for c in _read(cur, "conversation_id IN {keys}", missing)}
         for cid in missing:
             self.keep(found.get(cid) or Tracked(cid, []))
 
@@ -144,11 +145,11 @@ class TraceMap:
         return cid
 
 
-def _read(cur: duckdb.DuckDBPyConnection, where: str, params: list[Any]) -> list[Tracked]:
-    """Stored conversations as the stage tracks them."""
+def _read(cur: duckdb.DuckDBPyConnection, where: str, keys: list[str] | None = None) -> list[Tracked]:
+    """Stored conversations as the stage tracks them: ``where``, or with ``keys`` those ids (``{keys}`` in it)."""
+    sql = ("SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
+           "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch FROM conversations "
+           f"WHERE {where}")
     return [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
                     rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10])
-            for rec in cur.execute(
-                "SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-                "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch FROM conversations "
-                f"WHERE {where}", params).fetchall()]
+            for rec in (by_keys(cur, sql, keys) if keys is not None else cur.execute(sql).fetchall())]

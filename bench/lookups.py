@@ -1,0 +1,67 @@
+"""Key lookups as the conversation stage makes them: an IN list of parameters against ``IN (SELECT unnest(?))``.
+
+The stage asks which conversation each of a commit's traces belongs to (``trace_conversations``, primary
+key ``trace_id``), a few hundred traces at a time. Without retention that table only grows, so a read
+whose cost follows the table's size slows the stage down for good. This fills a fresh DuckDB file with
+trace-map rows in steps (ids as the daemon makes them: 32 hex characters), and at each size times both
+forms of the same read of 200 recent traces (``collector.store.by_keys`` makes the first), each best of 7:
+
+  unnest     ``WHERE trace_id IN (SELECT unnest(?))``: a join, which reads the whole column
+  by_keys    ``WHERE trace_id IN (?, ?, ...)``: looked up in the primary key's index
+
+and prints milliseconds per read, by_keys as a ratio of unnest at the same size. Run by hand:
+
+    .venv/bin/python bench/lookups.py [--steps 100000,300000,1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+
+from collector.store.transactions import by_keys
+
+INSERT_ROWS = 50_000  # rows per insert while filling: one bulk insert of millions would build the index in memory
+LOOKUP = 200
+
+
+def best(fn: object, repeat: int = 7) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t)
+    return min(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", default="100000,300000,1000000")
+    args = ap.parse_args()
+    steps = [int(s) for s in args.steps.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        con = duckdb.connect(str(Path(tmp) / "lookups.duckdb"), config={"memory_limit": "256MB"})
+        con.execute("CREATE TABLE trace_conversations (trace_id VARCHAR PRIMARY KEY, conversation_id VARCHAR NOT NULL)")
+        filled = 0
+        print(f"{'rows':>10} {'unnest ms':>10} {'by_keys ms':>11} {'by_keys / unnest':>17}")
+        for size in steps:
+            for lo in range(filled, size, INSERT_ROWS):
+                con.execute("INSERT INTO trace_conversations SELECT md5('t' || i::VARCHAR), md5('c' || (i // 4)::VARCHAR) "
+                            "FROM range(?, ?) t(i)", [lo, min(size, lo + INSERT_ROWS)])
+            filled = size
+            con.execute("CHECKPOINT")
+            recent = [r[0] for r in con.execute("SELECT md5('t' || i::VARCHAR) FROM range(?, ?) t(i)",
+                                                [size - LOOKUP, size]).fetchall()]
+            sql = "SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN "
+            unnest = best(lambda: con.execute(sql + "(SELECT unnest(?))", [recent]).fetchall())
+            keyed = best(lambda: by_keys(con, sql + "{keys}", recent))
+            assert len(by_keys(con, sql + "{keys}", recent)) == LOOKUP
+            print(f"{size:>10,} {unnest:>10.1f} {keyed:>11.1f} {keyed / unnest:>17.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
