@@ -62,7 +62,7 @@ SELECT 'c-' || md5(i::VARCHAR), k, CASE WHEN k % 2 = 0 THEN 'user' ELSE 'assista
        CASE WHEN k = 1 THEN '[{{"id": "call_' || i || '", "name": "lookup_order", "arguments": {{"order_id": "B-'
                             || i || '"}}}}]' END,
        NULL, NULL, TIMESTAMPTZ '2026-11-01 00:00:00+00' + i * INTERVAL 1 SECOND + k * INTERVAL 5 SECOND,
-       substr(md5('span' || i || k), 1, 16), 'otel_genai', false
+       substr(md5('span' || i || k), 1, 16), 'otel_genai', false, NULL
 FROM range(?, ?) t(i), range({MESSAGES}) s(k)
 ORDER BY i, k
 """

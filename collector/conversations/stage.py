@@ -579,7 +579,7 @@ class Conversations(Stage):
         row = ConversationRow.of(conv, tr, self.clock())
         self._rows_written[conv.id] = row
         self._writes.conversations[conv.id] = row
-        self._writes.messages[conv.id] = message_rows(conv.id, tr)
+        self._writes.messages[conv.id] = message_rows(conv.id, tr, row.first_batch)
         if conv.stored:
             self._writes.replace.add(conv.id)
         conv.stored = True

@@ -59,8 +59,13 @@ CREATE TABLE IF NOT EXISTS messages (
     "at" TIMESTAMPTZ,
     span_id VARCHAR,
     source VARCHAR,
-    truncated BOOLEAN
+    truncated BOOLEAN,
+    first_batch UBIGINT
 );
+-- Its conversation's first_batch as written with these rows (the conversations row has the same value):
+-- replacing a transcript deletes from there on, so DuckDB skips the row groups written before.
+-- Added to older files; NULL in the rows written before.
+ALTER TABLE messages ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
 CREATE TABLE IF NOT EXISTS tracejudge_state (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
 
@@ -71,7 +76,7 @@ CONVERSATION_COLUMNS = (
     "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources", "first_batch",
 )
 MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
-                   "span_id", "source", "truncated")
+                   "span_id", "source", "truncated", "first_batch")
 
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",

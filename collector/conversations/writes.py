@@ -23,6 +23,7 @@ import duckdb
 import orjson
 
 from ..store import Transaction, insert_rows
+from ..store.transactions import by_keys
 from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS
 from .tracemap import Tracked
 from .transcript import Transcript
@@ -102,11 +103,26 @@ class ConversationRow:
 assert tuple(f.name for f in dataclasses.fields(ConversationRow)) == CONVERSATION_COLUMNS
 
 
-def message_rows(cid: str, tr: Transcript) -> list[tuple[Any, ...]]:
-    """The ``messages`` rows of a transcript."""
+def message_rows(cid: str, tr: Transcript, first_batch: int | None) -> list[tuple[Any, ...]]:
+    """The ``messages`` rows of a transcript, with the ``first_batch`` its conversations row is written with."""
     return [(cid, i, m.role, m.content, _json_text(m.to_dict()["tool_calls"]) if m.tool_calls else None,
-             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated)
+             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated, first_batch)
             for i, m in enumerate(tr.messages)]
+
+
+def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str]) -> None:
+    """Delete these conversations' stored messages, reading only the row groups that can hold them.
+
+    ``messages`` has no index, and a transcript is replaced at every update, so a delete by id alone
+    reads the whole table each time: the longer the history, the slower the stage. Each row carries
+    the ``first_batch`` its conversations row was written with, in the same transaction; the smallest
+    of the stored ones bounds the delete, and DuckDB skips the row groups written before it (rows are
+    appended in the order they are written). Rows from before the column are NULL, and still found.
+    """
+    low = min((r[0] for r in by_keys(cur, "SELECT coalesce(min(first_batch), 0) FROM conversations "
+                                          "WHERE conversation_id IN {keys}", conversations)), default=0)
+    cur.execute("DELETE FROM messages WHERE (first_batch >= ? OR first_batch IS NULL) "
+                "AND conversation_id IN (SELECT unnest(?))", [low, conversations])
 
 
 @dataclass
@@ -134,7 +150,7 @@ class Writes:
             with Transaction(cur):
                 gone = sorted(self.deleted | self.replace)
                 if gone:
-                    cur.execute("DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [gone])
+                    delete_messages(cur, gone)
                 if self.deleted:
                     cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
                                 [sorted(self.deleted)])

@@ -68,7 +68,7 @@ class StoredConversation:
             "closed_at": self.arrived if ended else None, "updated_at": self.arrived, "unparsed_spans": 0,
             "unparsed_logs": 0, "sources": json.dumps(list(tr.sources)), "first_batch": None,
         }
-        return tuple(values[c] for c in CONVERSATION_COLUMNS), message_rows(self.conversation_id, tr)
+        return tuple(values[c] for c in CONVERSATION_COLUMNS), message_rows(self.conversation_id, tr, None)
 
 
 def text_messages(turns: Sequence[tuple[str, str | None]], at: dt.datetime = T0) -> list[TranscriptMessage]:
