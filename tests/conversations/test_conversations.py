@@ -96,7 +96,9 @@ def test_idle_timeout_ends_and_new_trace_reopens(make_daemon: Any) -> None:
         time.sleep(0.2)
     ended = daemon.get("/api/conversations?state=ended&limit=100")[1]["conversations"]
     assert {c["ended_by"] for c in ended} == {"idle"} and len(ended) == len(open_now)
-    assert daemon.metric('tracejudge_conversations_ended_total{ended_by="idle"}') == len(ended)
+    # the stage's child reports its counters with its status (every 0.2 s), so they trail the database
+    ended_metric = 'tracejudge_conversations_ended_total{ended_by="idle"}'
+    wait_until(lambda: daemon.metric(ended_metric, missing=0) == len(ended), "the idle endings counted in /metrics")
 
 
 def test_conversations_cli_with_and_without_daemon(make_daemon: Any) -> None:
