@@ -123,10 +123,15 @@ class RowCache:
         self.max_rows = max_rows
         self._traces: OrderedDict[str, TraceRows] = OrderedDict()
         self._rows = 0  # rows held
+        # Cached traces handed out since the last release, the only cached rows readers can have parsed:
+        # a release costs what the cycle read, not what the cache holds. (Rows not cached go with
+        # their reader, parsed trees and all.)
+        self._lent: dict[int, TraceRows] = {}
 
     def clear(self) -> None:
         self._traces.clear()
         self._rows = 0
+        self._lent.clear()
 
     def held(self) -> dict[str, int]:
         """Rows cached and traces cached."""
@@ -197,6 +202,9 @@ class RowCache:
                 self._rows += len(rows)
                 out[t] = rows
             self._evict()
+        for t, rows in out.items():
+            if self._traces.get(t) is rows:
+                self._lent[id(rows)] = rows
         return out
 
     def drop(self, trace_ids: Iterable[str]) -> None:
@@ -205,14 +213,17 @@ class RowCache:
             rows = self._traces.pop(t, None)
             if rows is not None:
                 self._rows -= len(rows)
+                self._lent.pop(id(rows), None)
 
     def release(self) -> None:
-        """Drop the parsed JSON of every cached row (what the cache keeps is text, bounded in rows)."""
-        for rows in self._traces.values():
+        """Drop the parsed JSON of every cached row handed out since the last release (what the cache
+        keeps is text, bounded in rows)."""
+        for rows in self._lent.values():
             for row in rows.spans:
                 row.release()
             for row in rows.logs:
                 row.release()
+        self._lent.clear()
 
     def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str], since: int | None
               ) -> dict[str, TraceRows]:
@@ -263,3 +274,4 @@ class RowCache:
         while self._rows > self.max_rows and self._traces:
             _, rows = self._traces.popitem(last=False)
             self._rows -= len(rows)
+            self._lent.pop(id(rows), None)

@@ -552,13 +552,15 @@ class Conversations(Stage):
         return dataclasses.replace(stored[0], trace_ids=tuple(conv.traces))
 
     def _trim_memos(self) -> None:
-        """Down to ``memo_rows``: first the memos of conversations with no rebuild due, the least recently
-        rebuilt first (a deferred rebuild keeps its memo), then the oldest; the newest stays, however long."""
+        """Down to three quarters of ``memo_rows`` (so that a trim, which walks the memos, comes once in
+        many rebuilds): first the memos of conversations with no rebuild due, the least recently rebuilt
+        first (a deferred rebuild keeps its memo), then the oldest; the newest stays, however long."""
+        target = self.memo_rows * 3 // 4
         for cid in [c for c in self._memos if c not in self._dirty]:
-            if self._memo_rows <= self.memo_rows:
+            if self._memo_rows <= target:
                 return
             self._drop_memo(cid)
-        while self._memo_rows > self.memo_rows and len(self._memos) > 1:
+        while self._memo_rows > target and len(self._memos) > 1:
             self._drop_memo(next(iter(self._memos)))
 
     def _drop_memo(self, cid: str) -> ParseMemo | None:
