@@ -353,6 +353,8 @@ class Judges(Section):
     concurrency: int = Field(8, ge=1, le=1024)
     timeout: Duration = 60.0
     """Per judge call."""
+    check_workers: int = Field(1, ge=1, le=64)
+    """Code checks run at once, each in a worker process of its own (about 25 MB each while it lasts)."""
 
 
 # --------------------------------------------------------------- sampling

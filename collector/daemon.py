@@ -36,7 +36,7 @@ import duckdb
 import grpc
 from aiohttp import web
 
-from judges import Criterion, Provider
+from judges import Criterion, Provider, set_check_workers
 
 from .api.app import API
 from .background import Stage
@@ -247,6 +247,7 @@ class Daemon:
                 review_queue.ensure_schema(cur)  # before the evaluator, which opens items as it stores
             finally:
                 cur.close()
+            set_check_workers(cfg.judges.check_workers)  # the process's pool: the daemon's to size
             parts.evaluator = evaluator = Evaluator(store, cfg, metrics, criteria=criteria, provider=provider,
                                                     on_stored=review_queue.item_opener(cfg),
                                                     no_provider=no_provider)

@@ -24,6 +24,7 @@ from ._calibration import (
     calibrate,
     compare_reruns,
 )
+from ._check_process import set_check_workers
 from ._checks import AppliesIf, CheckParams, CodeCheck, register_check
 from ._criteria import CodeCriterion, Criterion, LLMCriterion, load_criteria
 from ._errors import (
@@ -124,6 +125,7 @@ __all__ = [
     "render_lines",
     "render_transcript",
     "run_judges",
+    "set_check_workers",
     "summarize",
     "tool_call_text",
     "transcript_sha256",

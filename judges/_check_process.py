@@ -10,7 +10,8 @@ therefore runs in a worker process, and one that runs past its criterion's
 Lifecycle: ``pool()`` is shared by every run and event loop of the process.
 A worker is started (``python -c``, with the caller's ``sys.path``) when a
 check finds none idle, at most one per thread of the pool; it answers pickled
-requests over a pipe and is kept for the next check. It is killed when its check runs
+requests over a pipe and is kept for the next check, for ``IDLE_LIMIT`` seconds at
+most (each holds about 25 MB: a daemon at rest keeps none). It is killed when its check runs
 out of time or its caller is cancelled, and it exits by itself when its pipe
 closes (the caller exited, even by ``kill -9``) or, as a last resort, when a
 check outlives its limit by ``GRACE`` seconds. Workers left at exit are killed.
@@ -32,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -45,6 +47,8 @@ GRACE = 1.0
 """Seconds past its limit after which a check's worker ends itself (its caller may be gone)."""
 START_TIMEOUT = 60.0
 """Seconds a new worker may take to import what it needs (not counted in a check's limit)."""
+IDLE_LIMIT = 60.0
+"""Seconds an idle worker is kept for the next check before it is stopped (each holds about 25 MB)."""
 _READY = "ready"
 _BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[3]); "
          "from judges._check_process import serve; serve(int(sys.argv[1]), int(sys.argv[2]))")
@@ -186,22 +190,27 @@ class _Call:
 
 
 class WorkerPool:
-    """``size`` threads, each waiting for one worker at a time; idle workers kept for the next check.
+    """``size`` threads, each waiting for one worker at a time; idle workers kept for the next check,
+    for ``idle_limit`` seconds at most (a thread of the pool's own stops the others).
 
     The threads are the pool's own, so checks queued behind slow ones never
     hold up the event loop's default executor (DNS lookups of judge calls).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, idle_limit: float = IDLE_LIMIT) -> None:
         self.pid = os.getpid()
+        self.size = size
+        self.idle_limit = idle_limit
         self.threads = ThreadPoolExecutor(max_workers=size, thread_name_prefix="judges-check")
         self._lock = threading.Lock()
-        self._idle: list[_Worker] = []
+        self._idle: list[tuple[_Worker, float]] = []  # (worker, idle since), the most recently used last
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
 
     def run(self, message: bytes, limit: float, call: _Call) -> tuple[str, Any]:
         """Run one pickled request on a worker (blocking: on one of ``threads``); see ``_Worker.call``."""
         with self._lock:
-            worker = self._idle.pop() if self._idle else None
+            worker = self._idle.pop()[0] if self._idle else None
         if worker is not None and not worker.alive:  # ended while idle (killed from outside)
             worker.close()
             worker = None
@@ -216,10 +225,23 @@ class WorkerPool:
         finally:
             with self._lock:
                 call.worker = None
-                keep = worker.alive and not call.cancelled
+                keep = worker.alive and not call.cancelled and not self._closed.is_set()
                 if keep:
-                    self._idle.append(worker)
+                    self._idle.append((worker, time.monotonic()))
+                    if self._reaper is None:
+                        self._reaper = threading.Thread(target=self._reap, name="judges-check-reaper", daemon=True)
+                        self._reaper.start()
             if not keep:
+                worker.close()
+
+    def _reap(self) -> None:
+        """Stop the workers idle for ``idle_limit`` seconds, until the pool closes."""
+        while not self._closed.wait(max(self.idle_limit / 4, 0.01)):
+            old = time.monotonic() - self.idle_limit
+            with self._lock:
+                expired = [w for w, since in self._idle if since <= old]
+                self._idle = [(w, since) for w, since in self._idle if since > old]
+            for worker in expired:
                 worker.close()
 
     def cancel(self, call: _Call) -> None:
@@ -232,14 +254,40 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop the idle workers (those in use are stopped by their calls)."""
+        self._closed.set()
         with self._lock:
             idle, self._idle = self._idle, []
-        for worker in idle:
+        for worker, _ in idle:
             worker.close()
 
 
 _POOL: WorkerPool | None = None
 _POOL_LOCK = threading.Lock()
+_SIZE: int | None = None  # set_check_workers; None: one per core, at most four
+_IDLE_LIMIT = IDLE_LIMIT
+
+
+def set_check_workers(workers: int | None, idle_limit: float = IDLE_LIMIT) -> None:
+    """How many code checks run at once, each in a worker process of its own (None: one per core,
+    at most four), and how long an idle worker is kept. A pool already started otherwise is stopped
+    (its running checks end first) and the next check starts a new one."""
+    global _SIZE, _IDLE_LIMIT, _POOL
+    if workers is not None and workers < 1:
+        raise ValueError(f"check workers must be at least 1, not {workers}")
+    if idle_limit <= 0:
+        raise ValueError(f"an idle limit is a number of seconds above 0, not {idle_limit}")
+    with _POOL_LOCK:
+        _SIZE, _IDLE_LIMIT = workers, idle_limit
+        old = _POOL
+        if old is not None and (old.size, old.idle_limit) != (_pool_size(), idle_limit):
+            _POOL = None
+    if old is not None and _POOL is None:
+        old.threads.shutdown(wait=False)
+        old.close()
+
+
+def _pool_size() -> int:
+    return _SIZE if _SIZE is not None else min(4, os.cpu_count() or 1)
 
 
 def pool() -> WorkerPool:
@@ -247,7 +295,7 @@ def pool() -> WorkerPool:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL.pid != os.getpid():
-            _POOL = WorkerPool(size=min(4, os.cpu_count() or 1))
+            _POOL = WorkerPool(size=_pool_size(), idle_limit=_IDLE_LIMIT)
         return _POOL
 
 

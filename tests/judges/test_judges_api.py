@@ -15,7 +15,7 @@ EXPORTED = [
     "ProviderSetupError", "RateStats", "RetryPolicy", "ScriptedProvider", "Summary", "TextRange", "ToolCall", "TranscriptDigest", "Usage",
     "Verdict", "VerdictCache", "arun_judges", "load_criteria", "locate_evidence", "make_provider",
     "parse_conversations", "read_conversations", "register_check", "register_provider", "render_lines",
-    "render_transcript", "run_judges", "summarize", "tool_call_text", "transcript_sha256", "verify_evidence", "weighted_proportion",
+    "render_transcript", "run_judges", "set_check_workers", "summarize", "tool_call_text", "transcript_sha256", "verify_evidence", "weighted_proportion",
     "LABELS", "Pair", "calibrate", "compare_reruns", "CalibrationReport", "CriterionCalibration", "RateInterval",
     "ReviewerAgreement", "RerunDiff", "RerunCounts",
 ]
