@@ -4,7 +4,9 @@ interpreter lock.
 On two cores the lock, not the cores, limited the stage: it shared one interpreter with the
 receivers and the writer, and gave way to them, so under a steady load it got a quarter of the
 time and fell behind without bound. ``StageProcess`` runs ``Conversations`` in a child process
-(``spawn``, niced, so that on a busy machine the kernel runs ingestion first).
+(a new interpreter, niced, so that on a busy machine the kernel runs ingestion first). It is started
+as a plain ``python -c`` with its two pipes, not by multiprocessing's ``spawn``, which would also
+start multiprocessing's resource tracker, a process of 7 MB that nothing here needs.
 
 A file has one DuckDB process, so the child has no database of its own: its stage works on a
 ``RemoteCursor``, whose statements this process runs, one at a time and in order, on a cursor of
@@ -32,12 +34,15 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import itertools
+import json
 import logging
 import math
 import multiprocessing
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -152,6 +157,17 @@ class RemoteStore:
                piece: float = math.inf) -> Pacing:
         # Never busy: the child gives way through its nice value, not by waiting for pauses.
         return Pacing(lambda: math.inf, idle_gap=idle_gap, share=share, max_wait=max_wait, poll=poll, piece=piece)
+
+
+_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+         "from collector.conversations.process import boot; boot(sys.argv[1])")
+
+
+def boot(fds: str) -> None:
+    """The child's entry (``_BOOT``): its two pipes by descriptor, then ``_child``'s arguments on the
+    second one."""
+    queries, control = (Connection(int(fd)) for fd in fds.split(","))
+    _child(queries, control, *control.recv())
 
 
 def _child(queries: Connection, control: Connection, settings: Settings, log_format: str,
@@ -377,18 +393,22 @@ class StageProcess(Stage):
 
     def _run_child(self) -> str:
         """Start a child, serve its statements until it ends; why it ended."""
-        ctx = multiprocessing.get_context("spawn")
-        queries, child_queries = ctx.Pipe()
-        control, child_control = ctx.Pipe()
+        queries, child_queries = multiprocessing.Pipe()
+        control, child_control = multiprocessing.Pipe()
         root = logging.getLogger()
         fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None and h.formatter._fmt),
                    "%(asctime)s %(levelname)s %(name)s: %(message)s")
-        proc = ctx.Process(target=_child, name="tracejudge-conversations", daemon=True,
-                           args=(child_queries, child_control, self.settings, fmt,
-                                 logging.getLogger("tracejudge").getEffectiveLevel()))
-        proc.start()
-        child_queries.close()
-        child_control.close()
+        fds = (child_queries.fileno(), child_control.fileno())
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", _BOOT, ",".join(map(str, fds)), json.dumps(sys.path)],
+                                    pass_fds=fds, stdin=subprocess.DEVNULL)
+        finally:
+            child_queries.close()
+            child_control.close()
+        try:
+            control.send((self.settings, fmt, logging.getLogger("tracejudge").getEffectiveLevel()))
+        except OSError:
+            pass  # it ended already: serving finds its pipe closed, and its exit code says how
         self._proc, self._control, self._counted = proc, control, {}
         ended = threading.Event()
         reader = threading.Thread(target=self._read_control, args=(control, ended), name="tracejudge-conv-status",
@@ -402,17 +422,18 @@ class StageProcess(Stage):
         finally:
             ended.set()
             self._outgoing.put(("wake",))
-            proc.join(STOP_TIMEOUT)  # its pipe closed: it is exiting
-            if proc.is_alive():
+            try:
+                proc.wait(STOP_TIMEOUT)  # its pipe closed: it is exiting
+            except subprocess.TimeoutExpired:
                 proc.kill()
-            proc.join()
+                proc.wait()
             queries.close()
             control.close()
             reader.join()
             sender.join()
             self._drop_registered()
             self._rollback()
-        return f"exit code {proc.exitcode}" if proc.exitcode is not None else "it stopped answering"
+        return f"exit code {proc.returncode}"
 
     def _serve(self, conn: Connection) -> None:
         """Run the child's statements on the stage's cursor until its pipe closes."""
