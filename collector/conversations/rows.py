@@ -126,7 +126,7 @@ class RowCache:
         # Cached traces handed out since the last release, the only cached rows readers can have parsed:
         # a release costs what the cycle read, not what the cache holds. (Rows not cached go with
         # their reader, parsed trees and all.)
-        self._lent: dict[int, TraceRows] = {}
+        self._lent: set[str] = set()
 
     def clear(self) -> None:
         self._traces.clear()
@@ -202,9 +202,7 @@ class RowCache:
                 self._rows += len(rows)
                 out[t] = rows
             self._evict()
-        for t, rows in out.items():
-            if self._traces.get(t) is rows:
-                self._lent[id(rows)] = rows
+        self._lent.update(t for t in out if t in self._traces)
         return out
 
     def drop(self, trace_ids: Iterable[str]) -> None:
@@ -213,12 +211,13 @@ class RowCache:
             rows = self._traces.pop(t, None)
             if rows is not None:
                 self._rows -= len(rows)
-                self._lent.pop(id(rows), None)
+                self._lent.discard(t)
 
     def release(self) -> None:
         """Drop the parsed JSON of every cached row handed out since the last release (what the cache
         keeps is text, bounded in rows)."""
-        for rows in self._lent.values():
+        for t in self._lent:  # every one cached: eviction and drop take theirs out
+            rows = self._traces[t]
             for row in rows.spans:
                 row.release()
             for row in rows.logs:
@@ -272,6 +271,6 @@ class RowCache:
     def _evict(self) -> None:
         """Drop the least recently used traces beyond ``max_rows`` rows."""
         while self._rows > self.max_rows and self._traces:
-            _, rows = self._traces.popitem(last=False)
+            tid, rows = self._traces.popitem(last=False)
             self._rows -= len(rows)
-            self._lent.pop(id(rows), None)
+            self._lent.discard(tid)

@@ -76,6 +76,8 @@ def test_one_worker_runs_the_checks_one_after_the_other(marked: Criterion, tmp_p
 def test_the_number_of_workers_is_checked() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         set_check_workers(0)
+    with pytest.raises(ValueError, match="above 0"):
+        set_check_workers(1, idle_limit=0)
     with pytest.raises(pydantic.ValidationError, match="check_workers"):
         Config.model_validate({"judges": {"check_workers": 0}})
     assert Config.model_validate({}).judges.check_workers == 1
