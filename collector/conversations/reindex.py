@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tracejudge.reindex")
 
 SCHEMA = "reindex"
-LAYOUT = "traces-v2"  # reindex_traces with each trace's first commit
+LAYOUT = "traces-v3"  # reindex_traces with each trace's first and last commits
 CHUNK = 500  # traces rebuilt and committed together
 _REBUILT = ("conversations", "messages", "trace_conversations")
 
@@ -126,12 +126,13 @@ class Reindex:
             cur = stage.cur
             assert cur is not None
             while True:
-                rows = cur.execute(f"SELECT n, trace_id, arrived, first FROM {SCHEMA}.reindex_traces WHERE n > ? "
+                rows = cur.execute(f"SELECT n, trace_id, arrived, first, last FROM {SCHEMA}.reindex_traces WHERE n > ? "
                                    "ORDER BY n LIMIT ?", [self.progress.done, self.chunk]).fetchall()
-                self._now = max((at for _, _, at, _ in rows), default=self.clock())
+                self._now = max((at for _, _, at, _, _ in rows), default=self.clock())
                 with Transaction(cur):
                     # The last, empty one ends the idle ones now.
-                    stage.rebuild({t: at for _, t, at, _ in rows}, firsts={t: first for _, t, _, first in rows})
+                    stage.rebuild({t: at for _, t, at, _, _ in rows},
+                                  batches={t: (first, last) for _, t, _, first, last in rows})
                     last = rows[-1][0] if rows else self.progress.done
                     cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('reindex.done', ?)", [str(last)])
                 self.progress.done = last
@@ -208,10 +209,10 @@ class Reindex:
                 shadow.execute(TABLES)
                 shadow.execute(TRACE_MAP)
                 upto = self.store.batch_id
-                # One pass over the rows, so that each chunk reads its traces by number, each from its first commit.
+                # One pass over the rows, so that each chunk reads its traces by number, each within its commits.
                 shadow.execute(
                     "CREATE TABLE reindex_traces AS SELECT row_number() OVER (ORDER BY batch, arrived, trace_id) "
-                    "AS n, trace_id, arrived, first FROM (SELECT trace_id, epoch(max(received_at)) AS arrived, "
+                    "AS n, trace_id, arrived, first, batch AS last FROM (SELECT trace_id, epoch(max(received_at)) AS arrived, "
                     "max(batch_id) AS batch, min(batch_id) AS first FROM (SELECT trace_id, received_at, batch_id FROM main.span_records "
                     "WHERE batch_id <= ? UNION ALL SELECT trace_id, received_at, batch_id FROM main.log_records "
                     "WHERE batch_id <= ? AND trace_id IS NOT NULL) GROUP BY trace_id)", [upto, upto])

@@ -2,11 +2,12 @@
 
 A trace first seen whole in the commits handed to the stage keeps its rows in
 memory (the least recently used go beyond ``max_rows``); any other trace is read
-back from ``span_records`` and ``log_records`` when a rebuild needs it, from the
-first commit its caller knows to hold its rows (rows are stored in commit order,
-so the read skips every older row group: its cost follows the age of the
-conversation, not the size of the table). Each trace's rows know the first
-commit among them (``TraceRows.first_batch``), which is how callers learn it.
+back from ``span_records`` and ``log_records`` when a rebuild needs it, within the
+commits its caller knows to hold its rows (``Batches``: rows are stored in commit
+order, so the read skips every row group outside them, and its cost follows the
+rows read, not the size of the table nor the age of the conversation). Each
+trace's rows know the first and last commits among them (``TraceRows.first_batch``,
+``last_batch``), which is how callers learn them.
 
 Every row is a ``StoredRow``: its JSON columns are parsed once between two
 writes of the stage, however many readers (the conversation key, the end rules,
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import duckdb
 
@@ -35,6 +36,13 @@ from .keys import StoredRow
 # processed before the next: bounded memory, and their conversations' rows still cached
 # when they are rebuilt.
 LIGHT_GROUP_ROWS = 4096
+# Ranges of commits one read of missing traces names at most: DuckDB tests each row against every
+# range (500 ranges cost more than a read of the whole last hour), so the nearest are merged.
+MAX_RANGES = 8
+
+Batches = tuple["int | None", "int | None"]
+"""The commits that can hold a trace's rows, first and last; None for either end when unknown
+(from the table's first commit, to its last)."""
 
 
 @dataclass
@@ -44,6 +52,7 @@ class TraceRows:
     spans: list[StoredRow] = field(default_factory=list)
     logs: list[StoredRow] = field(default_factory=list)
     first_batch: int | None = None  # the first commit among these rows; None without rows
+    last_batch: int | None = None
 
     def __len__(self) -> int:
         return len(self.spans) + len(self.logs)
@@ -52,11 +61,19 @@ class TraceRows:
         self.spans.extend(other.spans)
         self.logs.extend(other.logs)
         self.saw(other.first_batch)
+        self.saw(other.last_batch)
 
     def saw(self, batch_id: int | None) -> None:
         """Rows of this commit are among these."""
-        if batch_id is not None and (self.first_batch is None or batch_id < self.first_batch):
+        if batch_id is None:
+            return
+        if self.first_batch is None or batch_id < self.first_batch:
             self.first_batch = batch_id
+        if self.last_batch is None or batch_id > self.last_batch:
+            self.last_batch = batch_id
+
+    def batches(self) -> Batches:
+        return self.first_batch, self.last_batch
 
     def start(self) -> int:
         """The earliest start (or log time) of its rows, in ns; 0 without one."""
@@ -179,11 +196,11 @@ class RowCache:
         self._evict()
 
     def get(self, cur: duckdb.DuckDBPyConnection, trace_ids: Iterable[str],
-            since: Callable[[str], int | None] | None = None) -> dict[str, TraceRows]:
+            where: Callable[[list[str]], Mapping[str, Batches]] | None = None) -> dict[str, TraceRows]:
         """Every stored row of these traces: the cache, else one read from DuckDB.
 
-        ``since(trace)``: the first commit that can hold the trace's rows, None when unknown; the read
-        of the traces not cached starts at the earliest (without one, it reads the whole table).
+        ``where(traces)``: the commits that can hold each of these traces' rows (``Batches``), asked
+        for the traces not cached; the read covers those commits (without it, the whole table).
         """
         out: dict[str, TraceRows] = {}
         missing = []
@@ -195,8 +212,7 @@ class RowCache:
             else:
                 missing.append(t)
         if missing:
-            firsts = [since(t) for t in missing] if since is not None else [None]
-            loaded = self._read(cur, missing, None if None in firsts else min(f for f in firsts if f is not None))
+            loaded = self._read(cur, missing, where(missing) if where is not None else {})
             for t, rows in loaded.items():
                 self._traces[t] = rows
                 self._rows += len(rows)
@@ -224,14 +240,12 @@ class RowCache:
                 row.release()
         self._lent.clear()
 
-    def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str], since: int | None
+    def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str], batches: Mapping[str, Batches]
               ) -> dict[str, TraceRows]:
         loaded = {t: TraceRows() for t in missing}
-        where = "trace_id IN (SELECT unnest(?))"
-        params: list[Any] = [missing]
-        if since is not None:
-            where += " AND batch_id >= ?"
-            params.append(since)
+        ranges, bounds = batch_filter([batches.get(t, (None, None)) for t in missing])
+        where = f"trace_id IN (SELECT unnest(?)){ranges}"
+        params: list[Any] = [missing, *bounds]
         res = cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)}, batch_id FROM span_records WHERE {where}", params)
         n = len(SPAN_COLUMNS)
         for rec in res.fetchall():
@@ -274,3 +288,35 @@ class RowCache:
             tid, rows = self._traces.popitem(last=False)
             self._rows -= len(rows)
             self._lent.discard(tid)
+
+
+def batch_filter(batches: list[Batches]) -> tuple[str, list[int]]:
+    """`` AND (batch_id BETWEEN ? AND ? OR ...)`` covering every trace's commits, and its parameters;
+    nothing when one trace's first commit is unknown (the whole table is read).
+
+    Overlapping ranges are merged, then the nearest, down to ``MAX_RANGES``: the ranges split at
+    the widest gaps between them, so a trace of a conversation open for days costs a range of its
+    own, not a read of those days.
+    """
+    if not batches or any(first is None for first, _ in batches):
+        return "", []
+    inf = 2**64
+    merged: list[list[int]] = []
+    for first, last in sorted((f, inf if last is None else last) for f, last in batches if f is not None):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    if len(merged) > MAX_RANGES:
+        gaps = sorted(range(1, len(merged)), key=lambda i: merged[i][0] - merged[i - 1][1])[-(MAX_RANGES - 1):]
+        starts = [0, *sorted(gaps), len(merged)]
+        merged = [[merged[a][0], max(r[1] for r in merged[a:b])] for a, b in zip(starts, starts[1:])]
+    terms, params = [], []
+    for first, last in merged:
+        if last >= inf:
+            terms.append("batch_id >= ?")
+            params.append(first)
+        else:
+            terms.append("batch_id BETWEEN ? AND ?")
+            params += [first, last]
+    return f" AND ({' OR '.join(terms)})", params

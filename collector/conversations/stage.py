@@ -45,12 +45,12 @@ from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import one
+from ..store.transactions import by_keys, one
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
 from .record import stored_transcript
-from .rows import Light, RowCache, TraceRows, groups
+from .rows import Batches, Light, RowCache, TraceRows, groups
 from .tables import SCHEMA
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
@@ -112,6 +112,7 @@ class Conversations(Stage):
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
         self._writes = Writes()
+        self._unranged: set[str] = set()  # traces read this cycle with no commits stored for them
         self._idle_event = threading.Event()
         self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
 
@@ -324,35 +325,36 @@ class Conversations(Stage):
             log.info("catching up on %d traces committed before the last stop", len(traces))
         for i in range(0, len(traces), CATCH_UP_CHUNK):
             part = traces[i:i + CATCH_UP_CHUNK]
-            self._touch({t: at for t, at, _ in part}, since=self._processed_batch + 1)
+            self._touch({t: at for t, at, _, _ in part}, since=self._processed_batch + 1,
+                        taken={t: (first, last) for t, _, first, last in part}, complete=False)
             self._rebuild_due(force=True)
-            nxt = traces[i + CATCH_UP_CHUNK][2] - 1 if i + CATCH_UP_CHUNK < len(traces) else self._resume_to
+            nxt = traces[i + CATCH_UP_CHUNK][3] - 1 if i + CATCH_UP_CHUNK < len(traces) else self._resume_to
             self._processed_batch = max(self._processed_batch, nxt)
             self._flush()
         # Every commit made before this stage opened is now taken in, traceless logs included.
         self._processed_batch = max(self._processed_batch, self._resume_to)
 
-    def _traces_since(self, batch: int, upto: int | None = None) -> list[tuple[str, float, int]]:
-        """Traces with rows committed after ``batch`` (and up to ``upto``): (trace, last arrival, last
-        commit), by last commit."""
+    def _traces_since(self, batch: int, upto: int | None = None) -> list[tuple[str, float, int, int]]:
+        """Traces with rows committed after ``batch`` (and up to ``upto``): (trace, last arrival, first and
+        last of those commits), by last commit."""
         last = 2**63 - 1 if upto is None else upto
-        return [(t, at, int(b)) for t, at, b in self._db().execute(
-            "SELECT trace_id, epoch(max(received_at)), max(batch_id) FROM ("
+        return [(t, at, int(a), int(b)) for t, at, a, b in self._db().execute(
+            "SELECT trace_id, epoch(max(received_at)), min(batch_id), max(batch_id) FROM ("
             " SELECT trace_id, received_at, batch_id FROM span_records WHERE batch_id BETWEEN ? AND ? UNION ALL"
             " SELECT trace_id, received_at, batch_id FROM log_records WHERE batch_id BETWEEN ? AND ?"
             " AND trace_id IS NOT NULL) "
-            "GROUP BY trace_id ORDER BY 3, 2, 1", [batch + 1, last, batch + 1, last]).fetchall()]
+            "GROUP BY trace_id ORDER BY 4, 2, 1", [batch + 1, last, batch + 1, last]).fetchall()]
 
-    def rebuild(self, arrived: dict[str, float], firsts: Mapping[str, int] | None = None) -> None:
+    def rebuild(self, arrived: dict[str, float], batches: Mapping[str, Batches] | None = None) -> None:
         """A reindex's step, on a stage ``open``ed in the reindex's schema: take these traces in (their
-        rows read back from DuckDB, from ``firsts``, the first commit with rows of each, where given),
+        rows read back from DuckDB, within ``batches``, the first and last commits with rows of each),
         rebuild their conversations, end those idle by the stage's clock, and write it all (in the
         caller's transaction, if one is open).
 
         Raises:
             Stopping: ``stop`` came meanwhile (the caller's transaction must not commit).
         """
-        self._touch(arrived, since=self._processed_batch + 1, firsts=firsts)
+        self._touch(arrived, since=self._processed_batch + 1, taken=batches)
         self._rebuild_due(force=True)
         self._sweep_idle()
         self._flush()
@@ -377,19 +379,22 @@ class Conversations(Stage):
         # them, so that only traces with older rows are read back from DuckDB.
         self.rows.keep(taken, {t for t, cid in current.items() if cid is not None} | set(self.map.pending))
         # A trace in no conversation and not pending is new (the cache's premise): its rows start in these commits.
-        convs = self._touch(taken.arrived, current, since=taken.first, firsts=taken.first)
+        convs = self._touch(taken.arrived, current, since=taken.first,
+                            taken={t: (taken.first[t], taken.last[t]) for t in taken.arrived})
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
         return convs
 
     def _touch(self, arrived: dict[str, float], current: dict[str, str | None] | None = None,
-               since: Mapping[str, int] | int = 0, firsts: Mapping[str, int] | None = None) -> set[str]:
+               since: Mapping[str, int] | int = 0, taken: Mapping[str, Batches] | None = None,
+               complete: bool = True) -> set[str]:
         """Resolve each touched trace to its conversation and mark those conversations for a rebuild.
 
         ``arrived``: when each trace's rows last arrived; ``current`` the trace map for these
         traces when the caller has read it already; ``since`` the first commit with a trace's
-        new rows (for the batch mark), per trace or for all; ``firsts`` the first commit with
-        any row of a trace in no conversation and not pending, where the caller knows it (a trace
-        it does not is read from the whole table).
+        new rows (for the batch mark), per trace or for all; ``taken`` the first and last commits
+        with the rows of each trace the caller took in, where it knows them. ``complete``: a trace
+        in no conversation and not pending has no other rows (its first rows are among these); else
+        such a trace is read from the whole table.
         """
         if not arrived:
             return set()
@@ -400,20 +405,20 @@ class Conversations(Stage):
         # Their conversations' first commits bound the reads of these traces' older rows.
         self.map.load(cur, [c for c in current.values() if c is not None])
 
-        def first_of(tid: str) -> int | None:
+        def unstored(tid: str) -> Batches:
             cid = current.get(tid)
             if cid is not None:
-                return self.map.convs[cid].first_batch
+                return self.map.convs[cid].first_batch, None
             pending = self.map.pending.get(tid)
             if pending is not None:
-                return pending[1]
-            return firsts.get(tid) if firsts is not None else None
+                return pending[1], None
+            return taken[tid] if complete and taken is not None and tid in taken else (None, None)
 
         keys: dict[str, str] = {}
-        trace_first: dict[str, int | None] = {}
+        trace_batches: dict[str, Batches] = {}
         for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
             chunk = traces[i:i + 500]
-            rows = self.rows.get(cur, chunk, since=first_of)
+            rows = self.rows.get(cur, chunk, where=self._batches(unstored, taken))
             for tid in chunk:
                 self._check_stop()
                 self._give_way()
@@ -422,7 +427,7 @@ class Conversations(Stage):
                     # nothing conversational yet
                     self.map.pending[tid] = (arrived[tid], rows[tid].first_batch)
                     continue
-                trace_first[tid] = rows[tid].first_batch
+                trace_batches[tid] = rows[tid].batches()
                 self.map.pending.pop(tid, None)
                 if key is None:
                     key = self.map.chained(tid, rows[tid])
@@ -441,9 +446,10 @@ class Conversations(Stage):
                         prev.traces.remove(tid)
                     self._dirty.setdefault(old, now)
                     self._since.setdefault(old, first)
-                self._writes.moves[tid] = cid
                 self.map.move(tid, cid)
-            b = trace_first[tid]
+            # Each touched trace's commits, as they are now (``_batches`` reads them back).
+            self._writes.traces[tid] = (cid, *trace_batches[tid])
+            b = trace_batches[tid][0]
             if b is not None and (conv.first_batch is not None or not conv.traces):  # None with traces: unknown
                 conv.first_batch = b if conv.first_batch is None else min(conv.first_batch, b)
             # Also when the map has it already: a stop can come between writing the map and the
@@ -461,6 +467,33 @@ class Conversations(Stage):
             self._since.setdefault(cid, first)
         return set(keys.values())
 
+    def _batches(self, unstored: Callable[[str], Batches], taken: Mapping[str, Batches] | None = None
+                 ) -> Callable[[list[str]], dict[str, Batches]]:
+        """For ``RowCache.get``: the commits that can hold each trace's rows. Those this stage wrote for
+        it (in this cycle's writes, else in ``trace_conversations``), with ``taken`` (commits just taken
+        in for it); a trace with none stored from ``unstored(trace)`` (a trace in no conversation yet,
+        or one an older version stored: its conversation's first commit on, learnt by its rebuild)."""
+
+        def where(traces: list[str]) -> dict[str, Batches]:
+            written = self._writes.traces
+            stored = {t: (first, last) for t, first, last in by_keys(
+                self._db(), "SELECT trace_id, first_batch, last_batch FROM trace_conversations WHERE trace_id IN {keys}",
+                [t for t in traces if t not in written])}
+            out: dict[str, Batches] = {}
+            for t in traces:
+                first, last = written[t][1:] if t in written else stored.get(t, (None, None))
+                if first is None or last is None:
+                    self._unranged.add(t)
+                    first, last = unstored(t)
+                elif taken is not None and t in taken:
+                    new_first, new_last = taken[t]
+                    first = first if new_first is None else min(first, new_first)
+                    last = last if new_last is None else max(last, new_last)
+                out[t] = first, last
+            return out
+
+        return where
+
     # ------------------------------------------------------------ transcripts
 
     def _rebuild_due(self, force: bool = False, only: set[str] | None = None) -> None:
@@ -470,7 +503,7 @@ class Conversations(Stage):
         for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
             part = [convs[c] for c in due[i:i + 200] if c in convs]
             firsts = {t: conv.first_batch for conv in part for t in conv.traces}
-            rows = self.rows.get(self._db(), firsts, since=firsts.get)
+            rows = self.rows.get(self._db(), firsts, where=self._batches(lambda t: (firsts[t], None)))
             for conv in part:
                 self._check_stop()
                 self._rebuild_one(conv, rows)
@@ -512,10 +545,12 @@ class Conversations(Stage):
             self._rows_written.pop(conv.id, None)
             return
         if rows is None or any(t not in rows for t in conv.traces):
-            rows = self.rows.get(self._db(), conv.traces, since=lambda _: conv.first_batch)
+            rows = self.rows.get(self._db(), conv.traces, where=self._batches(lambda _: (conv.first_batch, None)))
         # Now that every row of its traces is at hand, their first commit is known exactly.
         conv.first_batch = min((b for t in conv.traces if (b := rows[t].first_batch) is not None),
                                default=conv.first_batch)
+        for t in self._unranged.intersection(conv.traces):  # stored by an older version: now they are known
+            self._writes.traces[t] = (conv.id, *rows[t].batches())
         # Oldest first, as trace_ids promises: the same order live and in a reindex, whatever order
         # the traces' commits came in.
         conv.traces.sort(key=lambda t: (rows[t].start(), t))
@@ -595,6 +630,7 @@ class Conversations(Stage):
             self._writes.flush(self._db(), self._safe_batch())
         finally:
             self.rows.release()
+            self._unranged.clear()
 
     def _end_stored(self, convs: list[Tracked], now: float) -> None:
         """End conversations whose stored transcripts are current (open at the last stop, nothing new

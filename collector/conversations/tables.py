@@ -77,6 +77,8 @@ CONVERSATION_COLUMNS = (
 )
 MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
                    "span_id", "source", "truncated", "first_batch")
+# ``trace_conversations`` (created with the store's tables: its views join it)
+TRACE_MAP_COLUMNS = ("trace_id", "conversation_id", "first_batch", "last_batch")
 
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",

@@ -24,7 +24,7 @@ import orjson
 
 from ..store import Transaction, insert_rows
 from ..store.transactions import by_keys
-from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS
+from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS
 from .tracemap import Tracked
 from .transcript import Transcript
 
@@ -133,7 +133,8 @@ class Writes:
     messages: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
     replace: set[str] = field(default_factory=set)  # conversations whose old messages go
     deleted: set[str] = field(default_factory=set)
-    moves: dict[str, str] = field(default_factory=dict)  # trace -> conversation
+    # trace -> (its conversation, the first and last commits with its rows)
+    traces: dict[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         """Conversations waiting to be written or deleted."""
@@ -154,8 +155,8 @@ class Writes:
                 if self.deleted:
                     cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
                                 [sorted(self.deleted)])
-                insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", ("trace_id", "conversation_id"),
-                            list(self.moves.items()))
+                insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", TRACE_MAP_COLUMNS,
+                            [(t, *where) for t, where in self.traces.items()])
                 insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
                             [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
                 insert_rows(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
@@ -163,4 +164,4 @@ class Writes:
                 cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)", [str(mark)])
         finally:
             self.conversations, self.messages = {}, {}
-            self.replace, self.deleted, self.moves = set(), set(), {}
+            self.replace, self.deleted, self.traces = set(), set(), {}

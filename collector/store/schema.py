@@ -13,11 +13,17 @@ import pyarrow as pa
 from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
 from .files import ATTACHED
 
-# Which conversation a trace belongs to (also created in the schema a reindex builds in).
+# Which conversation a trace belongs to (also created in the schema a reindex builds in), and the
+# first and last commits holding its rows: a read of them skips every row group outside (rows are
+# stored in commit order). Added to older files, NULL there until the trace's conversation is rebuilt.
 TRACE_MAP = """CREATE TABLE IF NOT EXISTS trace_conversations (
     trace_id VARCHAR PRIMARY KEY,
-    conversation_id VARCHAR NOT NULL
-);"""
+    conversation_id VARCHAR NOT NULL,
+    first_batch UBIGINT,
+    last_batch UBIGINT
+);
+ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
+ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS last_batch UBIGINT;"""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS span_records (
@@ -108,9 +114,12 @@ SPAN_ARROW = pa.schema([(c, _SPAN_TYPES.get(c, pa.string())) for c in SPAN_COLUM
 LOG_ARROW = pa.schema([(c, _LOG_TYPES.get(c, pa.string())) for c in LOG_COLUMNS])
 
 
-def _views(con: duckdb.DuckDBPyConnection, database: str) -> dict[str, str]:
-    return dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE database_name = ? AND NOT internal",
-                            [database]).fetchall())
+def _layout(con: duckdb.DuckDBPyConnection, database: str) -> set[tuple[str, str]]:
+    """The main schema's views (name, SQL as DuckDB stores it) and tables' columns (table, column)."""
+    return set(con.execute(
+        "SELECT view_name, sql FROM duckdb_views() WHERE database_name = $1 AND schema_name = 'main' "
+        "AND NOT internal UNION ALL SELECT table_name, column_name FROM duckdb_columns() "
+        "WHERE database_name = $1 AND schema_name = 'main'", [database]).fetchall())
 
 
 def create_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -121,11 +130,10 @@ def create_schema(con: duckdb.DuckDBPyConnection) -> None:
     scratch = duckdb.connect()  # renders our views as DuckDB stores them, to compare
     try:
         scratch.execute(SCHEMA)
-        wanted = _views(scratch, "memory")
+        wanted = _layout(scratch, "memory")
     finally:
         scratch.close()
-    have = _views(con, ATTACHED)
-    if any(have.get(name) != sql for name, sql in wanted.items()):
+    if not wanted <= _layout(con, ATTACHED):
         con.execute(SCHEMA)
 
 

@@ -4,7 +4,9 @@ While ingestion is busy the conversation stage keeps only which traces each
 commit touched and reads their rows back from DuckDB later, by commit range.
 Every fixture case goes through a real store twice, once with every commit
 handed over whole and once with every commit queued as ids only; the stored
-conversations, messages and trace map must be identical.
+conversations, messages and trace map must be identical. So must they with no row
+cache at all and a cycle per request, where every read of a trace stays within
+the commits the trace map stored for it, joined with those of its new rows.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ SETTINGS = Settings.model_validate({"end_rules": [{"attribute": "app.handover", 
                                                    "ended_by": "handover"}]})
 
 
-def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool) -> dict[str, list[tuple[Any, ...]]]:
-    store = Store(tmp / f"{queued_only}.duckdb")
+def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_spans: int = 10_000,
+            each: bool = False) -> dict[str, list[tuple[Any, ...]]]:
+    """What the stage stored; with ``each`` it catches up after every request, not once at the end."""
+    store = Store(tmp / f"{queued_only}-{cache_spans}.duckdb")
     store.open()
-    stage = Conversations(store, SETTINGS, max_queued_commits=0 if queued_only else 1_000_000)
+    stage = Conversations(store, SETTINGS, max_queued_commits=0 if queued_only else 1_000_000,
+                          cache_spans=cache_spans)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
@@ -43,6 +48,8 @@ def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool) -> dic
                 store.submit(spans=span_batch(parse_traces(wire_body(req), json_body))[0]).result(30)
             elif req["signal"] == "logs":
                 store.submit(logs=log_batch(parse_logs(wire_body(req), json_body))[0]).result(30)
+            if each:
+                assert stage.wait_idle(60)
         assert stage.wait_idle(60)
         cur = store.cursor()
         try:
@@ -67,6 +74,13 @@ def test_queued_commits_rebuild_the_same_conversations(tmp_path: Path, case: str
     whole = rebuilt(tmp_path, requests, queued_only=False)
     assert whole["conversations"]
     assert rebuilt(tmp_path, requests, queued_only=True) == whole
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rows_read_back_within_their_commits_rebuild_the_same_conversations(tmp_path: Path, case: str) -> None:
+    requests = list(fixture_requests(case))
+    whole = rebuilt(tmp_path, requests, queued_only=False)
+    assert rebuilt(tmp_path, requests, queued_only=False, cache_spans=0, each=True) == whole
 
 
 def test_log_records_sharing_a_timestamp_read_back_in_request_order(tmp_path: Path) -> None:

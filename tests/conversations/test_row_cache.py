@@ -1,11 +1,12 @@
-"""The stage's row cache: a release drops what readers parsed in the cached rows they were handed."""
+"""The stage's row cache: a release drops what readers parsed in the cached rows they were handed; a read
+of traces not cached stays within the commits it is given."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from collector.conversations.keys import StoredRow
-from collector.conversations.rows import RowCache, Taken
+from collector.conversations.rows import MAX_RANGES, RowCache, Taken, batch_filter
 
 
 def taken(*trace_ids: str) -> Taken:
@@ -48,3 +49,35 @@ def test_a_release_leaves_nothing_to_drop_for_the_next() -> None:
     cache.get(None, ["t1"])  # type: ignore[arg-type]
     cache.release()
     assert parsed(rows, "t1") is not two
+
+
+def test_a_read_of_missing_traces_stays_within_the_commits_it_is_given() -> None:
+    import duckdb
+
+    from collector.store.schema import SCHEMA
+
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    for batch, span in ((1, "a"), (5, "b"), (9, "c")):  # trace t1's rows in three commits
+        con.execute("INSERT INTO span_records (trace_id, span_id, received_at, batch_id) VALUES ('t1', ?, now(), ?)",
+                    [span, batch])
+    spans = lambda rows: sorted(r["span_id"] for r in rows["t1"].spans)  # noqa: E731
+    assert spans(RowCache(10).get(con, ["t1"], where=lambda ts: {"t1": (1, 5)})) == ["a", "b"]
+    assert spans(RowCache(10).get(con, ["t1"], where=lambda ts: {"t1": (5, None)})) == ["b", "c"]
+    got = RowCache(10).get(con, ["t1"], where=lambda ts: {"t1": (None, None)})  # unknown: the whole table
+    assert spans(got) == ["a", "b", "c"] and got["t1"].batches() == (1, 9)
+
+
+def test_batch_ranges_merge_and_split_at_the_widest_gaps() -> None:
+    assert batch_filter([]) == ("", [])
+    assert batch_filter([(3, 4), (None, None)]) == ("", []), "one trace's commits unknown: the whole table"
+    assert batch_filter([(7, 8), (1, 3), (2, 5), (6, None)]) == (" AND (batch_id >= ?)", [1])
+    assert batch_filter([(7, 8), (1, 3), (2, 4)]) == (" AND (batch_id BETWEEN ? AND ? OR batch_id BETWEEN ? AND ?)",
+                                                      [1, 4, 7, 8])
+    # A trace of a conversation open for days beside many recent ones: a range of its own.
+    recent = [(1000 + 3 * i, 1000 + 3 * i) for i in range(40)]
+    sql, params = batch_filter([*recent, (5, 6)])
+    assert sql.count("BETWEEN") == MAX_RANGES and params[:2] == [5, 6]
+    pairs = list(zip(params[::2], params[1::2]))
+    assert all(any(lo <= a and b <= hi for lo, hi in pairs) for a, b in [*recent, (5, 6)]), "every trace covered"
+    assert sum(hi - lo + 1 for lo, hi in pairs) < 2 + 120, "no range reaches across the gap"

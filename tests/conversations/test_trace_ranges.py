@@ -1,11 +1,13 @@
-"""Each conversation knows the first commit holding rows of its traces, and reads of its older rows start there.
+"""Each trace knows the first and last commits holding its rows, each conversation the first of its traces',
+and reads of their older rows stay within them.
 
 A rebuild after a restart (nothing cached) reads a conversation's traces back
-from that commit on, not from the whole table; so the stored commit must be the
-first of every trace that went into the conversation, however it came: a trace
-whose spans arrived before the one carrying the conversation id (pending), a
-trace that moved from its own ``trace:`` conversation to a keyed one, and a
-conversation stored by an older version without one.
+within those commits, not from the whole table; so the stored commits must hold
+every row of every trace that went into the conversation, however it came: a
+trace whose spans arrived before the one carrying the conversation id (pending),
+a trace that moved from its own ``trace:`` conversation to a keyed one, a span
+that arrives long after the rest of its trace, and a file stored by an older
+version without them.
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ def _firsts(daemon: Any) -> dict[str, tuple[Any, Any]]:
         "      SELECT trace_id, batch_id FROM log_records) r USING (trace_id) GROUP BY 1, 2")}
 
 
+def _ranges(daemon: Any) -> dict[str, tuple[Any, ...]]:
+    """Per trace: (stored first and last commits, the first and last commits of its rows)."""
+    return {tid: (stored, actual) for tid, *stored_actual in daemon.query(
+        "SELECT t.trace_id, t.first_batch, t.last_batch, min(r.batch_id), max(r.batch_id) FROM trace_conversations t "
+        "JOIN (SELECT trace_id, batch_id FROM span_records UNION ALL "
+        "      SELECT trace_id, batch_id FROM log_records) r USING (trace_id) GROUP BY 1, 2, 3")
+        for stored, actual in [(tuple(stored_actual[:2]), tuple(stored_actual[2:]))]}
+
+
 def test_a_conversation_rebuilt_after_a_restart_reads_every_row_from_its_first_commit(make_daemon: Any) -> None:
     daemon = make_daemon()
     # First commit: trace 1's model call, with no conversation id yet (it gets a trace: conversation of
@@ -107,3 +118,44 @@ def test_a_conversation_rebuilt_after_a_restart_reads_every_row_from_its_first_c
     firsts = _firsts(daemon)
     assert firsts["c-1"] == (first, first)
     assert all(stored == actual for stored, actual in firsts.values()), firsts
+
+
+def test_a_span_arriving_long_after_its_trace_is_read_back_with_it_after_a_restart(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    tid = lambda n: f"{n:032x}"  # noqa: E731
+    _send(daemon, [_root(1), _chat(1, 1)])
+    for n in range(10, 14):  # other conversations' commits in between
+        _send(daemon, [(n, 1, None, "invoke_agent ShopBot", {"gen_ai.operation.name": "invoke_agent",
+                                                              "gen_ai.conversation.id": f"other-{n}"})])
+    # A retried export brings trace 1's second model call late, after the commits of the others.
+    late = _chat(1, 9)
+    _send(daemon, [(1, 3, 1, late[3], late[4])])
+    assert _turns(daemon) == ["question 1", "answer 1", "question 9", "answer 9"]
+    assert daemon.stop() == 0
+    ranges = _ranges(daemon)
+    assert all(stored == actual for stored, actual in ranges.values()), ranges
+    first, last = ranges[tid(1)][0]
+    assert last - first >= 5, "trace 1's rows span the other conversations' commits"
+
+    # Nothing cached after a restart: a new turn reads trace 1 back within its stored commits, late span and all.
+    daemon.start()
+    _send(daemon, [_root(2), _chat(2, 2)])
+    assert _turns(daemon) == ["question 1", "answer 1", "question 9", "answer 9", "question 2", "answer 2"]
+    assert daemon.stop() == 0
+    assert all(stored == actual for stored, actual in _ranges(daemon).values()), _ranges(daemon)
+
+    # A file an older version wrote has no commits per trace: the conversation's rebuild reads its traces
+    # from its first commit on, and stores each trace's commits.
+    con = duckdb.connect(str(daemon.duckdb))
+    try:
+        con.execute("UPDATE trace_conversations SET first_batch = NULL, last_batch = NULL")
+    finally:
+        con.close()
+    daemon.start()
+    _send(daemon, [_root(3), _chat(3, 3)])
+    assert _turns(daemon)[-4:] == ["question 2", "answer 2", "question 3", "answer 3"] and len(_turns(daemon)) == 8
+    assert daemon.stop() == 0
+    ranges = _ranges(daemon)
+    ours = {tid(n) for n in (1, 2, 3)}
+    assert all(ranges[t][0] == ranges[t][1] for t in ours), "the rebuilt conversation's traces learn their commits"
+    assert all(stored == (None, None) for t, (stored, _) in ranges.items() if t not in ours), ranges
