@@ -15,6 +15,15 @@ in order, as the stage appends them), and the delete of 60 recent conversations'
   by id      ``DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))``: reads the whole table
   bounded    ``collector.conversations.writes.delete_messages``: from the smallest stored ``first_batch``
 
+Then the stage's read of traces that left its row cache: ``span_records`` of N spans in commit order (512
+a commit, 8 a trace), and 200 recent traces of conversations, one of which has been open since the first
+commit (its first trace is among the 200), read by ``RowCache.get``:
+
+  from first   every trace from the earliest first commit among them on, as before each trace's commits
+               were kept
+  within       each trace within its own first and last commits (``trace_conversations``), the ranges
+               merged down to ``MAX_RANGES``
+
 It prints milliseconds per read or delete, the new form as a ratio of the old at the same size. Run by hand:
 
     .venv/bin/python bench/lookups.py [--steps 100000,300000,1000000]
@@ -29,8 +38,10 @@ from pathlib import Path
 
 import duckdb
 
+from collector.conversations.rows import RowCache
 from collector.conversations.tables import SCHEMA
 from collector.conversations.writes import delete_messages
+from collector.store.schema import SCHEMA as STORE_SCHEMA
 from collector.store.transactions import by_keys
 
 INSERT_ROWS = 50_000  # rows per insert while filling: one bulk insert of millions would build the index in memory
@@ -70,6 +81,9 @@ def main() -> None:
             assert len(by_keys(con, sql + "{keys}", recent)) == LOOKUP
             print(f"{size:>10,} {unnest:>10.1f} {keyed:>11.1f} {keyed / unnest:>17.2f}", flush=True)
         messages(con, steps)
+        con.close()
+        con = duckdb.connect(str(Path(tmp) / "reads.duckdb"), config={"memory_limit": "256MB"})
+        trace_reads(con, steps)
 
 
 MESSAGES_PER_CONVERSATION = 9
@@ -102,6 +116,39 @@ def messages(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
             "DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [ids])))
         bounded = best(lambda: rolled_back(lambda: delete_messages(con, ids)))
         print(f"{size:>10,} {by_id:>10.1f} {bounded:>11.1f} {bounded / by_id:>16.2f}", flush=True)
+
+
+SPANS_PER_COMMIT = 512
+SPANS_PER_TRACE = 8
+
+
+def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
+    con.execute(STORE_SCHEMA)
+    filled = 0
+    print(f"\n{'spans':>10} {'from first ms':>14} {'within ms':>10} {'within / from first':>20}")
+    for size in steps:
+        for lo in range(filled, size, INSERT_ROWS):
+            con.execute("INSERT INTO span_records (trace_id, span_id, name, attributes, received_at, batch_id) "
+                        "SELECT md5('t' || (i // ?)::VARCHAR), (i % ?)::VARCHAR, 'chat', repeat('x', 400), now(), "
+                        "i // ? FROM range(?, ?) t(i)",
+                        [SPANS_PER_TRACE, SPANS_PER_TRACE, SPANS_PER_COMMIT, lo, min(size, lo + INSERT_ROWS)])
+        filled = size
+        con.execute("CHECKPOINT")
+        last_trace = size // SPANS_PER_TRACE
+        numbers = [0, *range(last_trace - LOOKUP + 1, last_trace)]  # the long conversation's first trace, and recent ones
+        batches = {n: (n * SPANS_PER_TRACE // SPANS_PER_COMMIT, ((n + 1) * SPANS_PER_TRACE - 1) // SPANS_PER_COMMIT)
+                   for n in numbers}
+        ids = {r[0]: n for n, r in zip(numbers, (con.execute("SELECT md5('t' || ?::VARCHAR)", [str(n)]).fetchone()
+                                                  for n in numbers))}
+        first = min(lo for lo, _ in batches.values())
+
+        def read(where: object) -> None:
+            got = RowCache(0).get(con, list(ids), where=where)  # type: ignore[arg-type]
+            assert sum(len(r.spans) for r in got.values()) == len(ids) * SPANS_PER_TRACE
+
+        from_first = best(lambda: read(lambda ts: {t: (first, None) for t in ts}), repeat=5)
+        within = best(lambda: read(lambda ts: {t: batches[ids[t]] for t in ts}), repeat=5)
+        print(f"{size:>10,} {from_first:>14.1f} {within:>10.1f} {within / from_first:>20.2f}", flush=True)
 
 
 if __name__ == "__main__":
