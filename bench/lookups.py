@@ -10,10 +10,14 @@ forms of the same read of 200 recent traces (``collector.store.by_keys`` makes t
   by_keys    ``WHERE trace_id IN (?, ?, ...)``: looked up in the primary key's index
 
 Then the same for replacing transcripts: a ``messages`` table of N rows (nine per conversation, written
-in order, as the stage appends them), and the delete of 60 recent conversations' messages (rolled back):
+in order, as the stage appends them), and the delete of 60 recent conversations' messages (rolled back),
+one of which has been open since the first commit (its messages were written last, with the others):
 
   by id      ``DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))``: reads the whole table
-  bounded    ``collector.conversations.writes.delete_messages``: from the smallest stored ``first_batch``
+  first      from the smallest ``first_batch`` of their conversations, as the delete was bounded before
+             ``messages_batch``: the conversation open since the first commit makes it read everything
+  written    ``collector.conversations.writes.delete_messages``: from the smallest ``messages_batch``,
+             where their messages were last written
 
 Then the stage's read of traces that left its row cache: ``span_records`` of N spans in commit order (512
 a commit, 8 a trace), and 200 recent traces of conversations, one of which has been open since the first
@@ -93,19 +97,22 @@ REPLACED = 60
 def messages(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
     con.execute(SCHEMA)
     filled = 0
-    print(f"\n{'messages':>10} {'by id ms':>10} {'bounded ms':>11} {'bounded / by id':>16}")
+    print(f"\n{'messages':>10} {'by id ms':>10} {'first ms':>9} {'written ms':>11} {'written / by id':>16} "
+          f"{'written / first':>16}")
     for size in steps:
-        for lo in range(filled, size, INSERT_ROWS):  # conversation i // 9, its first commit i // 900
+        for lo in range(filled, size, INSERT_ROWS):  # conversation i // 9, its first commit and messages i // 900
             con.execute("INSERT INTO messages (conversation_id, seq, role, content, first_batch) "
                         "SELECT md5((i // 9)::VARCHAR), i % 9, 'user', repeat('x', 100), i // 900 FROM range(?, ?) t(i)",
                         [lo, min(size, lo + INSERT_ROWS)])
-            con.execute("INSERT INTO conversations (conversation_id, state, first_batch) "
-                        "SELECT md5(c::VARCHAR), 'ended', c // 100 FROM range(?, ?) t(c)",
+            con.execute("INSERT INTO conversations (conversation_id, state, first_batch, messages_batch) "
+                        "SELECT md5(c::VARCHAR), 'ended', c // 100, c // 100 FROM range(?, ?) t(c)",
                         [lo // MESSAGES_PER_CONVERSATION, min(size, lo + INSERT_ROWS) // MESSAGES_PER_CONVERSATION])
         filled = size
         con.execute("CHECKPOINT")
         last = size // MESSAGES_PER_CONVERSATION
         ids = [r[0] for r in con.execute("SELECT md5(c::VARCHAR) FROM range(?, ?) t(c)", [last - REPLACED, last]).fetchall()]
+        con.execute("UPDATE conversations SET first_batch = 0 WHERE conversation_id = ?", [ids[-1]])  # open since the start
+        con.execute("CHECKPOINT")
 
         def rolled_back(delete: object) -> None:
             con.execute("BEGIN")
@@ -114,8 +121,12 @@ def messages(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
 
         by_id = best(lambda: rolled_back(lambda: con.execute(
             "DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [ids])))
-        bounded = best(lambda: rolled_back(lambda: delete_messages(con, ids)))
-        print(f"{size:>10,} {by_id:>10.1f} {bounded:>11.1f} {bounded / by_id:>16.2f}", flush=True)
+        low = min(r[0] for r in by_keys(con, "SELECT first_batch FROM conversations WHERE conversation_id IN {keys}", ids))
+        first = best(lambda: rolled_back(lambda: con.execute(
+            "DELETE FROM messages WHERE first_batch >= ? AND conversation_id IN (SELECT unnest(?))", [low, ids])))
+        written = best(lambda: rolled_back(lambda: delete_messages(con, ids)))
+        print(f"{size:>10,} {by_id:>10.1f} {first:>9.1f} {written:>11.1f} {written / by_id:>16.2f} "
+              f"{written / first:>16.2f}", flush=True)
 
 
 SPANS_PER_COMMIT = 512

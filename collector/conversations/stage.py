@@ -113,6 +113,9 @@ class Conversations(Stage):
         self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
         self._writes = Writes()
         self._unranged: set[str] = set()  # traces read this cycle with no commits stored for them
+        # The newest commit among the rows taken in: with the batch mark, where messages are written
+        # (``ConversationRow.messages_batch``), increasing as they are (a reindex has no mark of its own).
+        self._newest_batch = 0
         self._idle_event = threading.Event()
         self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
 
@@ -428,6 +431,7 @@ class Conversations(Stage):
                     self.map.pending[tid] = (arrived[tid], rows[tid].first_batch)
                     continue
                 trace_batches[tid] = rows[tid].batches()
+                self._newest_batch = max(self._newest_batch, trace_batches[tid][1] or 0)
                 self.map.pending.pop(tid, None)
                 if key is None:
                     key = self.map.chained(tid, rows[tid])
@@ -613,10 +617,10 @@ class Conversations(Stage):
             self._warned_no_content.add(tr.service or "")
             log.warning("conversation %s of service %s carries no message content, so it cannot be judged: %s",
                         conv.id, tr.service or "(unknown)", tr.no_content_reason)
-        row = ConversationRow.of(conv, tr, self.clock())
+        row = ConversationRow.of(conv, tr, self.clock(), max(self._processed_batch, self._newest_batch))
         self._rows_written[conv.id] = row
         self._writes.conversations[conv.id] = row
-        self._writes.messages[conv.id] = message_rows(conv.id, tr, row.first_batch)
+        self._writes.messages[conv.id] = message_rows(conv.id, tr, row.messages_batch)
         if conv.stored:
             self._writes.replace.add(conv.id)
         conv.stored = True

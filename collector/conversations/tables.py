@@ -43,11 +43,15 @@ CREATE TABLE IF NOT EXISTS conversations (
     unparsed_spans INTEGER,
     unparsed_logs INTEGER,
     sources VARCHAR,
-    first_batch UBIGINT
+    first_batch UBIGINT,
+    messages_batch UBIGINT
 );
 -- The first commit holding rows of the conversation's traces (reads of them skip older ones).
 -- Added to older files; NULL there until the conversation is rebuilt.
 ALTER TABLE conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
+-- Where its messages were last written: the batch the stage had taken in then, as their rows carry it
+-- (messages.first_batch). Added to older files; NULL there until the transcript is written again.
+ALTER TABLE conversations ADD COLUMN IF NOT EXISTS messages_batch UBIGINT;
 CREATE TABLE IF NOT EXISTS messages (
     conversation_id VARCHAR NOT NULL,
     seq INTEGER NOT NULL,
@@ -62,9 +66,10 @@ CREATE TABLE IF NOT EXISTS messages (
     truncated BOOLEAN,
     first_batch UBIGINT
 );
--- Its conversation's first_batch as written with these rows (the conversations row has the same value):
--- replacing a transcript deletes from there on, so DuckDB skips the row groups written before.
--- Added to older files; NULL in the rows written before.
+-- The batch the stage had taken in when it wrote these rows (the conversations row's messages_batch
+-- has the same value; before that column, its conversation's first_batch): rows are appended in the
+-- order they are written, so replacing a transcript deletes from there on and DuckDB skips the row
+-- groups written before, however long ago the conversation began. NULL in rows older than the column.
 ALTER TABLE messages ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
 CREATE TABLE IF NOT EXISTS tracejudge_state (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
@@ -73,7 +78,7 @@ CONVERSATION_COLUMNS = (
     "conversation_id", "service", "started_at", "ended_at", "ended_by", "state", "user_turns", "input_tokens",
     "output_tokens", "llm_calls", "message_count", "models", "system", "content_captured", "no_content_reason",
     "transcript_hash", "revision", "trace_ids", "newest_trace_id", "first_arrival_at", "last_arrival_at",
-    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources", "first_batch",
+    "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources", "first_batch", "messages_batch",
 )
 MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
                    "span_id", "source", "truncated", "first_batch")

@@ -74,9 +74,11 @@ class ConversationRow:
     unparsed_logs: int
     sources: str
     first_batch: int | None
+    messages_batch: int | None
 
     @classmethod
-    def of(cls, conv: Tracked, tr: Transcript, now: float) -> "ConversationRow":
+    def of(cls, conv: Tracked, tr: Transcript, now: float, written: int) -> "ConversationRow":
+        """``written``: the batch the stage has taken in, which its messages rows carry."""
         usage = tr.usage
         return cls(
             conversation_id=conv.id, service=tr.service, started_at=tr.started_at,
@@ -89,7 +91,8 @@ class ConversationRow:
             newest_trace_id=conv.newest_trace, first_arrival_at=_ts(conv.first_arrival),
             last_arrival_at=_ts(conv.last_arrival), closed_at=_ts(conv.closed_at), updated_at=_ts(now),
             unparsed_spans=tr.unparsed_spans, unparsed_logs=tr.unparsed_logs,
-            sources=orjson.dumps(list(tr.sources)).decode(), first_batch=conv.first_batch)
+            sources=orjson.dumps(list(tr.sources)).decode(), first_batch=conv.first_batch,
+            messages_batch=written)
 
     def ended(self, conv: Tracked, now: float) -> "ConversationRow":
         """This row once the conversation ended idle, its transcript unchanged."""
@@ -103,10 +106,10 @@ class ConversationRow:
 assert tuple(f.name for f in dataclasses.fields(ConversationRow)) == CONVERSATION_COLUMNS
 
 
-def message_rows(cid: str, tr: Transcript, first_batch: int | None) -> list[tuple[Any, ...]]:
-    """The ``messages`` rows of a transcript, with the ``first_batch`` its conversations row is written with."""
+def message_rows(cid: str, tr: Transcript, written: int | None) -> list[tuple[Any, ...]]:
+    """The ``messages`` rows of a transcript, with the ``messages_batch`` its conversations row is written with."""
     return [(cid, i, m.role, m.content, _json_text(m.to_dict()["tool_calls"]) if m.tool_calls else None,
-             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated, first_batch)
+             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated, written)
             for i, m in enumerate(tr.messages)]
 
 
@@ -115,12 +118,16 @@ def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str]) ->
 
     ``messages`` has no index, and a transcript is replaced at every update, so a delete by id alone
     reads the whole table each time: the longer the history, the slower the stage. Each row carries
-    the ``first_batch`` its conversations row was written with, in the same transaction; the smallest
-    of the stored ones bounds the delete, and DuckDB skips the row groups written before it (rows are
-    appended in the order they are written). Rows from before the column are NULL, and still found.
+    in ``first_batch`` the ``messages_batch`` its conversations row was written with, in the same
+    transaction; the smallest of the stored ones bounds the delete, and DuckDB skips the row groups
+    written before it (rows are appended in the order they are written): the cost follows how long
+    ago these transcripts were last written, not how long ago their conversations began. A row
+    written before ``messages_batch`` carries its conversation's ``first_batch``, found from there;
+    one from before either is NULL, and still found.
     """
-    low = min((r[0] for r in by_keys(cur, "SELECT coalesce(min(first_batch), 0) FROM conversations "
-                                          "WHERE conversation_id IN {keys}", conversations)), default=0)
+    low = min((r[0] for r in by_keys(cur, "SELECT coalesce(min(coalesce(messages_batch, first_batch)), 0) "
+                                          "FROM conversations WHERE conversation_id IN {keys}", conversations)),
+              default=0)
     cur.execute("DELETE FROM messages WHERE (first_batch >= ? OR first_batch IS NULL) "
                 "AND conversation_id IN (SELECT unnest(?))", [low, conversations])
 

@@ -58,7 +58,8 @@ def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_
                 "conversations": [(*row[:-1], sorted(json.loads(row[-1]))) for row in cur.execute(
                     "SELECT conversation_id, state, ended_by, user_turns, message_count, transcript_hash, "
                     "input_tokens, output_tokens, trace_ids FROM conversations ORDER BY ALL").fetchall()],
-                "messages": cur.execute("SELECT * EXCLUDE (\"at\") FROM messages ORDER BY ALL").fetchall(),
+                # first_batch: where the rows were written, which follows the cycles
+                "messages": cur.execute("SELECT * EXCLUDE (\"at\", first_batch) FROM messages ORDER BY ALL").fetchall(),
                 "traces": cur.execute("SELECT * FROM trace_conversations ORDER BY ALL").fetchall(),
             }
         finally:

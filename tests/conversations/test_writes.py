@@ -1,5 +1,9 @@
-"""Replacing a stored transcript: its old messages go, however the conversation's first commit moved,
-and rows written before ``messages.first_batch`` existed are found too."""
+"""Replacing a stored transcript: its old messages go, wherever and by whichever version they were written.
+
+Each ``messages`` row carries where it was written (``first_batch``: the batch the stage had taken in,
+its conversations row's ``messages_batch``), so that the delete reads only the row groups written since.
+Rows an older version wrote carry their conversation's first commit instead, or nothing.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +18,14 @@ from collector.conversations.writes import ConversationRow, Writes
 from ..support.stored import StoredConversation, create_store, text_messages
 
 
-def flush(db: Path, conv: StoredConversation, first_batch: int | None, mark: int) -> None:
-    """Write ``conv`` as the stage writes a rebuilt conversation, its rows carrying ``first_batch``."""
+def flush(db: Path, conv: StoredConversation, written: int | None, mark: int, first_batch: int | None = 0) -> None:
+    """Write ``conv`` as the stage writes a rebuilt conversation, its messages ``written`` at that batch."""
     row, _ = conv.rows()
-    written = dataclasses.replace(ConversationRow(**dict(zip(CONVERSATION_COLUMNS, row))), first_batch=first_batch)
+    row_values = ConversationRow(**dict(zip(CONVERSATION_COLUMNS, row)))
+    written_row = dataclasses.replace(row_values, first_batch=first_batch, messages_batch=written)
     writes = Writes()
-    writes.conversations[conv.conversation_id] = written
-    writes.messages[conv.conversation_id] = [(*m[:-1], first_batch) for m in conv.rows()[1]]
+    writes.conversations[conv.conversation_id] = written_row
+    writes.messages[conv.conversation_id] = [(*m[:-1], written) for m in conv.rows()[1]]
     con = duckdb.connect(str(db))
     try:
         stored = con.execute("SELECT count(*) FROM conversations WHERE conversation_id = ?",
@@ -41,30 +46,37 @@ def stored(db: Path, cid: str) -> list[tuple[str, int | None]]:
         con.close()
 
 
-def test_a_rebuilt_transcript_replaces_the_stored_one_when_its_first_commit_moves(tmp_path: Path) -> None:
+def test_a_transcript_begun_long_ago_is_replaced_where_it_was_last_written(tmp_path: Path) -> None:
     db = tmp_path / "t.duckdb"
     create_store(db)
     conv = StoredConversation("c-1", text_messages([("hello", "hi")]))
-    flush(db, conv, 5, mark=5)
+    flush(db, conv, 5, mark=5, first_batch=1)
     for i in range(1, 30):  # others written later, so that c-1's rows sit in the oldest row group
         flush(db, StoredConversation(f"other-{i}", text_messages([("x", "y")])), 5 + i, mark=5 + i)
     conv.messages = text_messages([("hello", "hi"), ("and then?", "done")])
-    flush(db, conv, 9, mark=40)  # one of its traces moved away: its first commit is later now
-    assert stored(db, "c-1") == [("hello", 9), ("hi", 9), ("and then?", 9), ("done", 9)]
+    flush(db, conv, 40, mark=40, first_batch=1)  # a new turn, long after the conversation began
+    assert stored(db, "c-1") == [("hello", 40), ("hi", 40), ("and then?", 40), ("done", 40)]
     conv.messages = text_messages([("hello", "hi"), ("and then?", "done"), ("bye", "bye")])
-    flush(db, conv, 2, mark=41)  # a trace with older spans joined: earlier
+    flush(db, conv, 41, mark=41, first_batch=1)
     assert [content for content, _ in stored(db, "c-1")] == ["hello", "hi", "and then?", "done", "bye", "bye"]
-    assert {batch for _, batch in stored(db, "c-1")} == {2}
+    assert {batch for _, batch in stored(db, "c-1")} == {41}
+    assert all(len(stored(db, f"other-{i}")) == 2 for i in range(1, 30)), "the others' messages are kept"
 
 
-def test_messages_stored_before_the_first_batch_column_are_replaced(tmp_path: Path) -> None:
+def test_messages_an_older_version_wrote_are_replaced(tmp_path: Path) -> None:
     db = tmp_path / "t.duckdb"
     create_store(db)
-    conv = StoredConversation("old", text_messages([("hello", "hi")]))
-    flush(db, conv, None, mark=3)  # as an older tracejudge wrote it: no first_batch on its messages
+    # Written before messages_batch: the rows carry the conversation's first commit, the row has none.
+    by_first = StoredConversation("by-first", text_messages([("hello", "hi")]))
+    flush(db, by_first, 3, mark=3, first_batch=3)
+    # Written before either: nothing on the rows.
+    bare = StoredConversation("bare", text_messages([("hello", "hi")]))
+    flush(db, bare, None, mark=4, first_batch=None)
     con = duckdb.connect(str(db))
-    con.execute("UPDATE conversations SET first_batch = 3 WHERE conversation_id = 'old'")  # but on its row
+    con.execute("UPDATE conversations SET messages_batch = NULL")
+    con.execute("UPDATE conversations SET first_batch = 4 WHERE conversation_id = 'bare'")  # learnt since
     con.close()
-    conv.messages = text_messages([("hello", "hi"), ("more", "ok")])
-    flush(db, conv, 7, mark=8)
-    assert stored(db, "old") == [("hello", 7), ("hi", 7), ("more", 7), ("ok", 7)]
+    for conv in (by_first, bare):
+        conv.messages = text_messages([("hello", "hi"), ("more", "ok")])
+        flush(db, conv, 9, mark=9, first_batch=3)
+        assert stored(db, conv.conversation_id) == [("hello", 9), ("hi", 9), ("more", 9), ("ok", 9)]
