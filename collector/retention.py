@@ -49,6 +49,7 @@ from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .listing import iso_utc
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction
+from .store.transactions import batch_filter
 
 log = logging.getLogger("tracejudge.retention")
 
@@ -260,15 +261,19 @@ class Retention(Stage):
         """
         cur = self.cur
         assert cur is not None
-        # Rows are stored in arrival order, so both bounds let DuckDB skip row groups: received_at the
-        # newer ones, the first commit of the conversations the older ones (the spans deleted before).
+        # Rows are stored in arrival order, so these bounds let DuckDB skip row groups: received_at the
+        # newer ones, the first commit of the conversations the older ones (the spans deleted before),
+        # and the commits of their traces those between (a conversation that ran for days among them).
         since = 0 if any(f is None for f in firsts) else min(f for f in firsts if f is not None)
+        within, bounds = batch_filter(cur.execute(
+            "SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id IN "
+            "(SELECT unnest(?::VARCHAR[]))", [conversations]).fetchall())
         out = []
         for table in _TABLES:
             [(found,)] = cur.execute(
-                f"DELETE FROM {table} WHERE received_at <= ? AND batch_id BETWEEN ? AND ? AND trace_id IN ("
+                f"DELETE FROM {table} WHERE received_at <= ? AND batch_id BETWEEN ? AND ?{within} AND trace_id IN ("
                 "SELECT trace_id FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
-                [newest + dt.timedelta(seconds=1), since, mark, conversations]).fetchall()
+                [newest + dt.timedelta(seconds=1), since, mark, *bounds, conversations]).fetchall()
             out.append(int(found))
         return out[0], out[1]
 

@@ -30,19 +30,13 @@ import duckdb
 
 from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
 from ..store import Committed
+from ..store.transactions import Batches, batch_filter
 from .keys import StoredRow
 
 # Rows of light commits read back from DuckDB at once (by batch, a range read), and
 # processed before the next: bounded memory, and their conversations' rows still cached
 # when they are rebuilt.
 LIGHT_GROUP_ROWS = 4096
-# Ranges of commits one read of missing traces names at most: DuckDB tests each row against every
-# range (500 ranges cost more than a read of the whole last hour), so the nearest are merged.
-MAX_RANGES = 8
-
-Batches = tuple["int | None", "int | None"]
-"""The commits that can hold a trace's rows, first and last; None for either end when unknown
-(from the table's first commit, to its last)."""
 
 
 @dataclass
@@ -289,34 +283,3 @@ class RowCache:
             self._rows -= len(rows)
             self._lent.discard(tid)
 
-
-def batch_filter(batches: list[Batches]) -> tuple[str, list[int]]:
-    """`` AND (batch_id BETWEEN ? AND ? OR ...)`` covering every trace's commits, and its parameters;
-    nothing when one trace's first commit is unknown (the whole table is read).
-
-    Overlapping ranges are merged, then the nearest, down to ``MAX_RANGES``: the ranges split at
-    the widest gaps between them, so a trace of a conversation open for days costs a range of its
-    own, not a read of those days.
-    """
-    if not batches or any(first is None for first, _ in batches):
-        return "", []
-    inf = 2**64
-    merged: list[list[int]] = []
-    for first, last in sorted((f, inf if last is None else last) for f, last in batches if f is not None):
-        if merged and first <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], last)
-        else:
-            merged.append([first, last])
-    if len(merged) > MAX_RANGES:
-        gaps = sorted(range(1, len(merged)), key=lambda i: merged[i][0] - merged[i - 1][1])[-(MAX_RANGES - 1):]
-        starts = [0, *sorted(gaps), len(merged)]
-        merged = [[merged[a][0], max(r[1] for r in merged[a:b])] for a, b in zip(starts, starts[1:])]
-    terms, params = [], []
-    for first, last in merged:
-        if last >= inf:
-            terms.append("batch_id >= ?")
-            params.append(first)
-        else:
-            terms.append("batch_id BETWEEN ? AND ?")
-            params += [first, last]
-    return f" AND ({' OR '.join(terms)})", params

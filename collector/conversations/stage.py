@@ -45,7 +45,7 @@ from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import by_keys, one
+from ..store.transactions import batch_filter, by_keys, one
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -647,12 +647,17 @@ class Conversations(Stage):
             self._check_stop()
             self._give_way()
             part = convs[i:i + END_CHUNK]
-            # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part.
+            # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part,
+            # within the commits of their traces.
+            ids = [c.id for c in part]
+            within, bounds = batch_filter(cur.execute(
+                "SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id IN "
+                "(SELECT unnest(?::VARCHAR[]))", [ids]).fetchall())
             ends = dict(cur.execute(
                 "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_conversations t "
                 "JOIN span_records s USING (trace_id) WHERE t.conversation_id IN (SELECT unnest(?::VARCHAR[])) "
-                "AND s.end_time_unix_nano > 0 AND s.batch_id >= ? GROUP BY 1",
-                [[c.id for c in part], part[0].first_batch or 0]).fetchall())
+                f"AND s.end_time_unix_nano > 0 AND s.batch_id >= ?{within} GROUP BY 1",
+                [ids, part[0].first_batch or 0, *bounds]).fetchall())
             rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
                      dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
             with Transaction(cur), registered_rows(

@@ -152,6 +152,47 @@ def insert_rows(cur: duckdb.DuckDBPyConnection, statement: str, columns: Sequenc
             cur.execute(f"{statement} SELECT * FROM incoming_rows")
 
 
+# Ranges of commits one ``batch_filter`` names at most: DuckDB tests each row against every range
+# (500 ranges cost more than a read of the whole last hour), so the nearest are merged.
+MAX_RANGES = 8
+
+Batches = tuple["int | None", "int | None"]
+"""The commits that can hold a trace's rows, first and last; None for either end when unknown
+(from the table's first commit, to its last)."""
+
+
+def batch_filter(batches: Sequence[Batches]) -> tuple[str, list[int]]:
+    """`` AND (batch_id BETWEEN ? AND ? OR ...)`` covering these ranges of commits (a trace's, each),
+    and its parameters; nothing when one range's first commit is unknown (the whole table is read).
+
+    Rows are stored in commit order, so DuckDB skips every row group outside the ranges. Overlapping
+    ranges are merged, then the nearest, down to ``MAX_RANGES``: they split at the widest gaps, so a
+    trace of a conversation open for days costs a range of its own, not a read of those days.
+    """
+    if not batches or any(first is None for first, _ in batches):
+        return "", []
+    inf = 2**64
+    merged: list[list[int]] = []
+    for first, last in sorted((f, inf if last is None else last) for f, last in batches if f is not None):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    if len(merged) > MAX_RANGES:
+        gaps = sorted(range(1, len(merged)), key=lambda i: merged[i][0] - merged[i - 1][1])[-(MAX_RANGES - 1):]
+        starts = [0, *sorted(gaps), len(merged)]
+        merged = [[merged[a][0], max(r[1] for r in merged[a:b])] for a, b in zip(starts, starts[1:])]
+    terms, params = [], []
+    for first, last in merged:
+        if last >= inf:
+            terms.append("batch_id >= ?")
+            params.append(first)
+        else:
+            terms.append("batch_id BETWEEN ? AND ?")
+            params += [first, last]
+    return f" AND ({' OR '.join(terms)})", params
+
+
 def utc_now(now: dt.datetime | None = None) -> dt.datetime:
     """``now``, or the wall clock in UTC."""
     return now if now is not None else dt.datetime.now(dt.timezone.utc)

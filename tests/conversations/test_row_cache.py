@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from collector.conversations.keys import StoredRow
-from collector.conversations.rows import MAX_RANGES, RowCache, Taken, batch_filter
+from collector.conversations.rows import RowCache, Taken
+from collector.store.transactions import MAX_RANGES, batch_filter
 
 
 def taken(*trace_ids: str) -> Taken:
