@@ -76,6 +76,15 @@ def _firsts(daemon: Any) -> dict[str, tuple[Any, Any]]:
         "      SELECT trace_id, batch_id FROM log_records) r USING (trace_id) GROUP BY 1, 2")}
 
 
+def _as_an_older_version_wrote(daemon: Any, update: str) -> None:
+    """Run ``update`` on the stopped daemon's file."""
+    con = duckdb.connect(str(daemon.duckdb))
+    try:
+        con.execute(update)
+    finally:
+        con.close()
+
+
 def _ranges(daemon: Any) -> dict[str, tuple[Any, ...]]:
     """Per trace: (stored first and last commits, the first and last commits of its rows)."""
     return {tid: (stored, actual) for tid, *stored_actual in daemon.query(
@@ -106,11 +115,7 @@ def test_a_conversation_rebuilt_after_a_restart_reads_every_row_from_its_first_c
     assert _firsts(daemon)["c-1"] == (first, first)
 
     # A conversation an older version stored has no first commit: it is read whole once, and learns it.
-    con = duckdb.connect(str(daemon.duckdb))
-    try:
-        con.execute("UPDATE conversations SET first_batch = NULL")
-    finally:
-        con.close()
+    _as_an_older_version_wrote(daemon, "UPDATE conversations SET first_batch = NULL")
     daemon.start()
     _send(daemon, [_root(4), _chat(4, 4)])
     assert _turns(daemon)[-2:] == ["question 4", "answer 4"] and len(_turns(daemon)) == 8
@@ -146,11 +151,7 @@ def test_a_span_arriving_long_after_its_trace_is_read_back_with_it_after_a_resta
 
     # A file an older version wrote has no commits per trace: the conversation's rebuild reads its traces
     # from its first commit on, and stores each trace's commits.
-    con = duckdb.connect(str(daemon.duckdb))
-    try:
-        con.execute("UPDATE trace_conversations SET first_batch = NULL, last_batch = NULL")
-    finally:
-        con.close()
+    _as_an_older_version_wrote(daemon, "UPDATE trace_conversations SET first_batch = NULL, last_batch = NULL")
     daemon.start()
     _send(daemon, [_root(3), _chat(3, 3)])
     assert _turns(daemon)[-4:] == ["question 2", "answer 2", "question 3", "answer 3"] and len(_turns(daemon)) == 8
