@@ -19,6 +19,9 @@ one of which has been open since the first commit (its messages were written las
   written    ``collector.conversations.writes.delete_messages``: from the smallest ``messages_batch``,
              where their messages were last written
 
+and of the 60 oldest conversations' messages, as retention deletes them: by id, and written (bounded
+above by the largest ``messages_batch`` too).
+
 Then the stage's read of traces that left its row cache: ``span_records`` of N spans in commit order (512
 a commit, 8 a trace), and 200 recent traces of conversations, one of which has been open since the first
 commit (its first trace is among the 200), read by ``RowCache.get``:
@@ -98,7 +101,7 @@ def messages(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
     con.execute(SCHEMA)
     filled = 0
     print(f"\n{'messages':>10} {'by id ms':>10} {'first ms':>9} {'written ms':>11} {'written / by id':>16} "
-          f"{'written / first':>16}")
+          f"{'written / first':>16} {'oldest by id':>13} {'oldest written':>15} {'ratio':>6}")
     for size in steps:
         for lo in range(filled, size, INSERT_ROWS):  # conversation i // 9, its first commit and messages i // 900
             con.execute("INSERT INTO messages (conversation_id, seq, role, content, first_batch) "
@@ -125,8 +128,13 @@ def messages(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
         first = best(lambda: rolled_back(lambda: con.execute(
             "DELETE FROM messages WHERE first_batch >= ? AND conversation_id IN (SELECT unnest(?))", [low, ids])))
         written = best(lambda: rolled_back(lambda: delete_messages(con, ids)))
+        oldest = [r[0] for r in con.execute("SELECT md5(c::VARCHAR) FROM range(?) t(c)", [REPLACED]).fetchall()]
+        old_by_id = best(lambda: rolled_back(lambda: con.execute(
+            "DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))", [oldest])))
+        old_written = best(lambda: rolled_back(lambda: delete_messages(con, oldest)))
         print(f"{size:>10,} {by_id:>10.1f} {first:>9.1f} {written:>11.1f} {written / by_id:>16.2f} "
-              f"{written / first:>16.2f}", flush=True)
+              f"{written / first:>16.2f} {old_by_id:>13.1f} {old_written:>15.1f} {old_written / old_by_id:>6.2f}",
+              flush=True)
 
 
 SPANS_PER_COMMIT = 512

@@ -48,6 +48,7 @@ from .config import Retention as Settings
 from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .listing import iso_utc
 from .metrics import Counter, Gauge, Metrics
+from .conversations.writes import delete_messages
 from .store import Store, Transaction
 from .store.transactions import batch_filter
 
@@ -236,7 +237,8 @@ class Retention(Stage):
         ids = [cid for cid, _, _ in rows]
         with Transaction(cur):
             spans = self._delete_rows(ids, max(at for _, at, _ in rows), mark, [first for _, _, first in rows])
-            for table in ("messages", "sampling_decisions", "verdicts", "not_run", "eval_progress"):
+            delete_messages(cur, ids)  # within where their messages were written
+            for table in ("sampling_decisions", "verdicts", "not_run", "eval_progress"):
                 cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
             if not self.settings.keep_reviewed:
                 cur.execute("DELETE FROM review_history WHERE item_id IN (SELECT id FROM review_items "

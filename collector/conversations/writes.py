@@ -121,15 +121,24 @@ def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str]) ->
     in ``first_batch`` the ``messages_batch`` its conversations row was written with, in the same
     transaction; the smallest of the stored ones bounds the delete, and DuckDB skips the row groups
     written before it (rows are appended in the order they are written): the cost follows how long
-    ago these transcripts were last written, not how long ago their conversations began. A row
-    written before ``messages_batch`` carries its conversation's ``first_batch``, found from there;
-    one from before either is NULL, and still found.
+    ago these transcripts were last written, not how long ago their conversations began. The largest
+    bounds it above, so that retention's delete of the oldest conversations skips the newer ones. A row
+    written before ``messages_batch`` carries its conversation's ``first_batch``, found from there
+    (no upper bound then); one from before either is NULL, and still found.
     """
-    low = min((r[0] for r in by_keys(cur, "SELECT coalesce(min(coalesce(messages_batch, first_batch)), 0) "
-                                          "FROM conversations WHERE conversation_id IN {keys}", conversations)),
-              default=0)
-    cur.execute("DELETE FROM messages WHERE (first_batch >= ? OR first_batch IS NULL) "
-                "AND conversation_id IN (SELECT unnest(?))", [low, conversations])
+    low, high = 2**63 - 1, 0
+    for stored, first, last, unknown in by_keys(
+            cur, "SELECT count(*), min(coalesce(messages_batch, first_batch)), max(messages_batch), "
+                 "count(*) FILTER (WHERE messages_batch IS NULL) FROM conversations WHERE conversation_id IN {keys}",
+            conversations):
+        if not stored:
+            continue
+        low = min(low, first if first is not None else 0)
+        high = max(high, 2**63 - 1 if unknown or last is None else last)
+    if low > high:
+        return  # none is stored
+    cur.execute("DELETE FROM messages WHERE (first_batch BETWEEN ? AND ? OR first_batch IS NULL) "
+                "AND conversation_id IN (SELECT unnest(?))", [low, high, conversations])
 
 
 @dataclass

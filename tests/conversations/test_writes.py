@@ -80,3 +80,25 @@ def test_messages_an_older_version_wrote_are_replaced(tmp_path: Path) -> None:
         conv.messages = text_messages([("hello", "hi"), ("more", "ok")])
         flush(db, conv, 9, mark=9, first_batch=3)
         assert stored(db, conv.conversation_id) == [("hello", 9), ("hi", 9), ("more", 9), ("ok", 9)]
+
+
+def test_the_oldest_transcripts_are_deleted_between_where_they_were_written_and_the_others_kept(tmp_path: Path) -> None:
+    """As retention deletes the messages of the oldest conversations: bounded on both sides where it can be."""
+    from collector.conversations.writes import delete_messages
+
+    db = tmp_path / "t.duckdb"
+    create_store(db)
+    for i in range(1, 8):
+        flush(db, StoredConversation(f"c-{i}", text_messages([("x", "y")])), i, mark=i)
+    legacy = StoredConversation("legacy", text_messages([("hello", "hi")]))
+    flush(db, legacy, None, mark=8, first_batch=None)  # as a version before first_batch wrote it
+    con = duckdb.connect(str(db))
+    try:
+        con.execute("UPDATE conversations SET messages_batch = NULL WHERE conversation_id = 'legacy'")
+        delete_messages(con, ["c-1", "c-3"])
+        delete_messages(con, ["legacy", "c-6"])
+        delete_messages(con, ["never-stored"])
+        left = con.execute("SELECT DISTINCT conversation_id FROM messages ORDER BY 1").fetchall()
+    finally:
+        con.close()
+    assert [c for (c,) in left] == ["c-2", "c-4", "c-5", "c-7"]
