@@ -11,7 +11,9 @@ container's limit counts them; also every second, for the interval's peak), the 
 requests answered in the interval, how far conversations lag (commits taken in
 but not yet current), rows deleted and what the stages hold; then it prints
 them as a table against the first interval, checks the targets, and says how
-long after the last ack the conversations were current. Run by hand:
+long after the last ack the conversations were current, and how much of the
+file is in use at the end (the rest is free blocks DuckDB writes into next).
+Run by hand:
 
     .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s]
 """
@@ -158,7 +160,26 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait()
+        blocks = file_blocks(data / "bench.duckdb")
     report(rows, lag_end, current)
+    print(f"  at the end: {blocks}")
+
+
+def file_blocks(path: Path) -> str:
+    """How much of the stopped daemon's file is in use, and how much is free blocks DuckDB reuses."""
+    import duckdb
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        size, total, used, free = con.execute(
+            "SELECT block_size, total_blocks, used_blocks, free_blocks FROM pragma_database_size()").fetchone()
+        tables = con.execute("SELECT table_name, estimated_size FROM duckdb_tables() WHERE schema_name = 'main' "
+                             "ORDER BY estimated_size DESC LIMIT 4").fetchall()
+    finally:
+        con.close()
+    rows = ", ".join(f"{name} {n:,}" for name, n in tables)
+    return (f"the file holds {total * size / MB:.0f} MB of blocks, {used * size / MB:.0f} MB used and "
+            f"{free * size / MB:.0f} MB free (reused by later writes); rows: {rows}")
 
 
 def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
