@@ -45,12 +45,12 @@ import duckdb
 
 from .background import Stage
 from .config import Retention as Settings
+from .conversations.writes import delete_messages
 from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .listing import iso_utc
 from .metrics import Counter, Gauge, Metrics
-from .conversations.writes import delete_messages
 from .store import Store, Transaction
-from .store.transactions import batch_filter
+from .store.transactions import conversations_filter
 
 log = logging.getLogger("tracejudge.retention")
 
@@ -267,9 +267,7 @@ class Retention(Stage):
         # newer ones, the first commit of the conversations the older ones (the spans deleted before),
         # and the commits of their traces those between (a conversation that ran for days among them).
         since = 0 if any(f is None for f in firsts) else min(f for f in firsts if f is not None)
-        within, bounds = batch_filter(cur.execute(
-            "SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id IN "
-            "(SELECT unnest(?::VARCHAR[]))", [conversations]).fetchall())
+        within, bounds = conversations_filter(cur, conversations)
         out = []
         for table in _TABLES:
             [(found,)] = cur.execute(

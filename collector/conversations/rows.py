@@ -282,4 +282,3 @@ class RowCache:
             tid, rows = self._traces.popitem(last=False)
             self._rows -= len(rows)
             self._lent.discard(tid)
-

@@ -45,7 +45,7 @@ from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import batch_filter, by_keys, one
+from ..store.transactions import by_keys, conversations_filter, one
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -650,9 +650,7 @@ class Conversations(Stage):
             # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part,
             # within the commits of their traces.
             ids = [c.id for c in part]
-            within, bounds = batch_filter(cur.execute(
-                "SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id IN "
-                "(SELECT unnest(?::VARCHAR[]))", [ids]).fetchall())
+            within, bounds = conversations_filter(cur, ids)
             ends = dict(cur.execute(
                 "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_conversations t "
                 "JOIN span_records s USING (trace_id) WHERE t.conversation_id IN (SELECT unnest(?::VARCHAR[])) "

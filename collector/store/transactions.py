@@ -193,6 +193,12 @@ def batch_filter(batches: Sequence[Batches]) -> tuple[str, list[int]]:
     return f" AND ({' OR '.join(terms)})", params
 
 
+def conversations_filter(cur: Any, conversations: Sequence[str]) -> tuple[str, list[int]]:
+    """``batch_filter`` over the commits of every trace of these conversations (``trace_conversations``)."""
+    return batch_filter(cur.execute("SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id "
+                                    "IN (SELECT unnest(?::VARCHAR[]))", [list(conversations)]).fetchall())
+
+
 def utc_now(now: dt.datetime | None = None) -> dt.datetime:
     """``now``, or the wall clock in UTC."""
     return now if now is not None else dt.datetime.now(dt.timezone.utc)
