@@ -31,8 +31,9 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The largest resident set the process has had."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """The largest resident set the process has had. The kernel updates its high-water mark lazily
+    (when pages are unmapped), so the current resident set can be the larger one."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident_bytes())  # KiB on Linux
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -58,18 +59,3 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
 def trimmer() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, which gives the free memory at the top of each arena back; None elsewhere."""
     return getattr(_libc(), "malloc_trim", None)
-
-
-def arrow_on_malloc() -> None:
-    """Arrow's buffers (each commit's table) from glibc malloc, not from the mimalloc pool pyarrow picks.
-
-    mimalloc keeps the pages a thread freed for that thread to reuse; with the writer building a
-    table per commit and other threads freeing them, ``bench/soak.py`` measured 15-25 MB more
-    resident outside DuckDB than with malloc (capped arenas, see ``limit_arenas``), at the same p99.
-    An ``ARROW_DEFAULT_MEMORY_POOL`` in the environment is the operator's choice and is kept.
-    """
-    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        return
-    import pyarrow as pa  # only the processes that build tables load it (see collector.store)
-
-    pa.set_memory_pool(pa.system_memory_pool())

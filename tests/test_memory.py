@@ -64,22 +64,3 @@ def test_an_operators_malloc_arena_max_is_kept() -> None:
 
 def test_resident_set_is_read_from_the_kernel() -> None:
     assert 0 < resident_bytes() <= peak_resident_bytes()
-
-
-ARROW_POOL_AFTER_OPEN = textwrap.dedent("""
-    import sys, tempfile, pathlib
-    import pyarrow as pa
-    from collector.store.writer import Store
-    store = Store(pathlib.Path(tempfile.mkdtemp()) / "t.duckdb")
-    store.open()
-    print(pa.default_memory_pool().backend_name)
-    store.close()
-""")
-
-
-@pytest.mark.parametrize("env, pool", [({}, "system"), ({"ARROW_DEFAULT_MEMORY_POOL": "mimalloc"}, "mimalloc")])
-def test_the_store_builds_arrow_tables_on_malloc_unless_the_operator_chose_a_pool(env: dict[str, str],
-                                                                                   pool: str) -> None:
-    out = subprocess.run([sys.executable, "-c", ARROW_POOL_AFTER_OPEN], cwd=REPO, check=True, capture_output=True,
-                         text=True, env={k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"} | env)
-    assert out.stdout.strip() == pool

@@ -129,7 +129,7 @@ class RemoteCursor:
         return out
 
     def register_rows(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """The parent builds the Arrow table: this process never loads pyarrow (see collector.store)."""
+        """The parent builds the Arrow table: this process never loads the Arrow builder (see collector.store)."""
         self.call("register_rows", name, columns, rows)
 
     def unregister(self, name: str) -> None:

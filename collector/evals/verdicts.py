@@ -23,13 +23,13 @@ from typing import Any, NamedTuple
 
 import duckdb
 import orjson
-import pyarrow as pa
 from pydantic import ValidationError
 
 from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript_sha256
 
 from ..conversations.record import conversation_record
 from ..listing import iso_utc
+from ..store.arrow import Table
 from ..store.transactions import Transaction, one, registered, registered_rows, utc_now
 
 SCHEMA = """
@@ -191,7 +191,7 @@ def record_samplings(cur: duckdb.DuckDBPyConnection, records: Sequence[SamplingR
         return
     columns = {name: [getattr(r, name) for r in records] for name in SamplingRecord._fields}
     columns["decided_at"] = [utc_now(now)] * len(records)
-    with Transaction(cur), registered(cur, "_decisions", pa.table(columns)):
+    with Transaction(cur), registered(cur, "_decisions", Table(columns)):
         cur.execute("INSERT INTO sampling_decisions SELECT conversation_id, revision, transcript_hash, sampled, "
                     "probability, rule, skipped_reason, decided_at FROM _decisions ON CONFLICT DO NOTHING")
 
@@ -327,7 +327,7 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
                  != v.transcript_sha256 for vid, v in new.items()}
         fresh = [v for vid, v in new.items() if not stale[vid]]
         if fresh:
-            with registered(cur, "_supersede", pa.table({
+            with registered(cur, "_supersede", Table({
                     "conversation_id": [v.conversation_id for v in fresh],
                     "criterion_id": [v.criterion_id for v in fresh],
                     "criterion_version": [v.criterion_version for v in fresh],
@@ -340,7 +340,7 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
                             "AND not_run.criterion_id = n.criterion_id "
                             "AND not_run.criterion_version = n.criterion_version")
         rows = list(new.values())
-        new_verdicts = pa.table({
+        new_verdicts = Table({
             "id": list(new), "conversation_id": [v.conversation_id for v in rows],
             "criterion_id": [v.criterion_id for v in rows], "criterion_version": [v.criterion_version for v in rows],
             "judge_provider": [v.judge.provider for v in rows], "judge_model": [v.judge.model for v in rows],

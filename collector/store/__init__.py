@@ -5,8 +5,8 @@ opens the file for the CLI (``files``); ``Transaction`` and ``insert_rows`` are 
 the other stages write (``transactions``); ``Pacing`` is how they give way to
 ingestion (``pacing``).
 
-``Store`` is imported when first asked for: the writer loads pyarrow, which the
-conversation stage's process, importing the rest, does without.
+``Store`` is imported when first asked for: the writer loads the Arrow builder
+(``arrow``), which the conversation stage's process, importing the rest, does without.
 """
 
 from typing import TYPE_CHECKING, Any

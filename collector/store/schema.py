@@ -8,9 +8,9 @@ schemas give each column its type for the writer's inserts.
 from __future__ import annotations
 
 import duckdb
-import pyarrow as pa
 
 from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
+from .arrow import INT8, INT32, STRING, UINT32, UINT64
 from .files import ATTACHED
 
 # Which conversation a trace belongs to (also created in the schema a reindex builds in), and the
@@ -103,15 +103,15 @@ FROM log_records l LEFT JOIN trace_conversations t USING (trace_id);
 """.replace("{TRACE_MAP}", TRACE_MAP)
 
 _SPAN_TYPES = {
-    "flags": pa.uint32(), "kind": pa.int8(), "start_time_unix_nano": pa.uint64(),
-    "end_time_unix_nano": pa.uint64(), "status_code": pa.int8(),
+    "flags": UINT32, "kind": INT8, "start_time_unix_nano": UINT64, "end_time_unix_nano": UINT64, "status_code": INT8,
 }
 _LOG_TYPES = {
-    "time_unix_nano": pa.uint64(), "observed_time_unix_nano": pa.uint64(),
-    "severity_number": pa.int32(), "flags": pa.uint32(), "dropped_attributes_count": pa.uint32(),
+    "time_unix_nano": UINT64, "observed_time_unix_nano": UINT64, "severity_number": INT32, "flags": UINT32,
+    "dropped_attributes_count": UINT32,
 }
-SPAN_ARROW = pa.schema([(c, _SPAN_TYPES.get(c, pa.string())) for c in SPAN_COLUMNS])
-LOG_ARROW = pa.schema([(c, _LOG_TYPES.get(c, pa.string())) for c in LOG_COLUMNS])
+# The Arrow type of each column of a commit's batches (``Store._insert``).
+SPAN_ARROW = {c: _SPAN_TYPES.get(c, STRING) for c in SPAN_COLUMNS}
+LOG_ARROW = {c: _LOG_TYPES.get(c, STRING) for c in LOG_COLUMNS}
 
 
 def _layout(con: duckdb.DuckDBPyConnection, database: str) -> set[tuple[str, str]]:

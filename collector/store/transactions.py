@@ -3,12 +3,12 @@
 ``Transaction`` is BEGIN ... COMMIT (ROLLBACK when the block raises); opened inside
 another on the same cursor it is part of that one, so a caller that stores several
 things at once wraps them all in one commit. ``registered`` hands DuckDB an Arrow
-table for one bulk statement: row-by-row inserts cost DuckDB about 1.5 ms a row,
-an Arrow insert microseconds.
+table (``collector.store.arrow``) for one bulk statement: row-by-row inserts cost
+DuckDB about 1.5 ms a row, an Arrow insert microseconds.
 
-pyarrow is imported where a table is built, not with this module: the conversation
-stage's process writes through a cursor whose statements the daemon runs, hands its
-rows over with ``registered_rows``, and so never loads pyarrow (about 40 MB).
+The Arrow builder is imported where a table is built, not with this module: the
+conversation stage's process writes through a cursor whose statements the daemon
+runs, hands its rows over with ``registered_rows``, and so never loads it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import duckdb
 from ..ingest.batches import LogBatch, SpanBatch
 
 if TYPE_CHECKING:
-    import pyarrow as pa
+    from .arrow import Table
 
 
 @dataclass
@@ -98,7 +98,7 @@ def one(cur: Any) -> tuple[Any, ...] | None:
     return rows[0] if rows else None
 
 
-def register(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:
+def register(cur: duckdb.DuckDBPyConnection, name: str, table: Table) -> None:
     """``cur.register``, after running the cursor's last result to its end.
 
     DuckDB 2 refuses to register while a result is not read to its end, as one is
@@ -111,7 +111,7 @@ def register(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None
 
 
 @contextlib.contextmanager
-def registered(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> Iterator[str]:
+def registered(cur: duckdb.DuckDBPyConnection, name: str, table: Table) -> Iterator[str]:
     """``table`` readable as ``name`` on ``cur`` for the statements of the block."""
     register(cur, name, table)
     try:
@@ -137,11 +137,11 @@ def registered_rows(cur: Any, name: str, columns: Sequence[str], rows: Sequence[
         cur.unregister(name)
 
 
-def rows_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> pa.Table:
+def rows_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     """Rows (tuples in ``columns`` order) as an Arrow table, column by column."""
-    import pyarrow as pa  # see the module's docstring
+    from .arrow import rows_table  # see the module's docstring
 
-    return pa.table({name: pa.array([r[i] for r in rows]) for i, name in enumerate(columns)})
+    return rows_table(columns, rows)
 
 
 def insert_rows(cur: duckdb.DuckDBPyConnection, statement: str, columns: Sequence[str],

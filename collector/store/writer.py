@@ -47,12 +47,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import duckdb
-import pyarrow as pa
 
 from ..errors import StoreUnavailable
 from ..ingest.batches import LogBatch, SpanBatch
 from ..metrics import Metrics
-from ..memory import arrow_on_malloc
+from .arrow import UINT32, Table
 from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
 from .pacing import Pacing
 from .schema import LOG_ARROW, SPAN_ARROW, create_schema
@@ -112,7 +111,6 @@ class Store:
             DatabaseLocked: another process holds the file.
             UserError: the file cannot be read (one line naming it and what is wrong).
         """
-        arrow_on_malloc()
         con = connect(self.path, memory_limit=self.memory_limit, row_group_size=ROW_GROUP_SIZE)
         try:
             create_schema(con)
@@ -310,13 +308,13 @@ class Store:
                 log.exception("commit listener failed")
 
     def _insert(self, con: duckdb.DuckDBPyConnection, table: str, batch: SpanBatch | LogBatch,
-                schema: pa.Schema, stamp: dt.datetime) -> int:
+                types: dict[str, Any], stamp: dt.datetime) -> int:
         if not len(batch):
             return 0
-        arrow = pa.Table.from_arrays(
-            [pa.array(col, type=schema.field(i).type) for i, col in enumerate(batch.columns)], schema=schema)
+        columns: dict[str, Any] = dict(zip(types, batch.columns))
         if table == "log_records":
-            arrow = arrow.append_column("seq", pa.array(range(len(batch)), pa.uint32()))
+            columns["seq"] = range(len(batch))
+        arrow = Table(columns, {**types, "seq": UINT32})
         with registered(con, f"incoming_{table}", arrow) as view:
             row = one(con.execute(
                 f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, ?::TIMESTAMPTZ AS received_at, ? AS batch_id "

@@ -29,9 +29,9 @@ def test_a_killed_stage_process_starts_again_and_catches_up(make_daemon: Any) ->
     send(daemon.grpc, [persona(i) for i in range(3)])
     first = wait_conversations(daemon)["conversations_process"]
     assert first["pid"] and first["restarts"] == 0
-    # The child leaves Arrow to the daemon, which builds the tables of its inserts: 40 MB it never loads.
+    # The child leaves Arrow to the daemon, which builds the tables of its inserts: code it never loads.
     maps = Path(f"/proc/{first['pid']}/maps").read_text()
-    assert "_duckdb" in maps and "pyarrow" not in maps
+    assert "_duckdb" in maps and "nanoarrow" not in maps and "pyarrow" not in maps
 
     os.kill(first["pid"], signal.SIGKILL)
     send(daemon.grpc, [persona(i) for i in range(3, 6)])  # while it is down, or just back
