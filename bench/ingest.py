@@ -239,15 +239,20 @@ def _children(pid: int) -> list[int]:
 def pss_mb(pid: int) -> float:
     """The proportional set of the process and its children, summed: what they take together, each shared
     page (the libraries every process maps) counted once, as a container's memory limit counts it."""
-    total = 0.0
+    return sum(pss_parts(pid).values())
+
+
+def pss_parts(pid: int) -> dict[int, float]:
+    """The proportional set (MB) of the process and of each of its children, by pid."""
+    parts: dict[int, float] = {}
     for p in [pid, *_children(pid)]:
         try:
             for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
-                    total += int(line.split()[1]) / 1024
+                    parts[p] = int(line.split()[1]) / 1024
         except FileNotFoundError:
             continue
-    return total
+    return parts
 
 
 def peak_rss_mb(pid: int, children: bool = True) -> float:

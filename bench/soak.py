@@ -7,8 +7,9 @@ evaluator and the review queue work) and keeps ``--retention`` of spans (twice
 that of conversations). Every ``--interval`` seconds it samples the resident
 set of the daemon and of its conversation stage's process (and the sum of
 their peaks so far), their proportional set (shared pages counted once, as a
-container's limit counts them; also every second, for the interval's peak), the DuckDB file with its WAL, the p99 latency of the
-requests answered in the interval, how far conversations lag (commits taken in
+container's limit counts them; also every second, for the interval's peak, with the daemon's own share
+and its processes' at that peak), the DuckDB file with its WAL, the p99 latency of the requests answered
+in the interval, how far conversations lag (commits taken in
 but not yet current), rows deleted and what the stages hold; then it prints
 them as a table against the first interval, checks the targets, and says how
 long after the last ack the conversations were current, and how much of the
@@ -100,10 +101,12 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
     start = time.perf_counter()
     while not done[0]:
         # The proportional set every second: its largest in the interval is the peak a container's limit sees.
-        peak_pss, end = 0.0, time.perf_counter() + interval
+        peak_pss, peak_daemon, end = 0.0, 0.0, time.perf_counter() + interval
         while (left := end - time.perf_counter()) > 0:
             time.sleep(min(PSS_EVERY, left))
-            peak_pss = max(peak_pss, ingest.pss_mb(pid))
+            parts = ingest.pss_parts(pid)
+            if sum(parts.values()) > peak_pss:  # where the peak is: the daemon's own share, or its processes'
+                peak_pss, peak_daemon = sum(parts.values()), parts.get(pid, 0.0)
         now = time.perf_counter()
         lat = [lat for at, lat in answered[seen:]]
         seen = len(answered)
@@ -112,7 +115,8 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
         deleted = st["storage"]["retention"].get("deleted", {})
         rows.append({
             "t": now - start, "spans stored": m["spans stored"], "rss": m["rss"],
-            "peak rss": ingest.peak_rss_mb(pid), "pss": ingest.pss_mb(pid), "peak pss": peak_pss, "duckdb": m["duckdb total"], "outside duckdb": m["outside duckdb"],
+            "peak rss": ingest.peak_rss_mb(pid), "pss": ingest.pss_mb(pid), "peak pss": peak_pss,
+            "at peak: daemon": peak_daemon, "at peak: children": peak_pss - peak_daemon, "duckdb": m["duckdb total"], "outside duckdb": m["outside duckdb"],
             "stage process": m.get("stage process", 0.0),
             "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
             "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
@@ -183,7 +187,7 @@ def file_blocks(path: Path) -> str:
 
 
 def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
-    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "duckdb", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
+    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
     print(f"\n{'interval end (s)':18}" + "".join(f"{r['t']:>12.0f}" for r in rows))
