@@ -31,6 +31,12 @@ commit (its first trace is among the 200), read by ``RowCache.get``:
   within       each trace within its own first and last commits (``trace_conversations``), the ranges
                merged down to ``MAX_RANGES``
 
+and the evaluator's read of one conversation's spans (its four most recent traces) for sampling rules that
+look at attributes or status, ``collector.evals.evaluator.conversation_facts``:
+
+  facts whole  with no range in the trace map for its traces: the whole table, as every read did before
+  facts within with them: within each trace's commits
+
 It prints milliseconds per read or delete, the new form as a ratio of the old at the same size. Run by hand:
 
     .venv/bin/python bench/lookups.py [--steps 100000,300000,1000000]
@@ -39,6 +45,7 @@ It prints milliseconds per read or delete, the new form as a ratio of the old at
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +55,7 @@ import duckdb
 from collector.conversations.rows import RowCache
 from collector.conversations.tables import SCHEMA
 from collector.conversations.writes import delete_messages
+from collector.evals.evaluator import conversation_facts
 from collector.store.schema import SCHEMA as STORE_SCHEMA
 from collector.store.transactions import by_keys
 
@@ -144,11 +152,12 @@ SPANS_PER_TRACE = 8
 def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
     con.execute(STORE_SCHEMA)
     filled = 0
-    print(f"\n{'spans':>10} {'from first ms':>14} {'within ms':>10} {'within / from first':>20}")
+    print(f"\n{'spans':>10} {'from first ms':>14} {'within ms':>10} {'within / from first':>20} "
+          f"{'facts whole ms':>15} {'facts within ms':>16} {'within / whole':>14}")
     for size in steps:
         for lo in range(filled, size, INSERT_ROWS):
             con.execute("INSERT INTO span_records (trace_id, span_id, name, attributes, received_at, batch_id) "
-                        "SELECT md5('t' || (i // ?)::VARCHAR), (i % ?)::VARCHAR, 'chat', repeat('x', 400), now(), "
+                        "SELECT md5('t' || (i // ?)::VARCHAR), (i % ?)::VARCHAR, 'chat', '{\"a\": \"' || repeat('x', 400) || '\"}', now(), "
                         "i // ? FROM range(?, ?) t(i)",
                         [SPANS_PER_TRACE, SPANS_PER_TRACE, SPANS_PER_COMMIT, lo, min(size, lo + INSERT_ROWS)])
         filled = size
@@ -167,7 +176,17 @@ def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
 
         from_first = best(lambda: read(lambda ts: {t: (first, None) for t in ts}), repeat=5)
         within = best(lambda: read(lambda ts: {t: batches[ids[t]] for t in ts}), repeat=5)
-        print(f"{size:>10,} {from_first:>14.1f} {within:>10.1f} {within / from_first:>20.2f}", flush=True)
+        # The sampling rules' read of one conversation (four recent traces), without and with the trace map.
+        recent = list(ids)[-4:]
+        conversation = {"trace_ids": json.dumps(recent), "conversation_id": "c", "ended_by": "idle", "service": "s",
+                        "models": None, "user_turns": 1}
+        con.execute("DELETE FROM trace_conversations")
+        whole = best(lambda: conversation_facts(con, conversation, {"gen_ai.request.model"}, True), repeat=5)
+        con.executemany("INSERT INTO trace_conversations (trace_id, conversation_id, first_batch, last_batch) "
+                        "VALUES (?, 'c', ?, ?)", [(t, *batches[ids[t]]) for t in recent])
+        facts = best(lambda: conversation_facts(con, conversation, {"gen_ai.request.model"}, True), repeat=5)
+        print(f"{size:>10,} {from_first:>14.1f} {within:>10.1f} {within / from_first:>20.2f} "
+              f"{whole:>15.1f} {facts:>16.1f} {facts / whole:>14.2f}", flush=True)
 
 
 if __name__ == "__main__":

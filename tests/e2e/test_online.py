@@ -218,6 +218,29 @@ def test_sampling_rules_budget_and_weights(make_daemon: Any, tmp_path: Path, jud
     assert daemon.metric('tracejudge_eval_sampling_decisions_total{outcome="skipped_budget"}') == len(picked) - 5
 
 
+def test_an_attribute_rule_reads_every_trace_of_a_conversation_across_commits(make_daemon: Any, tmp_path: Path,
+                                                                              judge: RuleJudge) -> None:
+    """The rule's attribute is on the first turn's trace, stored commits before the last turn's: the
+    spans are read within each trace's commits, and none is missed."""
+    daemon = make_daemon(**online_config(tmp_path, judge, conversations={"idle_timeout": "3s"}, sampling={
+        "rate": 0.0, "rules": [{"when": {"attribute": {"key": "app.handover", "equals": True}}, "rate": 1.0}]}))
+    turns = [Turn("I want to talk to a person.", "I am handing you over to a colleague.", handover=True),
+             Turn("Is it long?", "A minute or two."), Turn("Are you there?", "Yes, a colleague is coming.")]
+    for i, turn in enumerate(turns):
+        send(daemon.grpc, [Persona("user 1", "en", "shop-test", [turn], conversation_id="conv-001")])
+        send(daemon.grpc, [persona(3 + i)])  # a commit in between: the traces' commits are apart
+
+    def decided() -> dict[str, Any]:
+        return dict(daemon.get("/api/stats")[1]["conversations"])
+
+    wait_status(daemon, lambda _: decided()["sampled"] + decided()["not_sampled"] == 4, what="four sampling decisions")
+    assert len(daemon.get("/api/conversations/conv-001")[1]["trace_ids"]) == 3
+    assert (decided()["sampled"], decided()["not_sampled"]) == (1, 3)
+    wait_judged(daemon, 1)
+    verdicts = daemon.get("/api/verdicts?criterion=no-refund-promises")[1]["verdicts"]
+    assert {v["conversation_id"] for v in verdicts} == {"conv-001"}
+
+
 def test_eval_backfills_a_new_criterion_through_the_daemon_and_on_the_file(make_daemon: Any, tmp_path: Path,
                                                                            judge: RuleJudge) -> None:
     config = online_config(tmp_path, judge)
