@@ -517,9 +517,9 @@ class Evaluator(Stage):
         # A transcript that changed while it was judged is judged again once it has ended again:
         # its row was left out of the scans meanwhile, and the scan's mark may have passed it.
         jobs = {o.job.conversation_id: o.job for o in outcomes}
-        for cid, revision in self.cur.execute(
-                "SELECT conversation_id, revision FROM conversations WHERE state = 'ended' AND "
-                "conversation_id IN (SELECT unnest(?::VARCHAR[]))", [list(jobs)]).fetchall():
+        for cid, revision in by_keys(  # by key: a join would read every conversation kept
+                self.cur, "SELECT conversation_id, revision FROM conversations WHERE state = 'ended' AND "
+                "conversation_id IN {keys}", list(jobs)):
             job = jobs[cid]
             if revision > job.revision:
                 self._pending[cid] = Job(cid, revision, job.probability, job.rule)
