@@ -45,7 +45,7 @@ from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import by_keys, conversations_filter, one
+from ..store.transactions import conversations_filter, one, trace_batches
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -480,9 +480,7 @@ class Conversations(Stage):
 
         def where(traces: list[str]) -> dict[str, Batches]:
             written = self._writes.traces
-            stored = {t: (first, last) for t, first, last in by_keys(
-                self._db(), "SELECT trace_id, first_batch, last_batch FROM trace_conversations WHERE trace_id IN {keys}",
-                [t for t in traces if t not in written])}
+            stored = trace_batches(self._db(), [t for t in traces if t not in written])
             out: dict[str, Batches] = {}
             for t in traces:
                 first, last = written[t][1:] if t in written else stored.get(t, (None, None))

@@ -63,7 +63,7 @@ from ..config import Config
 from ..errors import UserError
 from ..metrics import Counter, Gauge, Histogram, Metrics
 from ..store import Store
-from ..store.transactions import batch_filter, by_keys
+from ..store.transactions import batch_filter, by_keys, trace_batches
 from . import verdicts
 from .backfill import Backfill, backfill_jobs, run_backfill
 from .judging import JUDGEMENT_DUE, Job, Judging, OnStored, Outcome, Prepared, ensure_schema, utc
@@ -103,9 +103,7 @@ def conversation_facts(cur: duckdb.DuckDBPyConnection, row: dict[str, Any], keys
     if (keys or status) and trace_ids:
         # Within the commits that hold the traces' rows (the trace map's ranges, looked up by key): the
         # read then costs what the conversation holds, not what the table holds.
-        stored = {t: (first, last) for t, first, last in by_keys(
-            cur, "SELECT trace_id, first_batch, last_batch FROM trace_conversations WHERE trace_id IN {keys}",
-            trace_ids)}
+        stored = trace_batches(cur, trace_ids)
         within, bounds = batch_filter([stored.get(t, (None, None)) for t in trace_ids])
         for attrs, resource, code in cur.execute(
                 "SELECT attributes, resource, status_code FROM span_records WHERE trace_id IN (SELECT unnest(?))"

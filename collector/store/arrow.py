@@ -6,8 +6,9 @@ from the Python lists and DuckDB reads them through the Arrow PyCapsule stream i
 pyarrow did the same before: its libraries added about 25 MB to the daemon's proportional set,
 and it took three times as long to build a commit's columns.
 
-A column has the type it is given (``Table(columns, types)``) or the one its values have: str,
-int, float (with ints among them), bool, bytes, datetime (as UTC microseconds); all None is NULL.
+A column has the type it is given (``Table(columns, types)``: the writer's integer widths) or the
+one its values have: str, int, float (with ints among them), bool, bytes, datetime (as
+microseconds); all None is NULL.
 """
 
 from __future__ import annotations
@@ -45,13 +46,9 @@ class Table:
         lengths = {len(values) for values in columns.values()}
         if len(lengths) > 1:
             raise ValueError(f"columns of different lengths: {sorted(lengths)}")
-        self.num_rows = lengths.pop() if lengths else 0
         arrays = [_array(name, values, (types or {}).get(name)) for name, values in columns.items()]
         schema = na.struct({name: a.schema for name, a in zip(columns, arrays)})
-        self._batch = na.c_array_from_buffers(schema, self.num_rows, [None], children=arrays)
-
-    def __len__(self) -> int:
-        return self.num_rows
+        self._batch = na.c_array_from_buffers(schema, lengths.pop() if lengths else 0, [None], children=arrays)
 
     def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
         return na.c_array_stream(self._batch).__arrow_c_stream__(requested_schema)
@@ -67,8 +64,6 @@ def _array(name: str, values: Sequence[Any], typ: na.Schema | None) -> Any:
         typ, values = _infer(name, values)
         if typ is None:  # every value None
             return na.c_array_from_buffers(na.null(), len(values), [])
-    elif typ.type == na.Type.TIMESTAMP:
-        values = _micros(values, bool(typ.timezone))
     return na.c_array(values, typ)
 
 

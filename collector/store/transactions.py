@@ -193,6 +193,13 @@ def batch_filter(batches: Sequence[Batches]) -> tuple[str, list[int]]:
     return f" AND ({' OR '.join(terms)})", params
 
 
+def trace_batches(cur: Any, traces: Sequence[str]) -> dict[str, Batches]:
+    """The first and last commits ``trace_conversations`` holds for each of these traces (by key); a
+    trace it does not hold is left out, one stored by an older version has (None, None)."""
+    return {t: (first, last) for t, first, last in by_keys(
+        cur, "SELECT trace_id, first_batch, last_batch FROM trace_conversations WHERE trace_id IN {keys}", traces)}
+
+
 def conversations_filter(cur: Any, conversations: Sequence[str]) -> tuple[str, list[int]]:
     """``batch_filter`` over the commits of every trace of these conversations (``trace_conversations``)."""
     return batch_filter(cur.execute("SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id "
