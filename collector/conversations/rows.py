@@ -33,10 +33,12 @@ from ..store import Committed
 from ..store.transactions import Batches, batch_filter
 from .keys import StoredRow
 
-# Rows of light commits read back from DuckDB at once (by batch, a range read), and
-# processed before the next: bounded memory, and their conversations' rows still cached
-# when they are rebuilt.
-LIGHT_GROUP_ROWS = 4096
+# A group of commits is taken in, then the conversations the group before it touched (and it did not)
+# are rebuilt from the cache: a conversation's rows span the group it starts in, the one it ends in and
+# the one taken in before its rebuild, and all three must fit in the cache (with a fourth to spare),
+# or its first rows are evicted and read back from DuckDB (at 10,000 spans/s, groups of 4,096 light rows
+# beside a cache of 10,000 made a quarter of the stage process's waits reads of evicted rows).
+GROUPS_CACHED = 4
 
 
 @dataclass
@@ -92,17 +94,27 @@ class Light:
                    len(committed.spans) + len(committed.logs))
 
 
-def groups(committed: list[Committed | Light]) -> list[list[Committed | Light]]:
-    """Commits in order, cut so that each group's light commits hold at most ``LIGHT_GROUP_ROWS`` rows."""
+def _commit_queries(lights: list[Light]) -> list[tuple[str, list[int], tuple[str, ...]]]:
+    """The reads of the stored rows of these commits: (SQL, parameters, columns before ``batch_id``),
+    spans then logs."""
+    lo, hi = min(c.batch_id for c in lights), max(c.batch_id for c in lights)
+    return [(f"SELECT {', '.join(columns)}, batch_id{', seq' if i else ''} FROM {table} "
+             "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi], columns)
+            for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS)))]
+
+
+def groups(committed: list[Committed | Light], max_rows: int) -> list[list[Committed | Light]]:
+    """Commits in order, cut so that each group holds at most ``max_rows`` rows (a larger commit is a
+    group of its own): light ones are read back a group at a time, and the cache holds several."""
     out: list[list[Committed | Light]] = []
     group: list[Committed | Light] = []
     rows = 0
     for c in committed:
-        if isinstance(c, Light):
-            if group and rows + c.rows > LIGHT_GROUP_ROWS and rows:
-                out.append(group)
-                group, rows = [], 0
-            rows += c.rows
+        n = c.rows if isinstance(c, Light) else len(c.spans) + len(c.logs)
+        if group and rows + n > max_rows:
+            out.append(group)
+            group, rows = [], 0
+        rows += n
         group.append(c)
     if group:
         out.append(group)
@@ -148,11 +160,12 @@ class RowCache:
         """Rows cached and traces cached."""
         return {"cached_rows": self._rows, "cached_traces": len(self._traces)}
 
-    def take(self, cur: duckdb.DuckDBPyConnection, committed: list[Committed | Light]) -> Taken:
-        """The rows these commits brought, by trace: handed over, or read back for light commits."""
+    def take(self, cur: duckdb.DuckDBPyConnection, committed: list[Committed | Light], ahead: Any = None) -> Taken:
+        """The rows these commits brought, by trace: handed over, or read back for light commits
+        (``ahead``: as ``read_ahead`` posted the reads)."""
         taken = Taken()
         lights = [c for c in committed if isinstance(c, Light)]
-        stored = self._commit_rows(cur, lights) if lights else {}
+        stored = self._commit_rows(cur, lights, ahead) if lights else {}
         for c in committed:
             if isinstance(c, Light):
                 span_rows, log_rows = stored[c.batch_id]
@@ -256,17 +269,31 @@ class RowCache:
             trace.saw(rec[n])
         return loaded
 
-    def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light]
+    def read_ahead(self, cur: Any, committed: list[Committed | Light]) -> Any:
+        """In the stage process: have the daemon read the rows of these commits' light ones while this
+        process works (``RemoteCursor.query_ahead``), for ``take``; None where there is nothing to read
+        or no one to read it meanwhile."""
+        query = getattr(cur, "query_ahead", None)
+        lights = [c for c in committed if isinstance(c, Light)]
+        if query is None or not lights:
+            return None
+        return query([(sql, params) for sql, params, _ in _commit_queries(lights)])
+
+    def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light], ahead: Any = None
                      ) -> dict[int, tuple[list[StoredRow], list[StoredRow]]]:
         """The stored rows of these commits, by batch: one range read on ``batch_id`` per table
-        (commits are stored in batch order, so the read skips every other row group)."""
+        (commits are stored in batch order, so the read skips every other row group), or the reads
+        ``read_ahead`` posted."""
         out: dict[int, tuple[list[StoredRow], list[StoredRow]]] = {c.batch_id: ([], []) for c in lights}
-        lo, hi = min(out), max(out)
-        for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS))):
+        read = ahead.result() if ahead is not None else None
+        for i, (sql, params, columns) in enumerate(_commit_queries(lights)):
             n = len(columns)
-            res = cur.execute(f"SELECT {', '.join(columns)}, batch_id{', seq' if i else ''} FROM {table} "
-                              "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi])
-            while recs := res.fetchmany(1024):  # bounded memory: not every row twice at once
+            if read is not None:
+                parts: Iterable[list[Any]] = [read[i]]
+            else:
+                res = cur.execute(sql, params)
+                parts = iter(lambda: res.fetchmany(1024), [])  # bounded memory: not every row twice at once
+            for recs in parts:
                 for rec in recs:
                     got = out.get(rec[n])
                     if got is not None:

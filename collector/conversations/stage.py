@@ -24,7 +24,9 @@ trace to a conversation (``tracemap``), rebuilds each touched conversation's
 transcript from all of its rows (``assemble``), applies the end rules to the
 newest trace (the one that starts last) and ends conversations idle for
 ``idle_timeout`` (``endings``), and writes ``conversations`` and ``messages``
-(``writes``). A changed transcript gets a new ``revision`` (to be judged again).
+(``writes``). A changed transcript gets a new ``revision`` (to be judged again). A backlog goes
+a group of commits at a time (``rows.groups``), a few to the row cache; in the stage process the
+next group's rows are read, and this one's conversations written, while it works (``process``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
 from .record import stored_transcript
-from .rows import Batches, Light, RowCache, TraceRows, groups
+from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, groups
 from .tables import SCHEMA
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
@@ -152,7 +154,7 @@ class Conversations(Stage):
     def status(self) -> dict[str, int]:
         """How far the stage has got, for /api/status."""
         return {"conversations_batch": self._processed_batch,
-                "conversations_pending": len(self._dirty) + len(self._writes),
+                "conversations_pending": len(self._dirty) + len(self._writes) + getattr(self.cur, "in_flight", 0),
                 "conversations_failed": self.failed}
 
     def held(self) -> dict[str, int]:
@@ -225,6 +227,7 @@ class Conversations(Stage):
         """At stop: write what is rebuilt with the batch mark, and say what the next start takes up."""
         try:
             self._flush()
+            self._sync()
             mark = self._safe_batch()
             left = len(self._traces_since(mark))
         except Exception:  # noqa: BLE001
@@ -246,6 +249,10 @@ class Conversations(Stage):
     def _resync(self) -> None:
         """After a failed cycle memory may be ahead of what is stored: start again from the stored
         state (the batch mark and the open conversations) and catch up from there."""
+        try:
+            self._sync()
+        except Exception:  # noqa: BLE001 - writes that failed were rolled back: the catch-up below redoes them
+            pass
         self.map.clear()
         self.rows.clear()
         self._rows_written.clear()
@@ -281,9 +288,13 @@ class Conversations(Stage):
         # Waiters (tests) want everything current: no debounce for them.
         self._hurry = bool(idle_waiters)
         previous: set[str] = set()
-        for group in groups(committed):
+        todo = groups(committed, max(1, self.rows.max_rows // GROUPS_CACHED))
+        ahead = None
+        for n, group in enumerate(todo):
             self._check_stop()
-            touched = self._ingest(group)
+            touched = self._ingest(group, ahead)
+            # In the stage process the daemon reads the next group's rows while this one's are rebuilt.
+            ahead = self.rows.read_ahead(self._db(), todo[n + 1]) if n + 1 < len(todo) else None
             # A backlog: rebuild what the previous group touched and this one did not (done
             # for now, as far as the backlog goes), while its rows are still cached.
             if previous:
@@ -293,6 +304,7 @@ class Conversations(Stage):
         self._rebuild_due(force=self._hurry)
         self._sweep_idle()
         self._flush()
+        self._sync()  # a cycle ends with its writes stored: waiters and /api/status see them
         if idle_waiters:
             self._idle_event.set()
 
@@ -301,6 +313,7 @@ class Conversations(Stage):
         """Write what is rebuilt, run each swap, then start again from the stored state (``_resync``)."""
         try:
             self._flush()
+            self._sync()
         except Exception as exc:  # noqa: BLE001 - the swap's caller hears of it
             for _, done in swaps:
                 done.set_exception(exc)
@@ -373,10 +386,11 @@ class Conversations(Stage):
 
     # ------------------------------------------------------------ ingestion
 
-    def _ingest(self, committed: list[Committed | Light]) -> set[str]:
-        """Take these commits in; returns the conversations they touched."""
+    def _ingest(self, committed: list[Committed | Light], ahead: Any = None) -> set[str]:
+        """Take these commits in (``ahead``: their rows as ``RowCache.read_ahead`` asked for them); returns
+        the conversations they touched."""
         cur = self._db()
-        taken = self.rows.take(cur, committed)
+        taken = self.rows.take(cur, committed, ahead)
         current = self.map.of(cur, list(taken.arrived))
         # A trace seen for the first time has all its rows in these commits: the cache keeps
         # them, so that only traces with older rows are read back from DuckDB.
@@ -627,12 +641,27 @@ class Conversations(Stage):
 
     def _flush(self) -> None:
         """Write everything this cycle changed, with the batch mark (``Writes.flush``); then the row
-        cache drops what it parsed, so that it holds text (parsed trees are several times its size)."""
+        cache drops what it parsed, so that it holds text (parsed trees are several times its size).
+
+        In the stage process the daemon writes while this goes on (``RemoteCursor.write_behind``): its
+        statements come after the writes, and the cycle ends with ``_sync``, which raises their error.
+        """
         try:
-            self._writes.flush(self._db(), self._safe_batch())
+            behind = getattr(self._db(), "write_behind", None)
+            if behind is None:
+                self._writes.flush(self._db(), self._safe_batch())
+            else:
+                writes, self._writes = self._writes, Writes()
+                behind(writes, self._safe_batch())
         finally:
             self.rows.release()
             self._unranged.clear()
+
+    def _sync(self) -> None:
+        """Everything written so far is stored (the stage process's writes behind are answered)."""
+        sync = getattr(self._db(), "sync", None)
+        if sync is not None:
+            sync()
 
     def _end_stored(self, convs: list[Tracked], now: float) -> None:
         """End conversations whose stored transcripts are current (open at the last stop, nothing new

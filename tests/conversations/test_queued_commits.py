@@ -25,6 +25,7 @@ from collector.store import Store
 
 from ..support.conversations import one_timestamp_per_call
 from ..support.daemon import FIXTURES
+from ..support.served import Served
 from ..support.wire import fixture_requests, wire_body
 
 CASES = sorted(p.name.removesuffix(".meta.json") for p in FIXTURES.glob("*.meta.json"))
@@ -33,23 +34,32 @@ SETTINGS = Settings.model_validate({"end_rules": [{"attribute": "app.handover", 
 
 
 def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_spans: int = 10_000,
-            each: bool = False) -> dict[str, list[tuple[Any, ...]]]:
-    """What the stage stored; with ``each`` it catches up after every request, not once at the end."""
-    store = Store(tmp / f"{queued_only}-{cache_spans}.duckdb")
+            each: bool = False, remote: bool = False, each_row: bool = False) -> dict[str, list[tuple[Any, ...]]]:
+    """What the stage stored; with ``each`` it catches up after every request, not once at the end; with
+    ``each_row`` every row is a commit of its own; with ``remote`` its statements go through a pipe to the daemon's side of the stage process, which runs
+    them on the store (reads ahead, writes behind), as in the daemon."""
+    store = Store(tmp / f"{queued_only}-{cache_spans}-{remote}-{each_row}.duckdb")
     store.open()
-    stage = Conversations(store, SETTINGS, max_queued_commits=0 if queued_only else 1_000_000,
-                          cache_spans=cache_spans)
+    served = Served(store, SETTINGS) if remote else None
+    stage = Conversations(served.store if served else store, SETTINGS,  # type: ignore[arg-type]
+                          max_queued_commits=0 if queued_only else 1_000_000, cache_spans=cache_spans)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
+        if served is not None:
+            served.server.gate.clear()  # the commits queue up meanwhile: the next cycle takes them all
         for req in requests:
             json_body = "json" in req.get("content_type", "")
             if req["signal"] == "traces":
-                store.submit(spans=span_batch(parse_traces(wire_body(req), json_body))[0]).result(30)
+                for spans in _commits(span_batch(parse_traces(wire_body(req), json_body))[0], each_row):
+                    store.submit(spans=spans).result(30)
             elif req["signal"] == "logs":
-                store.submit(logs=log_batch(parse_logs(wire_body(req), json_body))[0]).result(30)
+                for logs in _commits(log_batch(parse_logs(wire_body(req), json_body))[0], each_row):
+                    store.submit(logs=logs).result(30)
             if each:
                 assert stage.wait_idle(60)
+        if served is not None:
+            served.server.gate.set()
         assert stage.wait_idle(60)
         cur = store.cursor()
         try:
@@ -66,7 +76,17 @@ def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_
             cur.close()
     finally:
         stage.stop()
+        if served is not None:
+            assert served.cursor.read_ahead, "no group of commits was read ahead"
+            served.close()
         store.close()
+
+
+def _commits(batch: Any, each_row: bool) -> list[Any]:
+    """The batch as one commit, or with ``each_row`` a commit per row (so that a cycle has several groups)."""
+    if not each_row:
+        return [batch]
+    return [type(batch)([[column[i]] for column in batch.columns]) for i in range(len(batch))]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -82,6 +102,16 @@ def test_rows_read_back_within_their_commits_rebuild_the_same_conversations(tmp_
     requests = list(fixture_requests(case))
     whole = rebuilt(tmp_path, requests, queued_only=False)
     assert rebuilt(tmp_path, requests, queued_only=False, cache_spans=0, each=True) == whole
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_commits_read_ahead_and_written_behind_rebuild_the_same_conversations(tmp_path: Path, case: str) -> None:
+    """As in the stage process: each group's rows are read while the group before is rebuilt, and written
+    while the next is taken in. Each row is a commit of its own there, and a cache of 8 rows cuts a cycle
+    into groups of two."""
+    requests = list(fixture_requests(case))
+    whole = rebuilt(tmp_path, requests, queued_only=False, each_row=True)
+    assert rebuilt(tmp_path, requests, queued_only=True, cache_spans=8, remote=True, each_row=True) == whole
 
 
 def test_log_records_sharing_a_timestamp_read_back_in_request_order(tmp_path: Path) -> None:
