@@ -103,6 +103,11 @@ def _commit_queries(lights: list[Light]) -> list[tuple[str, list[int], tuple[str
             for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS)))]
 
 
+def commit_rows(c: Committed | Light) -> int:
+    """The spans and log records of a commit."""
+    return c.rows if isinstance(c, Light) else len(c.spans) + len(c.logs)
+
+
 def groups(committed: list[Committed | Light], max_rows: int) -> list[list[Committed | Light]]:
     """Commits in order, cut so that each group holds at most ``max_rows`` rows (a larger commit is a
     group of its own): light ones are read back a group at a time, and the cache holds several."""
@@ -110,7 +115,7 @@ def groups(committed: list[Committed | Light], max_rows: int) -> list[list[Commi
     group: list[Committed | Light] = []
     rows = 0
     for c in committed:
-        n = c.rows if isinstance(c, Light) else len(c.spans) + len(c.logs)
+        n = commit_rows(c)
         if group and rows + n > max_rows:
             out.append(group)
             group, rows = [], 0

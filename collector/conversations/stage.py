@@ -52,7 +52,7 @@ from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
 from .record import stored_transcript
-from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, groups
+from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
 from .tables import SCHEMA
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
@@ -66,6 +66,7 @@ log = logging.getLogger("tracejudge.conversations")
 _STOP = object()
 CATCH_UP_CHUNK = 500  # traces resolved, rebuilt and written together when catching up
 END_CHUNK = 2000  # conversations ended as stored per transaction (a restart after downtime)
+CYCLE_GROUPS = 8  # groups of commits (``GROUPS_CACHED``) a cycle takes at most: a backlog goes in several
 # Its pace (``collector.store.pacing``): a rebuild holds the interpreter lock, so it waits for a
 # longer pause than the evaluator's, and gives way every 20 ms of work.
 IDLE_GAP = 0.1  # seconds with nothing waiting to be stored that make a pause in ingestion
@@ -186,13 +187,14 @@ class Conversations(Stage):
     def _run(self) -> None:
         items: list[Any] = []  # taken from the queue, not processed yet
         while True:
-            try:
-                first = self._queue.get(timeout=0.05 if self._waiting else self.tick)
-            except queue.Empty:
-                first = None
-            if first is not None:
-                items.append(first)
-                time.sleep(0.05)  # let a burst of commits gather into one cycle
+            if not items or self._waiting:  # else a cycle held commits back: they go on at once
+                try:
+                    first = self._queue.get(timeout=0.05 if self._waiting else self.tick)
+                except queue.Empty:
+                    first = None
+                if first is not None:
+                    items.append(first)
+                    time.sleep(0.05)  # let a burst of commits gather into one cycle
             while True:
                 try:
                     items.append(self._queue.get_nowait())
@@ -207,21 +209,39 @@ class Conversations(Stage):
                 items = [Light.of(it) if isinstance(it, Committed) else it for it in items]
                 continue
             self._waiting = False
+            part, rest = self._cut(items)
             try:
-                self._cycle(items)
+                self._cycle(part, upto=rest[0].received_at if rest else None, hurry=waiters)
                 self.cycle_ok()
             except Stopping:
                 break
             except Exception:  # noqa: BLE001 - one bad cycle must not stop the stage
                 delay = self.cycle_failed("a conversation update failed; it is retried from the stored state")
-                self._resync()
+                self._resync()  # its catch-up takes in the commits held back too
                 if waiters:  # they wait for the retry
                     self._queue.put(("idle", None))
                 self.stopping.wait(delay)  # a store that cannot write now may later
+                rest = []
             finally:
                 self.pacing.rest()
-            items = []
+            items = rest
         self._finish()
+
+    def _cut(self, items: list[Any]) -> tuple[list[Any], list[Any]]:
+        """What this cycle takes (at most ``CYCLE_GROUPS`` groups of commits, with what was queued among
+        them) and what waits for the next, in order: a conversation ends only between cycles, so one
+        cycle over a whole backlog would hold every conversation of it in memory."""
+        if any(isinstance(it, tuple) and it[0] == "swap" for it in items):
+            return items, []  # a swap's cycle reads its commits back anyway
+        limit = CYCLE_GROUPS * max(1, self.rows.max_rows // GROUPS_CACHED)
+        rows = 0
+        for i, it in enumerate(items):
+            if isinstance(it, (Committed, Light)):
+                n = commit_rows(it)
+                if rows and rows + n > limit:
+                    return items[:i], items[i:]
+                rows += n
+        return items, []
 
     def _finish(self) -> None:
         """At stop: write what is rebuilt with the batch mark, and say what the next start takes up."""
@@ -274,7 +294,9 @@ class Conversations(Stage):
             return min(self._processed_batch, min(self._since.values()) - 1)
         return self._processed_batch
 
-    def _cycle(self, items: list[Any]) -> None:
+    def _cycle(self, items: list[Any], upto: float | None = None, hurry: bool = False) -> None:
+        """Take in these commits and rebuild what they touched; ``upto``: when the first commit held back
+        for the next cycle arrived (conversations idle by then end now); ``hurry``: someone waits."""
         committed = [it for it in items if isinstance(it, (Committed, Light))]
         idle_waiters = [it for it in items if isinstance(it, tuple) and it[0] == "idle"]
         swaps = [it[1] for it in items if isinstance(it, tuple) and it[0] == "swap"]
@@ -286,7 +308,7 @@ class Conversations(Stage):
         if any(isinstance(it, tuple) and it[0] == "catch_up" for it in items):
             self._catch_up()
         # Waiters (tests) want everything current: no debounce for them.
-        self._hurry = bool(idle_waiters)
+        self._hurry = hurry or bool(idle_waiters)
         previous: set[str] = set()
         todo = groups(committed, max(1, self.rows.max_rows // GROUPS_CACHED))
         ahead = None
@@ -301,8 +323,8 @@ class Conversations(Stage):
                 self._rebuild_due(only=previous - touched)
                 self._flush()  # the stored trace map is current again (an ended conversation leaves memory)
             previous = touched
-        self._rebuild_due(force=self._hurry)
-        self._sweep_idle()
+        self._rebuild_due(force=self._hurry and upto is None)
+        self._sweep_idle(upto)
         self._flush()
         self._sync()  # a cycle ends with its writes stored: waiters and /api/status see them
         if idle_waiters:
@@ -703,8 +725,10 @@ class Conversations(Stage):
 
     # ------------------------------------------------------------ idle
 
-    def _sweep_idle(self) -> None:
-        now = self.clock()
+    def _sweep_idle(self, upto: float | None = None) -> None:
+        """End the conversations idle for ``idle_timeout``: by now, or with commits held back for the next
+        cycle by when the first of them arrived (time is the clock at commit, as if the stage had kept up)."""
+        now = self.clock() if upto is None else min(self.clock(), upto)
         limit = self.settings.idle_timeout
         as_stored = []
         for conv in idle(list(self.map.convs.values()), now, limit):

@@ -79,8 +79,10 @@ class Store:
     """The DuckDB file and its single writer thread."""
 
     def __init__(self, path: Path, *, memory_limit: str = "128MB", max_queue_spans: int = 200_000,
-                 max_batch_spans: int = 8192, retry_after: float = 1.0, metrics: Metrics | None = None) -> None:
+                 max_batch_spans: int = 8192, retry_after: float = 1.0, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = path
+        self.clock = clock  # the arrival time of each commit (``received_at``)
         self.memory_limit = memory_limit
         self.max_queue = max_queue_spans
         self.max_batch = max_batch_spans
@@ -272,7 +274,7 @@ class Store:
                 logs.extend(it.logs)
         self._batch_id += 1
         # The arrival time, to the microsecond DuckDB stores: what the stage and a reindex read agree.
-        stamp = dt.datetime.fromtimestamp(time.time(), dt.timezone.utc)
+        stamp = dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)
         now = stamp.timestamp()
         started = time.perf_counter()
         con = self._con

@@ -150,3 +150,67 @@ def test_commits_made_after_the_stage_opened_are_not_caught_up_again(tmp_path: P
         stage.stop()
         store.close()
     assert "catching up" not in caplog.text
+
+
+def _chat_commit(conversation: str, trace: int, user: str, answer: str) -> Any:
+    """One chat span of a conversation, as a commit of its own."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    req = ExportTraceServiceRequest()
+    span = req.resource_spans.add().scope_spans.add().spans.add()
+    span.name, span.kind = "chat gpt-4o-mini", 3
+    span.trace_id, span.span_id = trace.to_bytes(16, "big"), trace.to_bytes(8, "big")
+    span.start_time_unix_nano = 1_764_478_800_000_000_000 + trace * 10**9
+    span.end_time_unix_nano = span.start_time_unix_nano + 10**8
+    for key, value in (("gen_ai.operation.name", "chat"), ("gen_ai.conversation.id", conversation),
+                       ("gen_ai.input.messages", json.dumps([{"role": "user", "parts": [
+                           {"type": "text", "content": user}]}])),
+                       ("gen_ai.output.messages", json.dumps([{"role": "assistant", "parts": [
+                           {"type": "text", "content": answer}]}]))):
+        kv = span.attributes.add()
+        kv.key, kv.value.string_value = key, value
+    return span_batch(parse_traces(req.SerializeToString(), False))[0]
+
+
+def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_them(tmp_path: Path) -> None:
+    """A cycle takes at most CYCLE_GROUPS groups of commits: the conversations idle by the time the first
+    commit held back arrived end before the next cycle, so a backlog does not hold all of its conversations
+    in memory; and one whose next trace is among the held-back commits, within idle_timeout, stays open."""
+    now = [1000.0]
+    store = Store(tmp_path / "backlog.duckdb", clock=lambda: now[0])
+    store.open()
+    held: list[int] = []  # conversations in memory at each idle sweep
+
+    class Watched(Conversations):
+        def _sweep_idle(self, upto: float | None = None) -> None:
+            held.append(len(self.map.convs))
+            super()._sweep_idle(upto)
+
+    settings = Settings.model_validate({"idle_timeout": "10s"})
+    # Ingestion never looks paused: the commits queue up until a waiter (wait_idle) comes.
+    stage = Watched(store, settings, clock=lambda: now[0], cache_spans=8, idle_gap=3600.0, max_wait=3600.0)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    try:
+        for i in range(40):  # a conversation every 100 s, each idle before the next begins
+            store.submit(spans=_chat_commit(f"c{i:02d}", i + 1, f"question {i}", f"answer {i}")).result(30)
+            if i == 15:  # c15 goes on 5 s later, in the first commit the first cycle holds back
+                now[0] += 5
+                store.submit(spans=_chat_commit("c15", 1000, "and then?", "then this")).result(30)
+            now[0] += 100
+        now[0] += 1000
+        assert stage.wait_idle(60)
+    finally:
+        stage.stop()
+    cur = store.cursor()
+    try:
+        stored = cur.execute("SELECT conversation_id, state, ended_by, user_turns FROM conversations "
+                             "ORDER BY 1").fetchall()
+    finally:
+        cur.close()
+        store.close()
+    assert stored == [(f"c{i:02d}", "ended", "idle", 2 if i == 15 else 1) for i in range(40)]
+    assert stage.metrics.conversations_reopened.value() == 0
+    # cache of 8 rows: groups of 2, cycles of at most 16 commits (one span each), each ending the
+    # conversations of the cycle before
+    assert len(held) >= 3 and max(held) <= 17, held
