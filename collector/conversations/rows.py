@@ -80,18 +80,16 @@ class TraceRows:
 
 @dataclass
 class Light:
-    """A commit queued while the stage is behind: which traces it touched, not its rows."""
+    """A commit queued while the stage is behind, without its rows (read back by commit range, with the
+    traces they touched): a few numbers, so that a backlog of thousands of commits costs next to nothing."""
 
     batch_id: int
     received_at: float
-    trace_ids: list[str]
     rows: int = 0  # spans and log records in the commit
 
     @classmethod
     def of(cls, committed: Committed) -> "Light":
-        traces = set(committed.spans.columns[0]) | {t for t in committed.logs.columns[1] if t}
-        return cls(committed.batch_id, committed.received_at, sorted(traces),
-                   len(committed.spans) + len(committed.logs))
+        return cls(committed.batch_id, committed.received_at, len(committed.spans) + len(committed.logs))
 
 
 def _commit_queries(lights: list[Light]) -> list[tuple[str, list[int], tuple[str, ...]]]:
@@ -174,13 +172,10 @@ class RowCache:
         for c in committed:
             if isinstance(c, Light):
                 span_rows, log_rows = stored[c.batch_id]
-                for tid in c.trace_ids:
-                    taken.add(tid, c.batch_id, c.received_at)
                 for stored_row in span_rows:
-                    taken.rows[stored_row["trace_id"]].spans.append(stored_row)
-                for stored_row in log_rows:
-                    if stored_row["trace_id"] in taken.rows:
-                        taken.rows[stored_row["trace_id"]].logs.append(stored_row)
+                    taken.add(stored_row["trace_id"], c.batch_id, c.received_at).spans.append(stored_row)
+                for stored_row in log_rows:  # read back with a trace id only
+                    taken.add(stored_row["trace_id"], c.batch_id, c.received_at).logs.append(stored_row)
                 continue
             for row in c.spans.rows():
                 taken.add(row["trace_id"], c.batch_id, c.received_at).spans.append(StoredRow(row))
