@@ -111,6 +111,7 @@ class Conversations(Stage):
         self.rebuild_interval = rebuild_interval
         self.max_queued_commits = max_queued_commits
         self._waiting = False  # for ingestion to pause: commits are queued without their rows
+        self._behind = False  # a cycle held commits back (``_cut``): new ones are queued without their rows
         self._hurry = False  # someone waits for this cycle (tests): no pauses
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
@@ -165,13 +166,14 @@ class Conversations(Stage):
     def on_commit(self, committed: Committed | Light) -> None:
         """Called by the store's writer thread after each commit: hand off, return.
 
-        While the stage is behind, only the touched trace ids are queued (it reads
-        the rows back from DuckDB), so a lagging stage cannot hold every span in memory;
-        a ``Light`` commit (the stage in its own process) is always read back.
+        While the stage is behind (ingestion busy, a cycle holding commits back, or several queued),
+        a commit is queued without its rows (``Light``: they are read back from DuckDB by commit
+        range), so a lagging stage cannot hold every span in memory; so is one the daemon sent light
+        (the stage in its own process).
         """
         if isinstance(committed, Light):
             self._queue.put(committed)
-        elif not self._waiting and self._queue.qsize() < self.max_queued_commits:
+        elif not self._waiting and not self._behind and self._queue.qsize() < self.max_queued_commits:
             self._queue.put(committed)
         else:
             self._queue.put(Light.of(committed))
@@ -210,6 +212,10 @@ class Conversations(Stage):
                 continue
             self._waiting = False
             part, rest = self._cut(items)
+            # What waits for the next cycle keeps which commits it was, not their rows: a backlog of
+            # thousands of commits costs next to nothing (their rows are read back a group at a time).
+            rest = [Light.of(it) if isinstance(it, Committed) else it for it in rest]
+            self._behind = bool(rest)
             try:
                 self._cycle(part, upto=rest[0].received_at if rest else None, hurry=waiters)
                 self.cycle_ok()
@@ -222,6 +228,7 @@ class Conversations(Stage):
                     self._queue.put(("idle", None))
                 self.stopping.wait(delay)  # a store that cannot write now may later
                 rest = []
+                self._behind = False
             finally:
                 self.pacing.rest()
             items = rest
