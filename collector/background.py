@@ -32,6 +32,7 @@ Lifecycle: ``Stage(store, metrics)`` -> ``start()`` -> running -> ``stop()``.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -133,6 +134,7 @@ class Stage:
         delay = min(RETRY_MOST, RETRY_FIRST * 2 ** (self._failures - 1))
         self.metrics.stage_errors.inc(stage=self.name)
         log.exception("%s stage: %s; it goes on in %.0f s", self.name, what, delay)
+        self._fatal()
         return delay
 
     def cycle_ok(self) -> None:
@@ -155,6 +157,13 @@ class Stage:
         """Log the exception being handled with ``what`` and count it, for a failure within a cycle."""
         self.metrics.stage_errors.inc(stage=self.name)
         log.exception("%s stage: %s", self.name, what)
+        self._fatal()
+
+    def _fatal(self) -> None:
+        """A fatal DuckDB error met here stops the store (``Store.fatal``): no retry can succeed."""
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self.store.fatal(exc)
 
     # ------------------------------------------------------------ written by each stage
 

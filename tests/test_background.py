@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -37,9 +39,11 @@ class Flaky(Stage):
 
     name = "flaky"
 
-    def __init__(self, store: Store, metrics: Metrics, failures: int) -> None:
+    def __init__(self, store: Store, metrics: Metrics, failures: int,
+                 error: Exception = ValueError("a cycle met a bug")) -> None:
         super().__init__(store, metrics)
         self.failures = failures
+        self.error = error
         self.cycles_ok = 0
         self.delays: list[float] = []
 
@@ -48,10 +52,10 @@ class Flaky(Stage):
             try:
                 if self.failures:
                     self.failures -= 1
-                    raise ValueError("a cycle met a bug")
+                    raise self.error
                 self.cycles_ok += 1
                 self.cycle_ok()
-            except ValueError:
+            except Exception:
                 self.delays.append(self.cycle_failed("a cycle failed"))
                 continue  # no wait: the test checks the delays it asks for
             self.stopping.wait(0.01)
@@ -97,6 +101,20 @@ def test_a_failed_cycle_is_logged_counted_and_the_stage_goes_on(store: Store,
     assert 'tracejudge_stage_errors_total{stage="flaky"} 3' in metrics.render()
     assert caplog.text.count("ValueError: a cycle met a bug") == 3  # each with its traceback
     assert stage.state == "not running"
+
+
+def test_a_fatal_duckdb_error_in_a_cycle_stops_the_store(store: Store) -> None:
+    """No retry can succeed on a file DuckDB invalidated: the store stops (the daemon exits for its supervisor
+    to restart it), though nothing is being ingested for its writer to find out."""
+    stopped = threading.Event()
+    store.on_broken(lambda reason: stopped.set())
+    stage = Flaky(store, Metrics(), failures=1, error=duckdb.FatalException("FATAL Error: out of memory"))
+    stage.start()
+    try:
+        assert stopped.wait(30)
+    finally:
+        stage.stop()
+    assert store.broken is not None and "FatalException: FATAL Error: out of memory" in store.broken
 
 
 def test_a_stage_that_stopped_is_named_by_readyz_and_status(store: Store,

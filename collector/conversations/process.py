@@ -211,7 +211,7 @@ def _result(answer: tuple[Any, ...]) -> Any:
     if answer[0] == "ok":
         return answer[1]
     _, module, name, message = answer
-    kind = getattr(duckdb, name, None) if module.startswith("duckdb") else None
+    kind = getattr(duckdb, name, None) if module.lstrip("_").startswith("duckdb") else None  # or _duckdb
     if isinstance(kind, type) and issubclass(kind, Exception):
         raise kind(message)
     raise RuntimeError(f"{name}: {message}")
@@ -527,6 +527,7 @@ class StageProcess(Stage):
                 answer = ("ok", self._answer(cur, request))
             except Exception as exc:  # noqa: BLE001 - the child raises it where it made the call
                 answer = ("err", type(exc).__module__, type(exc).__name__, str(exc))
+                self.store.fatal(exc)
             try:
                 conn.send(answer)
             except (OSError, EOFError):

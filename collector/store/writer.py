@@ -75,6 +75,13 @@ class _Item:
 
 _STOP = object()
 
+
+@dataclass
+class _Fatal:
+    """Queued by ``Store.fatal``: the writer stops with this error, as if its own commit had met it."""
+
+    exc: BaseException
+
 class Store:
     """The DuckDB file and its single writer thread."""
 
@@ -155,6 +162,21 @@ class Store:
     def on_broken(self, listener: Callable[[str], object]) -> None:
         """Call ``listener(reason)`` in the writer thread if the writer stops for good."""
         self._broken_listeners.append(listener)
+
+    def fatal(self, exc: BaseException) -> bool:
+        """A reader's cursor met ``exc``; True if it was a fatal DuckDB error.
+
+        One (out of memory while a stage commits, say) invalidates the attached file for every
+        cursor, and only a restart helps (it replays the WAL): the writer stops with it, as if its
+        own commit had met it (``on_broken``: the daemon exits for its supervisor to restart it).
+        Without this, a daemon with nothing to ingest would go on with every stage failing.
+        """
+        if not isinstance(exc, duckdb.FatalException):
+            return False
+        with self._lock:
+            if self._thread is not None and self._broken is None:
+                self._queue.put(_Fatal(exc))
+        return True
 
     # ------------------------------------------------------------ state
 
@@ -239,22 +261,21 @@ class Store:
                 continue
             if first is _STOP:
                 return
+            if isinstance(first, _Fatal):
+                raise first.exc
             items = [first]
             size = first.size
-            stop = False
             while size < self.max_batch:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is _STOP:
-                    stop = True
+                if nxt is _STOP or isinstance(nxt, _Fatal):
+                    self._queue.put(nxt)  # after this commit (a fatal error fails it anyway)
                     break
                 items.append(nxt)
                 size += nxt.size
             self._commit(items)
-            if stop:
-                return
 
     def _commit(self, items: list[_Item]) -> None:
         assert self._con is not None
@@ -396,7 +417,7 @@ class Store:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is not _STOP:
+                if isinstance(nxt, _Item):
                     stranded.append(nxt)
             self._pending = 0
             self.metrics.queue_depth.set(0)

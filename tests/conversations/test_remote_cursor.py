@@ -16,6 +16,7 @@ import duckdb
 import pytest
 
 from collector.config import Conversations as Settings
+from collector.conversations.process import _result
 from collector.conversations.tables import SCHEMA
 from collector.conversations.writes import Writes
 from collector.store import Store
@@ -84,3 +85,13 @@ def test_a_long_answer_read_ahead_and_a_long_write_behind_do_not_wait_for_each_o
     rows = ahead.result()[0]
     assert len(rows) == 100_000 and rows[0] == (text + "0",)
     assert served.cursor.execute("SELECT count(*) FROM trace_conversations").fetchall() == [(100_001,)]
+
+
+def test_an_error_of_the_parent_is_raised_in_the_child_as_its_duckdb_type() -> None:
+    """DuckDB's exceptions live in ``_duckdb``: the child raises them as such (the stage tells a fatal error,
+    which no retry mends, from others), and anything else as a RuntimeError naming it."""
+    error = duckdb.FatalException("FATAL Error: x")
+    with pytest.raises(duckdb.FatalException, match="FATAL Error: x"):
+        _result(("err", type(error).__module__, type(error).__name__, str(error)))
+    with pytest.raises(RuntimeError, match="KeyError: 'k'"):
+        _result(("err", "builtins", "KeyError", "'k'"))

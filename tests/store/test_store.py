@@ -89,6 +89,29 @@ def test_a_writer_that_stops_refuses_everything_and_says_why(store: Store) -> No
     assert stored(store) == 8
 
 
+def test_a_fatal_error_met_by_a_reader_stops_the_idle_writer(store: Store) -> None:
+    """DuckDB invalidates the file for every cursor after a fatal error (out of memory in a stage's commit):
+    told of one, the store stops as if its writer had met it, with nothing to ingest; other errors are
+    the reader's own."""
+    reasons: list[str] = []
+    broken = threading.Event()
+    store.on_broken(lambda reason: (reasons.append(reason), broken.set()))
+    assert store.submit(spans(8, 1)).result(timeout=60) == (8, 0)
+    assert not store.fatal(duckdb.OutOfMemoryException("Out of Memory Error: could not allocate block"))
+    assert store.submit(spans(8, 2)).result(timeout=60) == (8, 0)
+    assert store.broken is None
+    assert store.fatal(duckdb.FatalException("FATAL Error: Failed: database has been invalidated"))
+    assert broken.wait(30)
+    assert "FatalException: FATAL Error: Failed: database has been invalidated" in reasons[0]
+    assert store.broken == reasons[0]
+    with pytest.raises(StoreUnavailable, match="writer stopped"):
+        store.submit(spans(8, 3))
+    assert store.fatal(duckdb.FatalException("again"))  # said once: the writer is gone already
+    assert len(reasons) == 1
+    store.drain()
+    assert stored(store) == 16
+
+
 def test_the_views_read_every_row_whatever_its_time(store: Store) -> None:
     """2^64-1 ns is a valid OTLP time past what a timestamp holds: its row reads with no time, the others too."""
     batch = spans(2, seed=12)
