@@ -11,11 +11,11 @@ start multiprocessing's resource tracker, a process of 7 MB that nothing here ne
 A file has one DuckDB process, so the child has no database of its own: its stage works on a
 ``RemoteCursor``, whose statements this process runs, one at a time and in order, on a cursor of
 the store (``_serve``). DuckDB runs them without the interpreter lock. Two kinds of request do not
-wait for their answer, so that the two processes work at once: a cycle's writes go in one request
-(``write_behind``, raised by the next call if they fail) while the child takes the next group of
-commits in, and the rows of the next group are read (``query_ahead``) while it rebuilds this one's
-conversations. At 10,000 spans/s that made conversations current after the last ack 1.4x sooner
-(``bench/soak.py``); one request is in flight at most, see ``RemoteCursor.post``. The child gets:
+wait for their answer, so that the two processes work at once: a group's writes go in one request
+(``write_behind``, raised by the next call if they fail), then the rows of the next group are read
+(``query_ahead``), both while the child rebuilds this group's conversations. At 10,000 spans/s that
+made conversations current after the last ack 1.4x sooner (``bench/soak.py``); a large request goes
+once every answer is read, see ``RemoteCursor.post``. The child gets:
 
 - each commit with its rows, as the stage in the daemon's process had them; while several wait
   to be sent, only the traces each touched (``Light``), whose rows it reads back by commit range;
@@ -108,15 +108,17 @@ class RemoteCursor:
                 os._exit(0)  # the parent is gone (killed) mid-statement: nothing can be written now
         return _result(answer)
 
-    def post(self, *request: Any, behind: bool = False) -> "Posted":
+    def post(self, *request: Any, behind: bool = False, small: bool = False) -> "Posted":
         """Send ``request`` and go on: the parent runs it while this process works. Its answer is read
         before the next call's (``Posted.result``); a write ``behind`` has no result, and its error
-        is raised by the next call instead."""
+        is raised by the next call instead. A ``small`` request may go while answers wait unread."""
         posted = Posted(self, behind)
         with self._lock:
-            # One request in flight at most: while the parent sends a long answer no one reads, a long
-            # request would wait for it to read, and each for the other.
-            self._settle()
+            # Else one request in flight at most: while the parent sends a long answer no one reads, a
+            # long request would wait for it to read, and each for the other. A small one fits in the
+            # pipe's buffer and never waits.
+            if not small:
+                self._settle()
             try:
                 self._conn.send(request)
             except (EOFError, OSError):
@@ -155,7 +157,7 @@ class RemoteCursor:
     def query_ahead(self, queries: Sequence[tuple[str, Any]]) -> "Posted":
         """Every row of each query (SQL, parameters), read by the parent while this process works:
         ``result()`` is a list of rows per query."""
-        return self.post("queries", queries)
+        return self.post("queries", queries, small=True)
 
     def execute(self, sql: str, params: Any = None) -> "RemoteCursor":
         self._rows, self._more = self.call("execute", sql, params)

@@ -132,6 +132,8 @@ class Taken:
     arrived: dict[str, float] = field(default_factory=dict)
     first: dict[str, int] = field(default_factory=dict)  # trace -> the first of these commits with its rows
     last: dict[str, int] = field(default_factory=dict)
+    # Read ahead with the rows: the stored conversation of each trace of the light commits (None: none).
+    mapped: dict[str, str | None] = field(default_factory=dict)
 
     def add(self, tid: str, batch_id: int, received_at: float) -> TraceRows:
         self.arrived[tid] = received_at
@@ -169,6 +171,9 @@ class RowCache:
         taken = Taken()
         lights = [c for c in committed if isinstance(c, Light)]
         stored = self._commit_rows(cur, lights, ahead) if lights else {}
+        if ahead is not None:
+            taken.mapped = {row["trace_id"]: None for spans, logs in stored.values() for row in (*spans, *logs)}
+            taken.mapped.update(ahead.result()[2])
         for c in committed:
             if isinstance(c, Light):
                 span_rows, log_rows = stored[c.batch_id]
@@ -277,7 +282,13 @@ class RowCache:
         lights = [c for c in committed if isinstance(c, Light)]
         if query is None or not lights:
             return None
-        return query([(sql, params) for sql, params, _ in _commit_queries(lights)])
+        # With their traces' stored conversations: the daemon has run every write sent before, and the
+        # stage keeps a conversation in memory until its writes are sent (``Conversations._flush``).
+        lo, hi = min(c.batch_id for c in lights), max(c.batch_id for c in lights)
+        mapped = ("SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN ("
+                  "SELECT trace_id FROM span_records WHERE batch_id BETWEEN ? AND ? UNION "
+                  "SELECT trace_id FROM log_records WHERE batch_id BETWEEN ? AND ?)", [lo, hi, lo, hi])
+        return query([*((sql, params) for sql, params, _ in _commit_queries(lights)), mapped])
 
     def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light], ahead: Any = None
                      ) -> dict[int, tuple[list[StoredRow], list[StoredRow]]]:

@@ -116,6 +116,7 @@ class Conversations(Stage):
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
         self._writes = Writes()
+        self._leaving: list[Tracked] = []  # ended with the writes not sent yet (``_write``)
         self._unranged: set[str] = set()  # traces read this cycle with no commits stored for them
         # The newest commit among the rows taken in: with the batch mark, where messages are written
         # (``ConversationRow.messages_batch``), increasing as they are (a reindex has no mark of its own).
@@ -286,6 +287,7 @@ class Conversations(Stage):
         self._dirty.clear()
         self._since.clear()
         self._writes = Writes()
+        self._leaving.clear()
         self._memos.clear()
         self._memo_rows = 0
         try:
@@ -322,13 +324,15 @@ class Conversations(Stage):
         for n, group in enumerate(todo):
             self._check_stop()
             touched = self._ingest(group, ahead)
-            # In the stage process the daemon reads the next group's rows while this one's are rebuilt.
+            # The rebuilds of the group before go now, after this group's reads: in the stage process
+            # the daemon writes them, then reads the next group's rows, while this one's are rebuilt.
+            if n:
+                self._flush()
             ahead = self.rows.read_ahead(self._db(), todo[n + 1]) if n + 1 < len(todo) else None
             # A backlog: rebuild what the previous group touched and this one did not (done
             # for now, as far as the backlog goes), while its rows are still cached.
             if previous:
                 self._rebuild_due(only=previous - touched)
-                self._flush()  # the stored trace map is current again (an ended conversation leaves memory)
             previous = touched
         self._rebuild_due(force=self._hurry and upto is None)
         self._sweep_idle(upto)
@@ -420,7 +424,7 @@ class Conversations(Stage):
         the conversations they touched."""
         cur = self._db()
         taken = self.rows.take(cur, committed, ahead)
-        current = self.map.of(cur, list(taken.arrived))
+        current = self.map.of(cur, list(taken.arrived), taken.mapped)
         # A trace seen for the first time has all its rows in these commits: the cache keeps
         # them, so that only traces with older rows are read back from DuckDB.
         self.rows.keep(taken, {t for t, cid in current.items() if cid is not None} | set(self.map.pending))
@@ -666,7 +670,10 @@ class Conversations(Stage):
             self._writes.replace.add(conv.id)
         conv.stored = True
         if conv.state == "ended":
-            self._forget(conv)
+            # It leaves memory once this write is sent: until then the trace map and its row in DuckDB
+            # may not say it ended, and reads of its traces must find it here (``_cycle`` sends a group's
+            # writes after the next group's reads).
+            self._leaving.append(conv)
 
     def _flush(self) -> None:
         """Write everything this cycle changed, with the batch mark (``Writes.flush``); then the row
@@ -685,6 +692,10 @@ class Conversations(Stage):
         finally:
             self.rows.release()
             self._unranged.clear()
+        for conv in self._leaving:
+            if conv.state == "ended" and conv.id not in self._dirty:  # no new data meanwhile
+                self._forget(conv)
+        self._leaving.clear()
 
     def _sync(self) -> None:
         """Everything written so far is stored (the stage process's writes behind are answered)."""

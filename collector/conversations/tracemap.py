@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import duckdb
 import orjson
@@ -98,10 +98,15 @@ class TraceMap:
         for conv in _read(cur, "state = 'open'"):
             self.keep(conv)
 
-    def of(self, cur: duckdb.DuckDBPyConnection, trace_ids: list[str]) -> dict[str, str | None]:
-        """The conversation of each of these traces (memory, else the table), None for a new trace."""
-        out: dict[str, str | None] = {t: self._traces.get(t) for t in trace_ids}
-        unknown = [t for t, c in out.items() if c is None]
+    def of(self, cur: duckdb.DuckDBPyConnection, trace_ids: list[str],
+           read: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+        """The conversation of each of these traces (memory, else the table), None for a new trace.
+
+        ``read``: the table's answer, read already, for some of them (``Taken.mapped``).
+        """
+        read = read or {}
+        out: dict[str, str | None] = {t: self._traces.get(t) or read.get(t) for t in trace_ids}
+        unknown = [t for t, c in out.items() if c is None and t not in read]
         if unknown:
             for t, c in by_keys(cur, "SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN {keys}",
                                 unknown):

@@ -152,24 +152,78 @@ def test_commits_made_after_the_stage_opened_are_not_caught_up_again(tmp_path: P
     assert "catching up" not in caplog.text
 
 
-def _chat_commit(conversation: str, trace: int, user: str, answer: str) -> Any:
-    """One chat span of a conversation, as a commit of its own."""
+def _chat_commit(conversation: str | None, trace: int, user: str, answer: str, span_id: int = 0,
+                 handover: bool = False) -> Any:
+    """One chat span of a conversation (None: a span without the id), as a commit of its own."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     req = ExportTraceServiceRequest()
     span = req.resource_spans.add().scope_spans.add().spans.add()
     span.name, span.kind = "chat gpt-4o-mini", 3
-    span.trace_id, span.span_id = trace.to_bytes(16, "big"), trace.to_bytes(8, "big")
-    span.start_time_unix_nano = 1_764_478_800_000_000_000 + trace * 10**9
-    span.end_time_unix_nano = span.start_time_unix_nano + 10**8
-    for key, value in (("gen_ai.operation.name", "chat"), ("gen_ai.conversation.id", conversation),
-                       ("gen_ai.input.messages", json.dumps([{"role": "user", "parts": [
-                           {"type": "text", "content": user}]}])),
-                       ("gen_ai.output.messages", json.dumps([{"role": "assistant", "parts": [
-                           {"type": "text", "content": answer}]}]))):
+    span.trace_id, span.span_id = trace.to_bytes(16, "big"), (span_id or trace).to_bytes(8, "big")
+    span.start_time_unix_nano = 1_764_478_800_000_000_000 + trace * 10**9 + span_id * 10**8
+    span.end_time_unix_nano = span.start_time_unix_nano + 10**7
+    attrs = [("gen_ai.operation.name", "chat"),
+             ("gen_ai.input.messages", json.dumps([{"role": "user", "parts": [{"type": "text", "content": user}]}])),
+             ("gen_ai.output.messages", json.dumps([{"role": "assistant", "parts": [
+                 {"type": "text", "content": answer}]}]))]
+    if conversation is not None:
+        attrs.append(("gen_ai.conversation.id", conversation))
+    for key, value in attrs:
         kv = span.attributes.add()
         kv.key, kv.value.string_value = key, value
+    if handover:
+        kv = span.attributes.add()
+        kv.key, kv.value.bool_value = "app.handover", True
     return span_batch(parse_traces(req.SerializeToString(), False))[0]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_late_rows_of_a_conversation_ended_in_a_backlog_join_it(tmp_path: Path, remote: bool) -> None:
+    """In a backlog a group's writes go after the next group's reads (with ``remote``, the trace map of
+    the next group is read ahead, before them): a conversation ended by the writes not stored yet stays
+    in memory until they are, so a late span of its trace, in the next group, finds it there and joins it."""
+    store = Store(tmp_path / "late.duckdb")
+    store.open()
+    served = Served(store, SETTINGS) if remote else None
+    # The commits queue up (ingestion never looks paused; with ``remote`` the daemon's side does not
+    # answer) until a waiter (wait_idle) comes; a cache of 8 rows makes groups of two commits.
+    stage = Conversations(served.store if served else store, SETTINGS,  # type: ignore[arg-type]
+                          cache_spans=8, idle_gap=3600.0, max_wait=3600.0, max_queued_commits=0)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    if served is not None:
+        served.server.gate.clear()
+    commits = [_chat_commit("a", 1, "where is my parcel?", "a person will help you", handover=True),
+               _chat_commit("b", 2, "hello", "hi"), _chat_commit("c", 3, "hello", "hi"),
+               _chat_commit("d", 4, "hello", "hi"),
+               _chat_commit(None, 1, "are you there?", "yes, here", span_id=99),  # late, in a's trace
+               _chat_commit("e", 5, "hello", "hi")]
+    try:
+        for batch in commits:
+            store.submit(spans=batch).result(30)
+        if served is not None:
+            served.server.gate.set()
+        assert stage.wait_idle(60)
+    finally:
+        stage.stop()
+        if served is not None:
+            assert served.cursor.read_ahead, "no group of commits was read ahead"
+            served.close()
+    cur = store.cursor()
+    try:
+        stored = cur.execute("SELECT conversation_id, state, ended_by, user_turns, trace_ids FROM conversations "
+                             "ORDER BY 1").fetchall()
+        traces = cur.execute("SELECT trace_id, conversation_id FROM trace_conversations ORDER BY 1").fetchall()
+    finally:
+        cur.close()
+        store.close()
+    t1 = (1).to_bytes(16, "big").hex()
+    assert stored[0][:4] == ("a", "ended", "handover", 2) and json.loads(stored[0][4]) == [t1], stored
+    assert [row[0] for row in stored] == ["a", "b", "c", "d", "e"]
+    assert (t1, "a") in traces
+    # found in memory, ended once: read back from DuckDB before its end was stored, it began again, empty
+    assert stage.metrics.conversations_ended.value(ended_by="handover") == 1
 
 
 def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_them(tmp_path: Path) -> None:
