@@ -233,6 +233,10 @@ class RemoteStore:
     def batch_id(self) -> int:
         return int(self._cursor.call("batch_id"))
 
+    def fatal(self, exc: BaseException) -> bool:
+        """``Store.fatal``: the daemon's side told its store when the statement failed (``_serve``)."""
+        return isinstance(exc, duckdb.FatalException)
+
     def pacing(self, *, idle_gap: float, share: float, max_wait: float, poll: float,
                piece: float = math.inf) -> Pacing:
         # Never busy: the child gives way through its nice value, not by waiting for pauses.
