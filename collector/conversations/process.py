@@ -18,7 +18,7 @@ made conversations current after the last ack 1.4x sooner (``bench/soak.py``); a
 once every answer is read, see ``RemoteCursor.post``. The child gets:
 
 - each commit with its rows, as the stage in the daemon's process had them; while several wait
-  to be sent, only the traces each touched (``Light``), whose rows it reads back by commit range;
+  to be sent, only which commit each was (``Light``), whose rows it reads back by commit range;
 - ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by a function that runs
   here, on the served cursor, between two of the child's cycles.
 
@@ -427,8 +427,8 @@ class StageProcess(Stage):
 
     def on_commit(self, committed: Committed) -> None:
         """From the writer's thread: queue the commit for the child, never blocking on it. Its rows go
-        along while few commits wait to be sent; beyond that only which traces it touched (the child
-        reads their rows back), so a slow child never makes the daemon hold every span."""
+        along while few commits wait to be sent; beyond that only which commit it was (the child reads
+        its rows back), so a slow child never makes the daemon hold every span."""
         if self._room.acquire(blocking=False):
             self._outgoing.put(("commit", committed))
         else:

@@ -207,15 +207,15 @@ class Conversations(Stage):
                 break
             waiters = any(isinstance(it, tuple) and it[0] == "idle" for it in items)
             if not waiters and not self.pacing.ready():
-                # Requests first: hold only which traces the waiting commits touched.
+                # Requests first: hold only which commits wait, not their rows.
                 self._waiting = True
-                items = [Light.of(it) if isinstance(it, Committed) else it for it in items]
+                items = _without_rows(items)
                 continue
             self._waiting = False
             part, rest = self._cut(items)
             # What waits for the next cycle keeps which commits it was, not their rows: a backlog of
             # thousands of commits costs next to nothing (their rows are read back a group at a time).
-            rest = [Light.of(it) if isinstance(it, Committed) else it for it in rest]
+            rest = _without_rows(rest)
             self._behind = bool(rest)
             try:
                 self._cycle(part, upto=rest[0].received_at if rest else None, hurry=waiters)
@@ -763,3 +763,8 @@ class Conversations(Stage):
         self._end_stored(as_stored, now)
         for tid in [t for t, (at, _) in self.map.pending.items() if now - at >= limit]:
             del self.map.pending[tid]
+
+
+def _without_rows(items: list[Any]) -> list[Any]:
+    """The queued items with each whole commit as a ``Light`` one (its rows are read back when taken in)."""
+    return [Light.of(it) if isinstance(it, Committed) else it for it in items]

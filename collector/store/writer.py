@@ -82,6 +82,7 @@ class _Fatal:
 
     exc: BaseException
 
+
 class Store:
     """The DuckDB file and its single writer thread."""
 
