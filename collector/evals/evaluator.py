@@ -22,7 +22,9 @@ conversation is judged:
    ``judges.concurrency`` at once; their judge calls share one limit of
    ``judges.concurrency``.
 3. **store**: the verdicts, not-run records and progress rows of every
-   conversation judged since the last cycle, in one transaction.
+   conversation judged and not stored yet, in one transaction, once
+   ``STORE_AT_ONCE`` wait, the first has waited ``STORE_WAIT``, or no other is
+   being judged or waits to be.
 
 With a provider, the first cycles also queue, page by page, the sampled
 conversations whose LLM criteria were not run for want of one (no key at an
@@ -77,6 +79,11 @@ SCAN_SLACK = 60.0  # rows written this recently are read again: their commit may
 SCAN_PAGE = 2000
 MAX_PENDING = 5000
 PREPARE_AT_ONCE = 16  # conversations read for their judges in one piece of DuckDB work
+# A store is a transaction of about ten statements whatever it holds, each a few ms of DuckDB's time
+# under load: storing each cycle's few outcomes (8 on average at 10,000 spans/s) took the DuckDB thread
+# a third of a core. Outcomes wait for others up to STORE_WAIT seconds, and do not hold judging slots.
+STORE_AT_ONCE = 64
+STORE_WAIT = 0.5
 # The evaluator's pace (``collector.store.pacing``). Its pieces are single DuckDB statements, a few ms
 # each and mostly outside the interpreter lock, and judge calls wait behind them: a short pause
 # between requests is enough, at any load below saturation.
@@ -179,6 +186,8 @@ class Evaluator(Stage):
         self._backfills: list[Backfill] = []
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._finished: dict[str, Outcome] = {}  # judged, not stored yet
+        self._finished_since = 0.0  # monotonic time the oldest of them was judged
+        self.store_wait = STORE_WAIT
         self._db_lock: asyncio.Lock | None = None
         self._db_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tracejudge-evaluator-db")
         self._mark: tuple[dt.datetime, str] = (utc(0), "")
@@ -286,7 +295,7 @@ class Evaluator(Stage):
                     continue
                 self.cycle_ok()
                 if not more:
-                    await self._sleep(self.poll)
+                    await self._sleep(self._store_in() if self._finished else self.poll)
         finally:
             for task in self._in_flight.values():
                 task.cancel()
@@ -320,7 +329,8 @@ class Evaluator(Stage):
 
     async def _cycle(self) -> bool:
         """Store what was judged, scan, start what there is room for; True when the scan has more to read now."""
-        await self._store_finished()
+        if self._store_due():
+            await self._store_finished()
         more = False
         # With work queued, the scan waits for its interval: every cycle (one per judged conversation)
         # it would take the DuckDB thread from the reads that start the next ones.
@@ -439,8 +449,13 @@ class Evaluator(Stage):
         self._pending[job.conversation_id] = job  # a key already there keeps its place
 
     def _start_pending(self) -> None:
+        # A read for a few conversations costs about what one for many does: once judged conversations
+        # no longer held their slots until stored, slots came back one at a time, and each was read alone.
+        if self.max_in_flight - len(self._in_flight) < min(len(self._pending), PREPARE_AT_ONCE,
+                                                            self.max_in_flight // 2):
+            return
         jobs: list[Job] = []
-        while self._pending and len(self._in_flight) + len(self._finished) + len(jobs) < self.max_in_flight:
+        while self._pending and len(self._in_flight) + len(jobs) < self.max_in_flight:
             jobs.append(self._pending.popitem(last=False)[1])
         for i in range(0, len(jobs), PREPARE_AT_ONCE):
             part = jobs[i:i + PREPARE_AT_ONCE]
@@ -475,6 +490,8 @@ class Evaluator(Stage):
                 raise prepared
             if prepared is not None:
                 run = await self.judging.judge(prepared.conversation, prepared.todo)
+                if not self._finished:
+                    self._finished_since = time.monotonic()
                 self._finished[job.conversation_id] = Outcome(job, run, prepared.sha256, prepared.skipped, attempts)
         except duckdb.Error:
             self.error(f"reading {job.conversation_id} for its judges failed; it is judged again")
@@ -485,7 +502,16 @@ class Evaluator(Stage):
             self._in_flight.pop(job.conversation_id, None)
         self.m.seconds.observe(time.monotonic() - started)
         if self._woken is not None:
-            self._woken.set()  # the next cycle stores it and fills the free slot
+            self._woken.set()  # the next cycle fills the free slot, and stores it once due
+
+    def _store_due(self) -> bool:
+        """Whether the outcomes waiting are stored now (``STORE_AT_ONCE``)."""
+        return bool(self._finished) and (len(self._finished) >= STORE_AT_ONCE or self._store_in() == 0
+                                         or not (self._in_flight or self._pending))
+
+    def _store_in(self) -> float:
+        """Seconds until the outcomes waiting have waited ``store_wait`` (at most ``poll``)."""
+        return max(0.0, min(self.poll, self._finished_since + self.store_wait - time.monotonic()))
 
     def _take_finished(self) -> list[Outcome]:
         outcomes = list(self._finished.values())

@@ -7,17 +7,23 @@ hours between retries pass on the injected clock instead of the wall's.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from collector.config import Config
+from collector.evals.evaluator import Evaluator
 from collector.evals.judging import RETRY_AFTER
+from collector.metrics import Metrics
 from collector.store import Store
+from judges import JudgeRequest, ProviderReply, ScriptedProvider, load_criteria
 
 from ..support.daemon import wait_until
-from ..support.evaluator import T0, Clock, add_conversation, make_evaluator, open_store, query, verdict
+from ..support.evaluator import CRITERIA, T0, Clock, add_conversation, make_evaluator, open_store, query, verdict
 
 
 @pytest.fixture
@@ -51,6 +57,46 @@ def test_errors_are_retried_later_on_the_criteria_that_errored(store: Store, tmp
         assert rows == [("polite", "pass"), ("short", "pass")]  # the error replaced, the code check not re-run
         assert len(provider.requests) == 2
         assert query(store, "SELECT attempts, retry_at FROM eval_progress") == [(2, None)]
+    finally:
+        ev.stop()
+
+
+def test_conversations_judged_while_another_is_in_flight_are_stored_with_it(store: Store, tmp_path: Path) -> None:
+    """A store is a transaction of about ten statements, whatever it holds: outcomes wait for others
+    (up to ``store_wait``), and hold no judging slot while they wait."""
+    clock = Clock()
+    clock.now = T0 + 10
+    release = threading.Event()
+
+    class Held(ScriptedProvider):
+        async def send(self, request: JudgeRequest) -> ProviderReply:
+            while "slow reply" in request.prompt and not release.is_set():
+                await asyncio.sleep(0.01)
+            return await super().send(request)
+
+    stored: list[int] = []
+
+    def on_stored(cur: duckdb.DuckDBPyConnection, verdict_ids: list[str], now: object) -> int:
+        stored.append(len(verdict_ids))
+        return 0
+
+    (tmp_path / "criteria.yaml").write_text(CRITERIA, encoding="utf-8")
+    cfg = Config.model_validate({"sampling": {"rate": 1.0}, "judges": {"concurrency": 2}})  # 4 in flight at most
+    ev = Evaluator(store, cfg, Metrics(), criteria=load_criteria(tmp_path / "criteria.yaml"),
+                   provider=Held(lambda request: verdict("pass", "reply"), model="scripted-judge"), clock=clock,
+                   poll=0.05, on_stored=on_stored)
+    ev.store_wait = 3600.0  # stored once nothing else is being judged, then
+    add_conversation(store, "a-slow", "slow reply")
+    for i in range(5):
+        add_conversation(store, f"fast-{i}", "fast reply")
+    ev.start()
+    try:
+        # More than the 3 slots left beside the slow one: each judged conversation gave its slot back.
+        wait_until(lambda: ev.held()["judged_unstored"] == 5, "the fast ones judged, waiting to be stored")
+        assert stored == [] and ev.judged == 0
+        release.set()
+        wait_until(lambda: ev.judged == 6, "all six stored")
+        assert stored == [12]  # two verdicts each, in one transaction
     finally:
         ev.stop()
 
