@@ -80,15 +80,11 @@ SPAN_DIALECTS: tuple[Dialect, ...] = (
 _DIALECT_KEYS = frozenset(k for d in SPAN_DIALECTS for k in d.keys)
 
 
-@lru_cache(maxsize=256)
-def _dialects(keys: frozenset[str], flattened: bool) -> tuple[Dialect, ...]:
-    return tuple(d for d in SPAN_DIALECTS if not keys.isdisjoint(d.keys) or (flattened and d.prefixes))
-
-
 @lru_cache(maxsize=1024)
 def _dialects_of(keys: frozenset[str]) -> tuple[Dialect, ...]:
     flattened = any(map(str.startswith, keys, repeat(INDEXED_PREFIXES)))
-    return _dialects(_DIALECT_KEYS.intersection(keys), flattened)
+    known = _DIALECT_KEYS.intersection(keys)
+    return tuple(d for d in SPAN_DIALECTS if not known.isdisjoint(d.keys) or (flattened and d.prefixes))
 
 
 def span_dialects(attributes: Mapping[str, Any]) -> tuple[Dialect, ...]:
