@@ -62,6 +62,9 @@ CHUNK = 400
 # Commits (up to max_batch_spans rows each) looked through for traces of no conversation per transaction.
 # At 4, the same soak spent most of its turns walking commits whose every trace had a conversation.
 CHUNK_COMMITS = 64
+# Expired conversations looked at per chunk deleted: those still due for the evaluator are passed over, a
+# window at a time, so that a sweep reads all of them in a few queries, each with bounded memory.
+WINDOW = 10
 # Its pace: deleting holds DuckDB's writer for a few ms per statement; it waits for the same pause
 # as the conversation stage and takes at most a tenth of the time when none comes.
 IDLE_GAP = 0.1
@@ -70,6 +73,12 @@ MAX_WAIT = 30.0
 POLL = 0.05
 
 _TABLES = ("span_records", "log_records")
+# The next conversations past a horizon (parameters: the horizon; the last one passed: arrival, arrival, id;
+# how many), limited before they are joined: joined first, every one past the horizon went through DuckDB's
+# hash tables, and a sweep after a backlog (hundreds of thousands past it) ran out of DuckDB's memory.
+_NEXT = ("SELECT conversation_id, last_arrival_at, {columns} FROM conversations WHERE last_arrival_at < ? {ended}"
+         "AND (last_arrival_at > ? OR (last_arrival_at = ? AND conversation_id > ?)) "
+         "ORDER BY last_arrival_at, conversation_id LIMIT ?")
 _OLDEST = {"spans": "SELECT min(received_at) FROM span_records",
            "log_records": "SELECT min(received_at) FROM log_records",
            "conversations": "SELECT min(last_arrival_at) FROM conversations"}
@@ -135,7 +144,8 @@ class Retention(Stage):
                 pass
         if self.settings.conversations is not None:
             horizon = utc(now - self.settings.conversations)
-            while self._turn() and self._expire_conversations(horizon, mark, deleted):
+            after: list[Any] = [utc(0), ""]
+            while self._turn() and self._expire_conversations(horizon, mark, deleted, after):
                 pass
         self._measure()
         self.sweeps += 1
@@ -168,11 +178,10 @@ class Retention(Stage):
         at, after = self._state("retention.spans_at", ""), self._state("retention.spans_after", "")
         since = dt.datetime.fromisoformat(at) if at else utc(0)
         rows = cur.execute(
+            f"WITH c AS ({_NEXT.format(columns='state, first_batch', ended='')}) "
             "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL, c.first_batch "
-            "FROM conversations c "
-            "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id WHERE c.last_arrival_at < ? "
-            "AND (c.last_arrival_at > ? OR (c.last_arrival_at = ? AND c.conversation_id > ?)) "
-            "ORDER BY c.last_arrival_at, c.conversation_id LIMIT ?",
+            "FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+            "ORDER BY c.last_arrival_at, c.conversation_id",
             [horizon, since, since, after, self.chunk]).fetchall()
         ids: list[str] = []
         firsts: list[int | None] = []
@@ -220,20 +229,33 @@ class Retention(Stage):
         self._count(deleted, (n["span_records"], n["log_records"]))
         return hi < upto
 
-    def _expire_conversations(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
-        """One chunk of step 3; True when a full chunk was done."""
+    def _expire_conversations(self, horizon: dt.datetime, mark: int, deleted: dict[str, int],
+                              after: list[Any]) -> bool:
+        """One chunk of step 3: the first ``chunk`` with nothing due among the next ``chunk * WINDOW`` ended
+        conversations past the horizon (``after``: the last one passed this sweep, moved on here); True
+        when more may be due."""
         cur = self.cur
         assert cur is not None
         reviewed = ("AND NOT EXISTS (SELECT 1 FROM review_items r WHERE r.conversation_id = c.conversation_id) "
                     if self.settings.keep_reviewed else "")
-        rows = cur.execute(
-            "SELECT c.conversation_id, c.last_arrival_at, c.first_batch FROM conversations c "
-            "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+        ended = _NEXT.format(columns="first_batch, revision", ended="AND state = 'ended' ")
+        window = cur.execute(
+            f"WITH c AS ({ended}) "
+            f"SELECT c.conversation_id, c.last_arrival_at, c.first_batch, NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE} "
+            f"{reviewed}FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
             "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
-            f"WHERE c.state = 'ended' AND c.last_arrival_at < ? AND NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE} "
-            f"{reviewed}ORDER BY c.last_arrival_at, c.conversation_id LIMIT ?", [horizon, self.chunk]).fetchall()
-        if not rows:
+            "ORDER BY c.last_arrival_at, c.conversation_id",
+            [horizon, after[0], after[0], after[1], self.chunk * WINDOW]).fetchall()
+        free = [(cid, at, first) for cid, at, first, deletable in window if deletable]
+        rows = free[:self.chunk]
+        # The next chunk starts after the last one deleted, or else after the window.
+        last = rows[-1] if len(free) > self.chunk else window[-1] if window else None
+        if last is None:
             return False
+        after[:] = last[1], last[0]
+        more = len(window) == self.chunk * WINDOW or len(free) > self.chunk
+        if not rows:
+            return more
         ids = [cid for cid, _, _ in rows]
         with Transaction(cur):
             spans = self._delete_rows(ids, max(at for _, at, _ in rows), mark, [first for _, _, first in rows])
@@ -253,7 +275,7 @@ class Retention(Stage):
         self._count(deleted, spans)
         deleted["conversations"] += gone
         self.m.deleted.inc(gone, what="conversations")
-        return len(rows) == self.chunk
+        return more
 
     def _delete_rows(self, conversations: list[str], newest: dt.datetime, mark: int,
                      firsts: list[int | None]) -> tuple[int, int]:
