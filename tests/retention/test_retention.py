@@ -9,6 +9,7 @@ the daemon on rows whose arrival times were moved back (a kill -9 among them).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ import yaml
 
 from collector.config import Config, ConfigError, Retention as Settings, load_config
 from collector.metrics import Metrics
-from collector.retention import Retention
-from collector.store import Store
+from collector.retention import IDLE_GAP, INTERVAL, SHARE, Retention
+from collector.store import Pacing, Store
 
 from ..forward.test_forward import forwarded, sink, traces
 from ..forward.test_forward import send as forward_send
@@ -303,6 +304,29 @@ def test_a_sweep_passes_over_expired_conversations_still_due_in_bounded_duckdb_m
         assert stage.sweep()["conversations"] == 2
         assert one(store, "SELECT count(*) FROM conversations") == 300_000
         assert one(store, "SELECT count(*) FROM span_records") == 0
+    finally:
+        stage.stop()
+        store.close()
+
+
+def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(make_daemon: Any,
+                                                                             tmp_path: Path) -> None:
+    """Above a few thousand spans/s ingestion never pauses, and retention runs on its share of the time
+    alone. A sweep's last piece must end with it: counted until the next sweep began, it took in the
+    minute between them, and that sweep waited nine minutes (so under a steady load nothing was deleted)."""
+    daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1)])
+    clock = [time.time() + 15 * DAY]
+    store, stage = open_retention(daemon.duckdb, clock, spans="14d")
+    # Always busy, by the same clock as the sweeps: a turn comes at once, or never on this frozen clock.
+    stage.pacing = Pacing(lambda: 0.0, idle_gap=IDLE_GAP, share=SHARE, max_wait=0, poll=0.01,
+                          clock=lambda: clock[0])
+    try:
+        assert stage.sweep()["spans"] > 0
+        clock[0] += INTERVAL  # the wait between two sweeps
+        second = threading.Thread(target=stage.sweep, daemon=True)
+        second.start()
+        wait_until(lambda: not second.is_alive(), "the second sweep", timeout=30)
+        assert stage.sweeps == 2
     finally:
         stage.stop()
         store.close()
