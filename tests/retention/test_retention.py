@@ -20,7 +20,7 @@ import yaml
 
 from collector.config import Config, ConfigError, Retention as Settings, load_config
 from collector.metrics import Metrics
-from collector.retention import IDLE_GAP, INTERVAL, SHARE, Retention
+from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
 from collector.store import Pacing, Store
 
 from ..forward.test_forward import forwarded, sink, traces
@@ -313,7 +313,8 @@ def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(m
                                                                              tmp_path: Path) -> None:
     """Above a few thousand spans/s ingestion never pauses, and retention runs on its share of the time
     alone. A sweep's last piece must end with it: counted until the next sweep began, it took in the
-    minute between them, and that sweep waited nine minutes (so under a steady load nothing was deleted)."""
+    minute between them, and that sweep waited nine minutes (so under a steady load nothing was deleted).
+    A sweep that took longer than the interval between two gives the next a larger share."""
     daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1)])
     clock = [time.time() + 15 * DAY]
     store, stage = open_retention(daemon.duckdb, clock, spans="14d")
@@ -327,6 +328,10 @@ def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(m
         second.start()
         wait_until(lambda: not second.is_alive(), "the second sweep", timeout=30)
         assert stage.sweeps == 2
+        assert stage.pacing.share == SHARE  # it took far less than the interval between two
+        stage.interval = 0.0  # a sweep slower than data expires: the next takes more of the time
+        stage.sweep()
+        assert stage.pacing.share == SHARE_BEHIND
     finally:
         stage.stop()
         store.close()
