@@ -37,8 +37,8 @@ criteria:
     check: tool_called
     name: lookup_order
 """
-# Rows of one conversation in every table it has rows in.
 MEMORY = "24MB"  # DuckDB's limit in the test of a sweep's memory: it fails at 32MB when all are joined at once
+# Rows of one conversation in every table it has rows in.
 PER_CONVERSATION = ("conversations", "messages", "sampling_decisions", "verdicts", "eval_progress",
                     "trace_conversations")
 
