@@ -7,11 +7,24 @@ schemas give each column its type for the writer's inserts.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
+from hashlib import blake2b
+
 import duckdb
 
 from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
-from .arrow import INT8, INT32, STRING, UINT32, UINT64
+from .arrow import INT8, INT32, STRING, UINT32, UINT64, Table
 from .files import ATTACHED
+from .transactions import Transaction, registered
+
+log = logging.getLogger("tracejudge.store")
+
+# The newest records whose keys are kept (``recent_keys``): a retry of one of them stores nothing twice.
+# Their index holds about 40 bytes a key in DuckDB's memory (20 MB here), however large the file; at
+# 10,000 spans/s they are the last 50 s of records, at 1,000 spans/s the last 8 minutes.
+KEYS_KEPT = 500_000
 
 # Which conversation a trace belongs to (also created in the schema a reindex builds in), and the
 # first and last commits holding its rows: a read of them skips every row group outside (rows are
@@ -25,8 +38,11 @@ TRACE_MAP = """CREATE TABLE IF NOT EXISTS trace_conversations (
 ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
 ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS last_batch UBIGINT;"""
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS span_records (
+# The span and log tables have no key: a key's index stays in DuckDB's memory whole while rows go in
+# (random ids touch all of it), so a file of 1.5 million spans filled the default memory limit and
+# every commit failed. A retried record is recognised by ``RECENT_KEYS`` instead: the hash of its
+# ids, for the newest records only (``Store._insert``).
+SPAN_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
     trace_id VARCHAR NOT NULL,
     span_id VARCHAR NOT NULL,
     parent_span_id VARCHAR,
@@ -49,11 +65,10 @@ CREATE TABLE IF NOT EXISTS span_records (
     scope_attributes VARCHAR,
     service VARCHAR,
     received_at TIMESTAMPTZ NOT NULL,
-    batch_id UBIGINT NOT NULL,
-    PRIMARY KEY (trace_id, span_id)
-);
-CREATE TABLE IF NOT EXISTS log_records (
-    log_id VARCHAR PRIMARY KEY,
+    batch_id UBIGINT NOT NULL
+)"""
+LOG_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
+    log_id VARCHAR NOT NULL,
     trace_id VARCHAR,
     span_id VARCHAR,
     time_unix_nano UBIGINT,
@@ -71,7 +86,14 @@ CREATE TABLE IF NOT EXISTS log_records (
     service VARCHAR,
     received_at TIMESTAMPTZ NOT NULL,
     batch_id UBIGINT NOT NULL
-);
+)"""
+# The key (``record_key``) of each of the newest span and log records and the commit that stored it.
+RECENT_KEYS = "CREATE TABLE IF NOT EXISTS recent_keys (key UBIGINT PRIMARY KEY, batch_id UBIGINT NOT NULL)"
+
+SCHEMA = """
+{SPAN_TABLE};
+{LOG_TABLE};
+{RECENT_KEYS};
 -- A record's place in its commit: records of one call often share a timestamp, and
 -- INSERT OR IGNORE does not store rows in the order given. Added to older files.
 ALTER TABLE log_records ADD COLUMN IF NOT EXISTS seq UINTEGER;
@@ -100,7 +122,20 @@ SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
        l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,
        l.time_unix_nano, l.observed_time_unix_nano, l.received_at, l.batch_id
 FROM log_records l LEFT JOIN trace_conversations t USING (trace_id);
-""".replace("{TRACE_MAP}", TRACE_MAP)
+""".replace("{TRACE_MAP}", TRACE_MAP).replace("{SPAN_TABLE}", SPAN_TABLE.format(name="span_records")) \
+    .replace("{LOG_TABLE}", LOG_TABLE.format(name="log_records")).replace("{RECENT_KEYS}", RECENT_KEYS)
+
+
+def record_keys(table: str, ids: Sequence[Sequence[str]]) -> list[int]:
+    """The key of each record in ``recent_keys``: 64 bits of a BLAKE2b digest of its ids (a span's trace
+    and span id, a log record's ``log_id``), the same in every version (DuckDB's ``hash`` may change).
+    One collision among the kept keys is about 1 in 70 billion: a new record taken for a retry."""
+    tag = b"s" if table == "span_records" else b"l"
+    return [int.from_bytes(blake2b(tag + "\0".join(parts).encode(), digest_size=8).digest(), "little")
+            for parts in zip(*ids)]
+
+
+KEY_IDS = {"span_records": ("trace_id", "span_id"), "log_records": ("log_id",)}  # the ids ``record_keys`` reads
 
 _SPAN_TYPES = {
     "flags": UINT32, "kind": INT8, "start_time_unix_nano": UINT64, "end_time_unix_nano": UINT64, "status_code": INT8,
@@ -135,5 +170,39 @@ def create_schema(con: duckdb.DuckDBPyConnection) -> None:
         scratch.close()
     if not wanted <= _layout(con, ATTACHED):
         con.execute(SCHEMA)
+    _drop_record_keys(con)
+
+
+def _drop_record_keys(con: duckdb.DuckDBPyConnection) -> None:
+    """Rebuild a span or log table of an older file that still has its key (DuckDB cannot drop a
+    constraint), in commit order, in one transaction; its newest records' keys go to ``recent_keys``."""
+    for table, ddl in (("span_records", SPAN_TABLE), ("log_records", LOG_TABLE)):
+        keyed = con.execute("SELECT count(*) FROM duckdb_constraints() WHERE database_name = ? AND "
+                            "schema_name = 'main' AND table_name = ? AND constraint_type = 'PRIMARY KEY'",
+                            [ATTACHED, table]).fetchall()[0][0]
+        if not keyed:
+            continue
+        rows = con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
+        log.warning("rebuilding %s (%d rows) without its key, once: its index grew with the file "
+                    "and filled DuckDB's memory", table, rows)
+        started = time.monotonic()
+        new = f"{table}_unkeyed"
+        with Transaction(con):
+            con.execute(f"DROP TABLE IF EXISTS {new}")
+            con.execute(ddl.format(name=new))
+            if table == "log_records":
+                con.execute(f"ALTER TABLE {new} ADD COLUMN IF NOT EXISTS seq UINTEGER")
+            con.execute(f"INSERT INTO {new} BY NAME SELECT * FROM {table}")  # in the order stored
+            newest = con.execute(f"SELECT {', '.join(KEY_IDS[table])}, batch_id FROM {new} "
+                                 f"ORDER BY batch_id DESC LIMIT {KEYS_KEPT}").fetchall()
+            if newest:
+                columns = list(zip(*newest))
+                keys = Table({"key": record_keys(table, columns[:-1]), "batch_id": columns[-1]},
+                             {"key": UINT64, "batch_id": UINT64})
+                with registered(con, "migrated_keys", keys) as view:
+                    con.execute(f"INSERT OR IGNORE INTO recent_keys SELECT key, batch_id FROM {view}")
+            con.execute(f"DROP TABLE {table}")
+            con.execute(f"ALTER TABLE {new} RENAME TO {table}")
+        log.warning("%s rebuilt in %.1f s", table, time.monotonic() - started)
 
 

@@ -35,6 +35,7 @@ an OTLP retry of an acknowledged request stores nothing twice.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import datetime as dt
 import logging
@@ -51,11 +52,11 @@ import duckdb
 from ..errors import StoreUnavailable
 from ..ingest.batches import LogBatch, SpanBatch
 from ..metrics import Metrics
-from .arrow import UINT32, Table
+from .arrow import UINT32, UINT64, Table
 from .files import ATTACHED, ROW_GROUP_SIZE, attach_sql, connect, file_fault, first_line, unreadable
 from .pacing import Pacing
-from .schema import LOG_ARROW, SPAN_ARROW, create_schema
-from .transactions import Committed, Transaction, one, registered
+from .schema import KEY_IDS, KEYS_KEPT, LOG_ARROW, SPAN_ARROW, create_schema, record_keys
+from .transactions import Committed, Transaction, by_keys, registered
 
 log = logging.getLogger("tracejudge.store")
 
@@ -88,8 +89,9 @@ class Store:
 
     def __init__(self, path: Path, *, memory_limit: str = "128MB", max_queue_spans: int = 200_000,
                  max_batch_spans: int = 8192, retry_after: float = 1.0, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, keys_kept: int = KEYS_KEPT) -> None:
         self.path = path
+        self.keys_kept = keys_kept  # the newest records a retry of which stores nothing (``recent_keys``)
         self.clock = clock  # the arrival time of each commit (``received_at``)
         self.memory_limit = memory_limit
         self.max_queue = max_queue_spans
@@ -111,6 +113,10 @@ class Store:
         self._broken: str | None = None
         self._invalid = False  # DuckDB invalidated the attached file: attach it again before writing
         self._taken: list[_Item] = []  # what the writer is committing now
+        # The commits whose records' keys ``recent_keys`` holds, oldest first: (commit, keys).
+        self._keys: collections.deque[tuple[int, int]] = collections.deque()
+        self._keys_total = 0
+        self._keys_added = 0  # keys the commit being written adds
 
     # ------------------------------------------------------------ lifecycle
 
@@ -125,6 +131,9 @@ class Store:
         try:
             create_schema(con)
             self._batch_id = self._last_batch(con)
+            self._keys = collections.deque(
+                con.execute("SELECT batch_id, count(*) FROM recent_keys GROUP BY batch_id ORDER BY batch_id").fetchall())
+            self._keys_total = sum(n for _, n in self._keys)
             self._admin = con.cursor()  # its catalog is the in-memory one, never the file
         except duckdb.Error as exc:
             con.close()
@@ -301,9 +310,11 @@ class Store:
         started = time.perf_counter()
         con = self._con
         try:
+            self._keys_added = 0
             with Transaction(con):
                 stored_spans = self._insert(con, "span_records", spans, SPAN_ARROW, stamp)
                 stored_logs = self._insert(con, "log_records", logs, LOG_ARROW, stamp)
+                pruned = self._prune_keys(con)
         except duckdb.FatalException:
             raise  # the whole DuckDB instance is gone: only a restart helps
         except Exception as exc:  # a failed commit fails every request in it, retryably
@@ -317,6 +328,7 @@ class Store:
             self._finish(items, exc=StoreUnavailable(f"storage commit failed: {exc}", retry_after=5.0,
                                                      reason="storage_error"))
             return
+        self._kept_keys(pruned)
         if self._failure is not None:
             log.warning("storage commits again (after: %s)", self._failure)
             self._failure = None
@@ -333,19 +345,56 @@ class Store:
 
     def _insert(self, con: duckdb.DuckDBPyConnection, table: str, batch: SpanBatch | LogBatch,
                 types: dict[str, Any], stamp: dt.datetime) -> int:
+        """Store the records of ``batch`` that are not retries of kept ones (``recent_keys``), each once."""
         if not len(batch):
             return 0
         columns: dict[str, Any] = dict(zip(types, batch.columns))
+        keys = record_keys(table, [columns[c] for c in KEY_IDS[table]])
+        seen = {k for (k,) in by_keys(con, "SELECT key FROM recent_keys WHERE key IN {keys}", keys)}
+        if seen or len(set(keys)) < len(keys):  # a retry, or one record twice in the commit: the first only
+            keep = []
+            for i, k in enumerate(keys):
+                if k not in seen:
+                    seen.add(k)
+                    keep.append(i)
+            columns = {c: [v[i] for i in keep] for c, v in columns.items()}
+            keys = [keys[i] for i in keep]
+            if not keys:
+                return 0
         if table == "log_records":
-            columns["seq"] = range(len(batch))
-        arrow = Table(columns, {**types, "seq": UINT32})
-        with registered(con, f"incoming_{table}", arrow) as view:
-            row = one(con.execute(
-                f"INSERT OR IGNORE INTO {table} BY NAME SELECT *, ?::TIMESTAMPTZ AS received_at, ? AS batch_id "
-                f"FROM {view}",
-                [stamp, self._batch_id],
-            ))
-        return int(row[0]) if row else 0
+            columns["seq"] = range(len(keys))
+        with registered(con, f"incoming_{table}", Table(columns, {**types, "seq": UINT32})) as view:
+            con.execute(f"INSERT INTO {table} BY NAME SELECT *, ?::TIMESTAMPTZ AS received_at, ? AS batch_id "
+                        f"FROM {view}", [stamp, self._batch_id]).fetchall()
+        with registered(con, "incoming_keys", Table({"key": keys}, {"key": UINT64})) as view:
+            con.execute(f"INSERT INTO recent_keys SELECT key, ? FROM {view}", [self._batch_id]).fetchall()
+        self._keys_added += len(keys)
+        return len(keys)
+
+    def _prune_keys(self, con: duckdb.DuckDBPyConnection) -> int:
+        """Delete the oldest commits' keys down to ``keys_kept`` once there are a tenth more (one delete
+        every 50,000 records by default); how many commits' keys went (``_kept_keys`` takes them off
+        once the transaction commits)."""
+        extra = self._keys_total + self._keys_added - self.keys_kept
+        if extra <= self.keys_kept // 10:
+            return 0
+        dropped, commits, last = 0, 0, 0
+        for batch_id, count in self._keys:  # oldest first
+            if dropped + count > extra:
+                break
+            dropped, commits, last = dropped + count, commits + 1, batch_id
+        if commits:
+            con.execute("DELETE FROM recent_keys WHERE batch_id <= ?", [last]).fetchall()
+        return commits
+
+    def _kept_keys(self, pruned: int) -> None:
+        """After a commit: its keys are kept, the ``pruned`` oldest commits' are not."""
+        for _ in range(pruned):
+            self._keys_total -= self._keys.popleft()[1]
+        if self._keys_added:
+            self._keys.append((self._batch_id, self._keys_added))
+            self._keys_total += self._keys_added
+        self._keys_added = 0
 
     def _finish(self, items: list[_Item], exc: Exception | None = None) -> None:
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import random
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -11,9 +12,10 @@ import duckdb
 import pytest
 
 from collector.errors import StoreUnavailable
-from collector.ingest.batches import SPAN_COLUMNS, SpanBatch
+from collector.ingest.batches import LOG_COLUMNS, SPAN_COLUMNS, LogBatch, SpanBatch
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Committed, Store
+from collector.store.schema import LOG_TABLE, SPAN_TABLE
 from collector.store.transactions import one
 
 from ..support.daemon import REPO, wait_until
@@ -165,3 +167,123 @@ def test_no_module_leaves_a_duckdb_result_open_with_fetchone() -> None:
                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and node.func.attr == "fetchone"]
     assert not found, found
+
+
+def logs(n: int, seed: int) -> LogBatch:
+    batch = LogBatch()
+    for i in range(n):
+        row = {c: None for c in LOG_COLUMNS}
+        row.update(log_id=f"log-{seed}-{i}", trace_id=f"{seed:032x}", body='"hello"', attributes="{}")
+        for column, value in zip(batch.columns, (row[c] for c in LOG_COLUMNS)):
+            column.append(value)
+    return batch
+
+
+def count(store: Store, sql: str) -> int:
+    cur = store.cursor()
+    try:
+        row = one(cur.execute(sql))
+        return int(row[0]) if row else 0
+    finally:
+        cur.close()
+
+
+def test_retries_of_recent_records_store_nothing_and_of_older_ones_store_them_again(tmp_path: Path) -> None:
+    """Only the newest ``keys_kept`` records are recognised: a retry from before them is stored a second time
+    (the transcript still has each message once: a rebuild takes one copy of a span)."""
+    store = Store(tmp_path / "t.duckdb", keys_kept=1000)
+    store.open()
+
+    def send(span_rows: SpanBatch | None, log_rows: LogBatch | None = None) -> tuple[int, int]:
+        """What the commit stored."""
+        before = (count(store, "SELECT count(*) FROM span_records"), count(store, "SELECT count(*) FROM log_records"))
+        store.submit(span_rows, log_rows).result(timeout=60)
+        return (count(store, "SELECT count(*) FROM span_records") - before[0],
+                count(store, "SELECT count(*) FROM log_records") - before[1])
+
+    try:
+        first, first_logs = spans(64, 1), logs(16, 1)
+        assert send(first, first_logs) == (64, 16)
+        assert send(first, first_logs) == (0, 0)  # an OTLP retry
+        twice = spans(32, 2)
+        twice.extend(spans(32, 2))  # one span twice in a commit: the first is stored
+        assert send(twice) == (32, 0)
+        for seed in range(3, 40):  # 1,184 newer spans: the first request's keys are deleted
+            assert send(spans(32, seed)) == (32, 0)
+        assert count(store, "SELECT count(*) FROM recent_keys") <= 1000 + 100
+        assert send(first, first_logs) == (64, 16)  # spans and logs: their commit's keys went at once
+    finally:
+        store.close()
+
+
+def random_spans(n: int, rnd: random.Random) -> SpanBatch:
+    """Spans with random ids, as real tracers make them (an index on them is touched all over by each commit)."""
+    batch = SpanBatch()
+    made = {"trace_id": lambda: f"{rnd.getrandbits(128):032x}", "span_id": lambda: f"{rnd.getrandbits(64):016x}",
+            "name": lambda: "chat", "attributes": lambda: "{}", "kind": lambda: 1}
+    for column, name in zip(batch.columns, SPAN_COLUMNS):
+        make = made.get(name)
+        column.extend(make() if make else None for _ in range(n))
+    return batch
+
+
+def test_a_store_of_many_spans_holds_no_index_of_them_in_duckdbs_memory(tmp_path: Path) -> None:
+    """A primary key on the spans held its whole index in DuckDB's memory while rows went in: at 16 MB
+    commits failed from 20,000 spans on (at 32 MB from 150,000). Only the newest records' keys are held now."""
+    store = Store(tmp_path / "t.duckdb", memory_limit="16MB", keys_kept=20_000)
+    store.open()
+    rnd = random.Random(1)
+    try:
+        for _ in range(80):
+            store.submit(random_spans(5000, rnd)).result(timeout=120)
+        assert store.failure is None
+        assert stored(store) == 400_000
+        assert count(store, "SELECT count(*) FROM recent_keys") <= 22_000
+    finally:
+        store.close()
+
+
+def test_a_file_whose_span_and_log_tables_have_keys_is_rebuilt_without_them(tmp_path: Path) -> None:
+    """Files written before ``recent_keys``: the tables are rebuilt once, in the order stored, and a
+    retry of their newest records still stores nothing."""
+    path = tmp_path / "t.duckdb"
+    store = Store(path)
+    store.open()
+    batches = [(spans(40, seed), logs(8, seed)) for seed in range(1, 6)]
+    for span_rows, log_rows in batches:
+        store.submit(span_rows, log_rows).result(timeout=60)
+    before = {t: store.cursor().execute(f"SELECT * FROM {t} ORDER BY batch_id").fetchall()
+              for t in ("span_records", "log_records")}
+    store.close()
+    con = duckdb.connect(str(path))  # as an older version made them: keyed, and no recent_keys
+    for table, ddl, key in (("span_records", SPAN_TABLE, "trace_id, span_id"), ("log_records", LOG_TABLE, "log_id")):
+        con.execute(ddl.format(name="keyed").replace("batch_id UBIGINT NOT NULL\n)",
+                                                     f"batch_id UBIGINT NOT NULL, PRIMARY KEY ({key}))"))
+        con.execute(f"INSERT INTO keyed BY NAME SELECT * EXCLUDE (seq) FROM {table}" if table == "log_records"
+                    else f"INSERT INTO keyed SELECT * FROM {table}")
+        if table == "log_records":
+            con.execute("ALTER TABLE keyed ADD COLUMN seq UINTEGER")
+            con.execute("UPDATE keyed SET seq = l.seq FROM log_records l WHERE l.log_id = keyed.log_id")
+        con.execute(f"DROP TABLE {table}")
+        con.execute(f"ALTER TABLE keyed RENAME TO {table}")
+    con.execute("DROP TABLE recent_keys")
+    assert con.execute("SELECT count(*) FROM duckdb_constraints() WHERE constraint_type = 'PRIMARY KEY' "
+                       "AND table_name IN ('span_records', 'log_records')").fetchall() == [(2,)]
+    con.close()
+
+    store = Store(path)
+    store.open()
+    try:
+        cur = store.cursor()
+        assert cur.execute("SELECT count(*) FROM duckdb_constraints() WHERE constraint_type = 'PRIMARY KEY' "
+                           "AND table_name IN ('span_records', 'log_records')").fetchall() == [(0,)]
+        for table, rows in before.items():
+            assert cur.execute(f"SELECT * FROM {table} ORDER BY batch_id").fetchall() == rows
+        cur.close()
+        span_rows, log_rows = batches[-1]
+        store.submit(span_rows, log_rows).result(timeout=60)
+        store.submit(spans(8, 99)).result(timeout=60)
+        assert count(store, "SELECT count(*) FROM span_records") == len(before["span_records"]) + 8
+        assert count(store, "SELECT count(*) FROM log_records") == len(before["log_records"])
+    finally:
+        store.close()
