@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hashlib
 import json
 import os
 import statistics
@@ -105,6 +106,10 @@ def _template() -> Any:
     return template
 
 
+def _random_id(size: int, *parts: int) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=size).digest()
+
+
 def make_requests(total_spans: int, first: int = 0) -> list[bytes]:
     """Distinct ExportTraceServiceRequest bodies of 512 spans each (``first``: the number of the first
     request, so that later steps of a run send new traces)."""
@@ -115,9 +120,11 @@ def make_requests(total_spans: int, first: int = 0) -> list[bytes]:
     for r in range(first, first + n_requests):
         for i, sp in enumerate(spans):
             turn = i // 4
-            sp.trace_id = r.to_bytes(8, "big") + (turn + 1).to_bytes(8, "big")
-            sp.span_id = (r * SPANS_PER_REQUEST + i + 1).to_bytes(8, "big")
-            sp.parent_span_id = b"" if i % 4 == 0 else (r * SPANS_PER_REQUEST + turn * 4 + 1).to_bytes(8, "big")
+            # Random ids, as tracers make them (the same in every run): sequential ones fill an index on
+            # them along one edge, and hid what random ones cost DuckDB's memory.
+            sp.trace_id = _random_id(16, r, turn)
+            sp.span_id = _random_id(8, r, i)
+            sp.parent_span_id = b"" if i % 4 == 0 else _random_id(8, r, turn * 4)
             if i % 4 == 0:  # each conversation: four turns, one per request of four in a row
                 sp.attributes[2].value.string_value = f"conv-{r // 4:05d}-{turn:03d}"
         bodies.append(template.SerializeToString())

@@ -116,7 +116,8 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
         rows.append({
             "t": now - start, "spans stored": m["spans stored"], "rss": m["rss"],
             "peak rss": ingest.peak_rss_mb(pid), "pss": ingest.pss_mb(pid), "peak pss": peak_pss,
-            "at peak: daemon": peak_daemon, "at peak: children": peak_pss - peak_daemon, "duckdb": m["duckdb total"], "outside duckdb": m["outside duckdb"],
+            "at peak: daemon": peak_daemon, "at peak: children": peak_pss - peak_daemon, "duckdb": m["duckdb total"],
+            "duckdb index": m.get("duckdb ART_INDEX", 0.0), "outside duckdb": m["outside duckdb"],
             "stage process": m.get("stage process", 0.0),
             "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
             "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
