@@ -188,7 +188,7 @@ def file_blocks(path: Path) -> str:
 
 
 def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
-    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
+    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
     print(f"\n{'interval end (s)':18}" + "".join(f"{r['t']:>12.0f}" for r in rows))
