@@ -22,9 +22,10 @@ from .transactions import Transaction, registered
 log = logging.getLogger("tracejudge.store")
 
 # The newest records whose keys are kept (``recent_keys``): a retry of one of them stores nothing twice.
-# Their index holds about 40 bytes a key in DuckDB's memory (20 MB here), however large the file; at
-# 10,000 spans/s they are the last 50 s of records, at 1,000 spans/s the last 8 minutes.
-KEYS_KEPT = 500_000
+# Their index holds about 40 bytes a key in DuckDB's memory (8 MB here), however large the file; at
+# 10,000 spans/s they are the last 20 s of records (a retry after a lost ack comes about 10 s after the
+# request: the exporters' timeout), at 1,000 spans/s the last 3 minutes.
+KEYS_KEPT = 200_000
 
 # Which conversation a trace belongs to (also created in the schema a reindex builds in), and the
 # first and last commits holding its rows: a read of them skips every row group outside (rows are
