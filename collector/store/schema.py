@@ -40,9 +40,9 @@ ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
 ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS last_batch UBIGINT;"""
 
 # The span and log tables have no key: a key's index stays in DuckDB's memory whole while rows go in
-# (random ids touch all of it), so a file of 1.5 million spans filled the default memory limit and
-# every commit failed. A retried record is recognised by ``RECENT_KEYS`` instead: the hash of its
-# ids, for the newest records only (``Store._insert``).
+# (random ids touch all of it), so at the default memory limit commits failed from about 600,000
+# stored spans (a soak at 6,000 spans/s). A retried record is recognised by ``RECENT_KEYS`` instead:
+# the hash of its ids, for the newest records only (``Store._insert``).
 SPAN_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
     trace_id VARCHAR NOT NULL,
     span_id VARCHAR NOT NULL,
@@ -68,6 +68,7 @@ SPAN_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
     received_at TIMESTAMPTZ NOT NULL,
     batch_id UBIGINT NOT NULL
 )"""
+# ``seq``: a log record's place in its commit (records of one call often share a timestamp).
 LOG_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
     log_id VARCHAR NOT NULL,
     trace_id VARCHAR,
@@ -86,17 +87,17 @@ LOG_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
     scope_version VARCHAR,
     service VARCHAR,
     received_at TIMESTAMPTZ NOT NULL,
-    batch_id UBIGINT NOT NULL
+    batch_id UBIGINT NOT NULL,
+    seq UINTEGER
 )"""
-# The key (``record_key``) of each of the newest span and log records and the commit that stored it.
+# The key (``record_keys``) of each of the newest span and log records and the commit that stored it.
 RECENT_KEYS = "CREATE TABLE IF NOT EXISTS recent_keys (key UBIGINT PRIMARY KEY, batch_id UBIGINT NOT NULL)"
 
 SCHEMA = """
 {SPAN_TABLE};
 {LOG_TABLE};
 {RECENT_KEYS};
--- A record's place in its commit: records of one call often share a timestamp, and
--- INSERT OR IGNORE does not store rows in the order given. Added to older files.
+-- Added to older files.
 ALTER TABLE log_records ADD COLUMN IF NOT EXISTS seq UINTEGER;
 -- JSON columns are stored as VARCHAR (we write valid JSON; DuckDB's JSON type
 -- would parse every value again on insert, halving throughput) and typed JSON
@@ -191,8 +192,6 @@ def _drop_record_keys(con: duckdb.DuckDBPyConnection) -> None:
         with Transaction(con):
             con.execute(f"DROP TABLE IF EXISTS {new}")
             con.execute(ddl.format(name=new))
-            if table == "log_records":
-                con.execute(f"ALTER TABLE {new} ADD COLUMN IF NOT EXISTS seq UINTEGER")
             con.execute(f"INSERT INTO {new} BY NAME SELECT * FROM {table}")  # in the order stored
             newest = con.execute(f"SELECT {', '.join(KEY_IDS[table])}, batch_id FROM {new} "
                                  f"ORDER BY batch_id DESC LIMIT {KEYS_KEPT}").fetchall()
