@@ -277,25 +277,26 @@ class Sender:
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             return self._retry(items, "connection", what)
         if 200 <= status < 300:
-            await self._on_thread(self.queue.remove, items)
-            self._alone.difference_update(i.seq for i in items)
+            # Counted before the queue shrinks, so whoever sees an empty queue also sees them sent.
             self.sent.inc(len(items), exporter=self.name, signal=signal)
             self.status.counts["sent"] += len(items)
             self.status.counts["resent_after_restart"] += resent
             self.status.last_sent_at, self.status.last_error = time.time(), None
+            await self._on_thread(self.queue.remove, items)
+            self._alone.difference_update(i.seq for i in items)
             return None
         if status in (408, 429) or status >= 500:
             return self._retry(items, f"http_{status}", f"answered {status}", _retry_after(retry_after))
         if len(items) > 1:  # find the one refused: each is sent alone
             self._alone.update(i.seq for i in items)
             return None
-        await self._on_thread(self.queue.remove, items)
-        self._alone.discard(items[0].seq)
         self.dropped.inc(exporter=self.name, reason=f"http_{status}")
         self.status.counts["dropped"] += 1
         self.status.last_error = f"answered {status}: a permanent refusal, the request was dropped"
         log.warning("exporter %s: %s answered %d for a %s request of %d bytes: dropped, not retried",
                     self.name, self.urls[signal], status, signal, size)
+        await self._on_thread(self.queue.remove, items)
+        self._alone.discard(items[0].seq)
         return None
 
     def _retry(self, items: list[Item], reason: str, what: str, delay: float = 0.0) -> float:
