@@ -231,7 +231,7 @@ class Retention(Stage):
         if upto <= done:
             return False
         hi = min(upto, done + CHUNK_COMMITS)
-        mapped = "EXISTS (SELECT 1 FROM trace_conversations t WHERE t.trace_id = {0}.trace_id)"
+        mapped = "EXISTS (SELECT 1 FROM trace_map t WHERE t.trace_id = {0}.trace_id)"
         with Transaction(cur):
             n = {}
             for table in _TABLES:
@@ -279,8 +279,8 @@ class Retention(Stage):
                 cur.execute("DELETE FROM review_history WHERE item_id IN (SELECT id FROM review_items "
                             "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))", [ids])
                 cur.execute("DELETE FROM review_items WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
-            cur.execute("DELETE FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
-                        [ids])
+            for table in ("trace_conversations", "trace_archive"):
+                cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
             # A conversation the conversation stage reopens meanwhile makes this commit conflict:
             # all of it rolls back, and the next sweep finds it open.
             [(gone,)] = cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
@@ -307,7 +307,7 @@ class Retention(Stage):
         for table in _TABLES:
             [(found,)] = cur.execute(
                 f"DELETE FROM {table} WHERE received_at <= ? AND batch_id BETWEEN ? AND ?{within} AND trace_id IN ("
-                "SELECT trace_id FROM trace_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
+                "SELECT trace_id FROM trace_map WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
                 [newest + dt.timedelta(seconds=1), since, mark, *bounds, conversations]).fetchall()
             out.append(int(found))
         return out[0], out[1]

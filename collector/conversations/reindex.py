@@ -6,7 +6,7 @@ or a stop cut off) -> ``run(stop)`` (rebuilds, a chunk of traces at a time) ->
 a thread of its own, and the live stage runs the swap (``Conversations.swap``).
 
 It builds in a schema of its own (``reindex``: its own ``conversations``,
-``messages``, ``trace_conversations``), with a conversation stage opened there:
+``messages`` and trace map), with a conversation stage opened there:
 the same code as the live stage, reading the rows of the main schema. Traces go
 in the order of their last commit, each chunk committed with how far it got,
 so memory stays bounded (conversations idle by the data's own arrival times end
@@ -50,7 +50,7 @@ log = logging.getLogger("tracejudge.reindex")
 SCHEMA = "reindex"
 LAYOUT = "traces-v3"  # reindex_traces with each trace's first and last commits
 CHUNK = 500  # traces rebuilt and committed together
-_REBUILT = ("conversations", "messages", "trace_conversations")
+_REBUILT = ("conversations", "messages", "trace_conversations", "trace_archive")
 
 
 @dataclass
@@ -218,7 +218,7 @@ class Reindex:
                     "WHERE batch_id <= ? AND trace_id IS NOT NULL) GROUP BY trace_id)", [upto, upto])
                 # A conversation with a trace whose rows are gone cannot be rebuilt whole.
                 shadow.execute(
-                    "CREATE TEMP TABLE reindex_kept AS SELECT DISTINCT conversation_id FROM main.trace_conversations t "
+                    "CREATE TEMP TABLE reindex_kept AS SELECT DISTINCT conversation_id FROM main.trace_map t "
                     "WHERE NOT EXISTS (SELECT 1 FROM main.span_records s WHERE s.trace_id = t.trace_id) "
                     "AND NOT EXISTS (SELECT 1 FROM main.log_records l WHERE l.trace_id = t.trace_id)")
                 for table in _REBUILT:

@@ -53,7 +53,7 @@ from .endings import ended_by_rule, idle
 from .keys import conversation_key
 from .record import stored_transcript
 from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
-from .tables import SCHEMA
+from .tables import SCHEMA, TRACES_KEPT
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
 from .writes import ConversationRow, Writes, message_rows
@@ -89,7 +89,7 @@ class Conversations(Stage):
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
                  rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
-                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP) -> None:
+                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP, traces_kept: int = TRACES_KEPT) -> None:
         super().__init__(store, metrics or Metrics())
         self.settings = settings
         self.clock = clock
@@ -115,7 +115,8 @@ class Conversations(Stage):
         self._hurry = False  # someone waits for this cycle (tests): no pauses
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
-        self._writes = Writes()
+        self.traces_kept = traces_kept  # keyed in the trace map (``archive_traces``)
+        self._writes = Writes(traces_kept=traces_kept)
         self._leaving: list[Tracked] = []  # ended with the writes not sent yet (``_write``)
         self._unranged: set[str] = set()  # traces read this cycle with no commits stored for them
         # The newest commit among the rows taken in: with the batch mark, where messages are written
@@ -286,7 +287,7 @@ class Conversations(Stage):
         self._rows_written.clear()
         self._dirty.clear()
         self._since.clear()
-        self._writes = Writes()
+        self._writes = Writes(traces_kept=self.traces_kept)
         self._leaving.clear()
         self._memos.clear()
         self._memo_rows = 0
@@ -498,6 +499,11 @@ class Conversations(Stage):
                     self._dirty.setdefault(old, now)
                     self._since.setdefault(old, first)
                 self.map.move(tid, cid)
+            if old is None and tid in conv.traces:
+                # Back after the trace map forgot it (``archive_traces``): its older rows are in its
+                # conversation's commits, and the cache holds only the new ones.
+                self.rows.drop([tid])
+                trace_batches[tid] = (conv.first_batch, trace_batches[tid][1])
             # Each touched trace's commits, as they are now (``_batches`` reads them back).
             self._writes.traces[tid] = (cid, *trace_batches[tid])
             b = trace_batches[tid][0]
@@ -687,7 +693,7 @@ class Conversations(Stage):
             if behind is None:
                 self._writes.flush(self._db(), self._safe_batch())
             else:
-                writes, self._writes = self._writes, Writes()
+                writes, self._writes = self._writes, Writes(traces_kept=self.traces_kept)
                 behind(writes, self._safe_batch())
         finally:
             self.rows.release()
@@ -719,7 +725,7 @@ class Conversations(Stage):
             ids = [c.id for c in part]
             within, bounds = conversations_filter(cur, ids)
             ends = dict(cur.execute(
-                "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_conversations t "
+                "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_map t "
                 "JOIN span_records s USING (trace_id) WHERE t.conversation_id IN (SELECT unnest(?::VARCHAR[])) "
                 f"AND s.end_time_unix_nano > 0 AND s.batch_id >= ?{within} GROUP BY 1",
                 [ids, part[0].first_batch or 0, *bounds]).fetchall())

@@ -84,6 +84,11 @@ MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "t
                    "span_id", "source", "truncated", "first_batch")
 # ``trace_conversations`` (created with the store's tables: its views join it)
 TRACE_MAP_COLUMNS = ("trace_id", "conversation_id", "first_batch", "last_batch")
+# Traces keyed in ``trace_conversations`` (``TRACE_MAP`` in the store's schema says why), about 14-17 MB of
+# index (``archive_traces`` moves a quarter more at a time): at 1,000 traces/s (10,000 spans/s) the last
+# 3 minutes of traces, at 10 a second the last 5 hours. An open conversation's traces are known however
+# old: the stage holds them.
+TRACES_KEPT = 200_000
 
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",

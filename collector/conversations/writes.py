@@ -23,8 +23,8 @@ import duckdb
 import orjson
 
 from ..store import Transaction, insert_rows
-from ..store.transactions import by_keys
-from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS
+from ..store.transactions import by_keys, one
+from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS, TRACES_KEPT
 from .tracemap import Tracked
 from .transcript import Transcript
 
@@ -151,6 +151,7 @@ class Writes:
     deleted: set[str] = field(default_factory=set)
     # trace -> (its conversation, the first and last commits with its rows)
     traces: dict[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
+    traces_kept: int = TRACES_KEPT  # keyed in ``trace_conversations``; older ones go to ``trace_archive``
 
     def __len__(self) -> int:
         """Conversations waiting to be written or deleted."""
@@ -173,6 +174,7 @@ class Writes:
                                 [sorted(self.deleted)])
                 insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", TRACE_MAP_COLUMNS,
                             [(t, *where) for t, where in self.traces.items()])
+                archive_traces(cur, self.traces_kept)
                 insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
                             [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
                 insert_rows(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
@@ -181,3 +183,25 @@ class Writes:
         finally:
             self.conversations, self.messages = {}, {}
             self.replace, self.deleted, self.traces = set(), set(), {}
+
+
+def archive_traces(cur: duckdb.DuckDBPyConnection, kept: int) -> None:
+    """Keep at most ``kept`` traces keyed in ``trace_conversations`` (and a quarter more between moves):
+    past that, those with the oldest last commits move to ``trace_archive`` (``TRACE_MAP`` says why).
+
+    A trace back after the map forgot it has a keyed row and an archived one (views take the keyed
+    one); its archived row goes when the new one moves. Finding it reads the archive's trace ids, so
+    moves come a quarter of ``kept`` at a time: a quarter of a second per move at 10 million archived.
+    """
+    count = one(cur.execute("SELECT count(*) FROM trace_conversations"))
+    if not count or count[0] <= kept + kept // 4:
+        return
+    cutoff = one(cur.execute("SELECT coalesce(last_batch, 0) FROM trace_conversations "
+                             "ORDER BY last_batch DESC NULLS LAST LIMIT 1 OFFSET ?", [kept]))
+    moved = "last_batch IS NULL OR last_batch <= ?"
+    columns = ", ".join(TRACE_MAP_COLUMNS)
+    cur.execute(f"DELETE FROM trace_archive WHERE trace_id IN (SELECT trace_id FROM trace_conversations WHERE {moved})",
+                [cutoff[0]])
+    cur.execute(f"INSERT INTO trace_archive ({columns}) SELECT {columns} FROM trace_conversations WHERE {moved}",
+                [cutoff[0]])
+    cur.execute(f"DELETE FROM trace_conversations WHERE {moved}", [cutoff[0]])

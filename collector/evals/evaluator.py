@@ -108,10 +108,11 @@ def conversation_facts(cur: duckdb.DuckDBPyConnection, row: dict[str, Any], keys
     has_error = False
     trace_ids = orjson.loads(row["trace_ids"] or "[]")
     if (keys or status) and trace_ids:
-        # Within the commits that hold the traces' rows (the trace map's ranges, looked up by key): the
-        # read then costs what the conversation holds, not what the table holds.
+        # Within the commits that hold the traces' rows (the trace map's ranges, looked up by key; for a
+        # trace no longer keyed, the conversation's commits): the read then costs what the conversation
+        # holds, not what the table holds.
         stored = trace_batches(cur, trace_ids)
-        within, bounds = batch_filter([stored.get(t, (None, None)) for t in trace_ids])
+        within, bounds = batch_filter([stored.get(t, (row.get("first_batch"), None)) for t in trace_ids])
         for attrs, resource, code in cur.execute(
                 "SELECT attributes, resource, status_code FROM span_records WHERE trace_id IN (SELECT unnest(?))"
                 + within, [trace_ids, *bounds]).fetchall():
@@ -362,13 +363,13 @@ class Evaluator(Stage):
         now = self.clock()
         since, after = self._mark
         cols = ("conversation_id", "updated_at", "revision", "transcript_hash", "ended_by", "service", "models",
-                "user_turns", "trace_ids", "decided", "probability", "rule")
+                "user_turns", "trace_ids", "decided", "probability", "rule", "first_batch")
         # Only rows that need something: no decision yet, or sampled and not judged at this revision.
         # Those queued or being judged are left out, so they cannot fill every page.
         rows = cur.execute(
             "SELECT c.conversation_id, c.updated_at, c.revision, c.transcript_hash, c.ended_by, c.service, "
-            "c.models, c.user_turns, c.trace_ids, s.conversation_id IS NOT NULL, s.probability, s.rule "
-            "FROM conversations c "
+            "c.models, c.user_turns, c.trace_ids, s.conversation_id IS NOT NULL, s.probability, s.rule, "
+            "c.first_batch FROM conversations c "
             "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
             "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
             "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "

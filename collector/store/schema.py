@@ -27,9 +27,17 @@ log = logging.getLogger("tracejudge.store")
 # request: the exporters' timeout), at 1,000 spans/s the last 3 minutes.
 KEYS_KEPT = 200_000
 
-# Which conversation a trace belongs to (also created in the schema a reindex builds in), and the
-# first and last commits holding its rows: a read of them skips every row group outside (rows are
-# stored in commit order). Added to older files, NULL there until the trace's conversation is rebuilt.
+# Which conversation a trace belongs to, and the first and last commits holding its rows: a read of
+# them skips every row group outside (rows are stored in commit order). NULL commits: stored by an
+# older version, until the trace's conversation is rebuilt.
+#
+# Only the newest traces (``TRACES_KEPT``, by last commit) are keyed, in ``trace_conversations``: a key's
+# index stays whole in DuckDB's memory while random trace ids go in, about 70 bytes a trace, so a map
+# of every trace kept for months would fill it. Older traces move to ``trace_archive``, which has no
+# key (``archive_traces``); ``trace_map`` shows both. The stage looks a trace up among the keyed ones and
+# the conversations it holds in memory (every open one): a trace that comes back once both have
+# forgotten it is taken as new (``Conversations._touch``), and where it is in both, the keyed row wins.
+# Also created in the schema a reindex builds in.
 TRACE_MAP = """CREATE TABLE IF NOT EXISTS trace_conversations (
     trace_id VARCHAR PRIMARY KEY,
     conversation_id VARCHAR NOT NULL,
@@ -37,7 +45,17 @@ TRACE_MAP = """CREATE TABLE IF NOT EXISTS trace_conversations (
     last_batch UBIGINT
 );
 ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
-ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS last_batch UBIGINT;"""
+ALTER TABLE trace_conversations ADD COLUMN IF NOT EXISTS last_batch UBIGINT;
+CREATE TABLE IF NOT EXISTS trace_archive (
+    trace_id VARCHAR NOT NULL,
+    conversation_id VARCHAR NOT NULL,
+    first_batch UBIGINT,
+    last_batch UBIGINT
+);
+CREATE OR REPLACE VIEW trace_map AS
+SELECT trace_id, conversation_id, first_batch, last_batch FROM trace_conversations
+UNION ALL SELECT a.trace_id, a.conversation_id, a.first_batch, a.last_batch FROM trace_archive a
+WHERE NOT EXISTS (SELECT 1 FROM trace_conversations k WHERE k.trace_id = a.trace_id);"""
 
 # The span and log tables have no key: a key's index stays in DuckDB's memory whole while rows go in
 # (random ids touch all of it), so at the default memory limit commits failed from about 600,000
@@ -115,7 +133,7 @@ SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kin
        s.service, s.trace_state, s.flags, s.dropped::JSON AS dropped, s.resource_schema_url,
        s.scope_attributes::JSON AS scope_attributes,
        s.start_time_unix_nano, s.end_time_unix_nano, s.received_at, s.batch_id
-FROM span_records s LEFT JOIN trace_conversations t USING (trace_id);
+FROM span_records s LEFT JOIN trace_map t USING (trace_id);
 CREATE OR REPLACE VIEW logs AS
 SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
        make_timestamp_ns(TRY_CAST(l.time_unix_nano AS BIGINT)) AS time,
@@ -123,7 +141,7 @@ SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
        l.resource::JSON AS resource,
        l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,
        l.time_unix_nano, l.observed_time_unix_nano, l.received_at, l.batch_id
-FROM log_records l LEFT JOIN trace_conversations t USING (trace_id);
+FROM log_records l LEFT JOIN trace_map t USING (trace_id);
 """.replace("{TRACE_MAP}", TRACE_MAP).replace("{SPAN_TABLE}", SPAN_TABLE.format(name="span_records")) \
     .replace("{LOG_TABLE}", LOG_TABLE.format(name="log_records")).replace("{RECENT_KEYS}", RECENT_KEYS)
 

@@ -201,8 +201,8 @@ def trace_batches(cur: Any, traces: Sequence[str]) -> dict[str, Batches]:
 
 
 def conversations_filter(cur: Any, conversations: Sequence[str]) -> tuple[str, list[int]]:
-    """``batch_filter`` over the commits of every trace of these conversations (``trace_conversations``)."""
-    return batch_filter(cur.execute("SELECT first_batch, last_batch FROM trace_conversations WHERE conversation_id "
+    """``batch_filter`` over the commits of every trace of these conversations (``trace_map``)."""
+    return batch_filter(cur.execute("SELECT first_batch, last_batch FROM trace_map WHERE conversation_id "
                                     "IN (SELECT unnest(?::VARCHAR[]))", [list(conversations)]).fetchall())
 
 

@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pytest
 
 from collector.config import Conversations as Settings
@@ -34,15 +35,17 @@ SETTINGS = Settings.model_validate({"end_rules": [{"attribute": "app.handover", 
 
 
 def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_spans: int = 10_000,
-            each: bool = False, remote: bool = False, each_row: bool = False) -> dict[str, list[tuple[Any, ...]]]:
+            each: bool = False, remote: bool = False, each_row: bool = False,
+            traces_kept: int = 200_000) -> dict[str, list[tuple[Any, ...]]]:
     """What the stage stored; with ``each`` it catches up after every request, not once at the end; with
     ``each_row`` every row is a commit of its own; with ``remote`` its statements go through a pipe to the daemon's side of the stage process, which runs
     them on the store (reads ahead, writes behind), as in the daemon."""
-    store = Store(tmp / f"{queued_only}-{cache_spans}-{remote}-{each_row}.duckdb")
+    store = Store(tmp / f"{queued_only}-{cache_spans}-{remote}-{each_row}-{traces_kept}.duckdb")
     store.open()
     served = Served(store, SETTINGS) if remote else None
     stage = Conversations(served.store if served else store, SETTINGS,  # type: ignore[arg-type]
-                          max_queued_commits=0 if queued_only else 1_000_000, cache_spans=cache_spans)
+                          max_queued_commits=0 if queued_only else 1_000_000, cache_spans=cache_spans,
+                          traces_kept=traces_kept)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
@@ -70,7 +73,7 @@ def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_
                     "input_tokens, output_tokens, trace_ids FROM conversations ORDER BY ALL").fetchall()],
                 # first_batch: where the rows were written, which follows the cycles
                 "messages": cur.execute("SELECT * EXCLUDE (\"at\", first_batch) FROM messages ORDER BY ALL").fetchall(),
-                "traces": cur.execute("SELECT * FROM trace_conversations ORDER BY ALL").fetchall(),
+                "traces": cur.execute("SELECT * FROM trace_map ORDER BY ALL").fetchall(),
             }
         finally:
             cur.close()
@@ -112,6 +115,22 @@ def test_commits_read_ahead_and_written_behind_rebuild_the_same_conversations(tm
     requests = list(fixture_requests(case))
     whole = rebuilt(tmp_path, requests, queued_only=False, each_row=True)
     assert rebuilt(tmp_path, requests, queued_only=True, cache_spans=8, remote=True, each_row=True) == whole
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_trace_map_keyed_for_no_trace_rebuilds_the_same_conversations(tmp_path: Path, case: str) -> None:
+    """With no trace kept keyed, every cycle moves the traces it wrote to the archive: the open
+    conversations the stage holds still find their traces, and the map (``trace_map``) is the same."""
+    requests = list(fixture_requests(case))
+    whole = rebuilt(tmp_path, requests, queued_only=False)
+    assert rebuilt(tmp_path, requests, queued_only=False, cache_spans=0, each=True, traces_kept=0) == whole
+    con = duckdb.connect(str(tmp_path / "False-0-False-False-0.duckdb"), read_only=True)
+    try:
+        keyed, archived = con.execute("SELECT (SELECT count(*) FROM trace_conversations), "
+                                      "(SELECT count(*) FROM trace_archive)").fetchall()[0]
+    finally:
+        con.close()
+    assert keyed == 0 and archived == len(whole["traces"]) > 0
 
 
 def test_log_records_sharing_a_timestamp_read_back_in_request_order(tmp_path: Path) -> None:
@@ -224,6 +243,43 @@ def test_late_rows_of_a_conversation_ended_in_a_backlog_join_it(tmp_path: Path, 
     assert (t1, "a") in traces
     # found in memory, ended once: read back from DuckDB before its end was stored, it began again, empty
     assert stage.metrics.conversations_ended.value(ended_by="handover") == 1
+
+
+@pytest.mark.parametrize("traces_kept", [0, 200_000])
+def test_a_trace_back_after_the_map_archived_it_keeps_its_older_messages(tmp_path: Path, traces_kept: int) -> None:
+    """A conversation ended and left memory, and its trace left the keyed map (``traces_kept=0``): a late
+    span of that trace with the conversation's id joins it, and the rebuild reads the trace's older rows
+    too, as it does while the map still has the trace. Every span is in ``spans`` once."""
+    store = Store(tmp_path / "back.duckdb")
+    store.open()
+    stage = Conversations(store, SETTINGS, traces_kept=traces_kept)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    try:
+        store.submit(spans=_chat_commit("a", 1, "where is my parcel?", "a person will help you",
+                                        handover=True)).result(30)
+        assert stage.wait_idle(60)
+        store.submit(spans=_chat_commit("b", 2, "hello", "hi")).result(30)
+        assert stage.wait_idle(60)
+        store.submit(spans=_chat_commit("a", 1, "are you there?", "yes, here", span_id=99)).result(30)
+        assert stage.wait_idle(60)
+    finally:
+        stage.stop()
+    cur = store.cursor()
+    try:
+        stored = cur.execute("SELECT conversation_id, state, user_turns, message_count FROM conversations "
+                             "ORDER BY 1").fetchall()
+        said = cur.execute("SELECT content FROM messages WHERE conversation_id = 'a' AND role = 'user' "
+                           "ORDER BY seq").fetchall()
+        spans = cur.execute("SELECT span_id, conversation_id FROM spans ORDER BY 1").fetchall()
+        archived = cur.execute("SELECT count(*) FROM trace_archive").fetchall()[0][0]
+    finally:
+        cur.close()
+        store.close()
+    assert stored[0][:3] == ("a", "ended", 2), stored
+    assert said == [("where is my parcel?",), ("are you there?",)]
+    assert [c for _, c in spans] == ["a", "b", "a"], spans
+    assert (archived > 0) == (traces_kept == 0)
 
 
 def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_them(tmp_path: Path) -> None:
