@@ -31,6 +31,12 @@ commit (its first trace is among the 200), read by ``RowCache.get``:
   within       each trace within its own first and last commits (``trace_conversations``), the ranges
                merged down to ``MAX_RANGES``
 
+the API's read of one recent trace (``/api/traces/{id}``):
+
+  api view     ``SELECT * FROM spans WHERE trace_id = ?``: every commit, as it read once spans lost their key
+  api placed   the trace's conversation and first commit from the keyed map
+               (``collector.store.transactions.trace_place``), then the view's rows from that commit on
+
 and the evaluator's read of one conversation's spans (its four most recent traces) for sampling rules that
 look at attributes or status, ``collector.evals.evaluator.conversation_facts``:
 
@@ -49,6 +55,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import duckdb
 
@@ -57,7 +64,8 @@ from collector.conversations.tables import SCHEMA
 from collector.conversations.writes import delete_messages
 from collector.evals.evaluator import conversation_facts
 from collector.store.schema import SCHEMA as STORE_SCHEMA
-from collector.store.transactions import by_keys
+from collector.store.schema import SPANS
+from collector.store.transactions import by_keys, trace_place
 
 INSERT_ROWS = 50_000  # rows per insert while filling: one bulk insert of millions would build the index in memory
 LOOKUP = 200
@@ -153,7 +161,8 @@ def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
     con.execute(STORE_SCHEMA)
     filled = 0
     print(f"\n{'spans':>10} {'from first ms':>14} {'within ms':>10} {'within / from first':>20} "
-          f"{'facts whole ms':>15} {'facts within ms':>16} {'within / whole':>14}")
+          f"{'facts whole ms':>15} {'facts within ms':>16} {'within / whole':>14} {'api view ms':>12} "
+          f"{'api placed ms':>13} {'placed / view':>13}")
     for size in steps:
         for lo in range(filled, size, INSERT_ROWS):
             con.execute("INSERT INTO span_records (trace_id, span_id, name, attributes, received_at, batch_id) "
@@ -185,8 +194,21 @@ def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
         con.executemany("INSERT INTO trace_conversations (trace_id, conversation_id, first_batch, last_batch) "
                         "VALUES (?, 'c', ?, ?)", [(t, *batches[ids[t]]) for t in recent])
         facts = best(lambda: conversation_facts(con, conversation, {"gen_ai.request.model"}, True), repeat=5)
+        # The API's read of one recent trace: the view, against the rows from its first commit on.
+        tid = recent[-1]
+        view = best(lambda: con.execute("SELECT * FROM spans WHERE trace_id = ?", [tid]).fetchall(), repeat=5)
+
+        def placed() -> list[Any]:
+            conversation_id, first = trace_place(con, tid)
+            one_trace = "(SELECT ?::VARCHAR AS trace_id, ?::VARCHAR AS conversation_id)"
+            return con.execute(f"SELECT * FROM ({SPANS.format(map=one_trace)}) WHERE trace_id = ? AND batch_id >= ?",
+                               [tid, conversation_id, tid, first]).fetchall()
+
+        assert len(placed()) == SPANS_PER_TRACE
+        api = best(placed, repeat=5)
         print(f"{size:>10,} {from_first:>14.1f} {within:>10.1f} {within / from_first:>20.2f} "
-              f"{whole:>15.1f} {facts:>16.1f} {facts / whole:>14.2f}", flush=True)
+              f"{whole:>15.1f} {facts:>16.1f} {facts / whole:>14.2f} {view:>12.1f} {api:>13.1f} "
+              f"{api / view:>13.2f}", flush=True)
 
 
 if __name__ == "__main__":

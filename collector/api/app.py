@@ -37,6 +37,8 @@ from ..review import page as review_page
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..store import Store
+from ..store.schema import LOGS, SPANS
+from ..store.transactions import trace_place
 from . import export
 from .errors import APIError, error_middleware
 from .guards import REVIEWER, HostCheck, host_check, html_response, origin_check, token_check
@@ -194,16 +196,22 @@ class API:
         trace_id = trace_id.lower()
 
         def q(cur: Any) -> dict[str, Any]:
+            # The rows of the views, read from the trace's first commit on with its own map row (a read
+            # of the views would read the archive's map and every commit).
+            conversation, first = trace_place(cur, trace_id)
+            one_trace = "(SELECT ?::VARCHAR AS trace_id, ?::VARCHAR AS conversation_id)"
+            where = " WHERE trace_id = ?" + (" AND batch_id >= ?" if first is not None else "")
+            params = [trace_id, conversation, trace_id, *([first] if first is not None else [])]
             # The views' timestamps stop at 2262 (TIMESTAMP_NS); OTLP times run to 2554: written from the integers.
             spans = _dicts(cur.execute(
-                "SELECT * EXCLUDE (batch_id, start_time, end_time) FROM spans WHERE trace_id = ? "
-                "ORDER BY start_time_unix_nano, span_id", [trace_id]))
+                f"SELECT * EXCLUDE (batch_id, start_time, end_time) FROM ({SPANS.format(map=one_trace)}){where} "
+                "ORDER BY start_time_unix_nano, span_id", params))
             for span in spans:
                 span["start_time"] = _nano_time(span["start_time_unix_nano"])
                 span["end_time"] = _nano_time(span["end_time_unix_nano"])
             logs = _dicts(cur.execute(
-                "SELECT * EXCLUDE (batch_id, time) FROM logs WHERE trace_id = ? "
-                "ORDER BY coalesce(nullif(time_unix_nano, 0), observed_time_unix_nano), log_id", [trace_id]))
+                f"SELECT * EXCLUDE (batch_id, time) FROM ({LOGS.format(map=one_trace)}){where} "
+                "ORDER BY coalesce(nullif(time_unix_nano, 0), observed_time_unix_nano), log_id", params))
             for record in logs:
                 record["time"] = _nano_time(record["time_unix_nano"])
             return {"trace_id": trace_id, "spans": spans, "logs": logs}

@@ -111,6 +111,24 @@ LOG_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
 # The key (``record_keys``) of each of the newest span and log records and the commit that stored it.
 RECENT_KEYS = "CREATE TABLE IF NOT EXISTS recent_keys (key UBIGINT PRIMARY KEY, batch_id UBIGINT NOT NULL)"
 
+# The views' rows, with ``{map}`` the trace map they join (a read of one trace joins its own row).
+SPANS = """SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kind,
+       make_timestamp_ns(TRY_CAST(s.start_time_unix_nano AS BIGINT)) AS start_time,
+       make_timestamp_ns(TRY_CAST(s.end_time_unix_nano AS BIGINT)) AS end_time,
+       s.attributes::JSON AS attributes, s.events::JSON AS events, s.links::JSON AS links,
+       s.status_code, s.status_message, s.resource::JSON AS resource, s.scope_name, s.scope_version,
+       s.service, s.trace_state, s.flags, s.dropped::JSON AS dropped, s.resource_schema_url,
+       s.scope_attributes::JSON AS scope_attributes,
+       s.start_time_unix_nano, s.end_time_unix_nano, s.received_at, s.batch_id
+FROM span_records s LEFT JOIN {map} t USING (trace_id)"""
+LOGS = """SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
+       make_timestamp_ns(TRY_CAST(l.time_unix_nano AS BIGINT)) AS time,
+       l.severity_number, l.severity_text, l.body::JSON AS body, l.attributes::JSON AS attributes,
+       l.resource::JSON AS resource,
+       l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,
+       l.time_unix_nano, l.observed_time_unix_nano, l.received_at, l.batch_id
+FROM log_records l LEFT JOIN {map} t USING (trace_id)"""
+
 SCHEMA = """
 {SPAN_TABLE};
 {LOG_TABLE};
@@ -125,24 +143,11 @@ ALTER TABLE log_records ADD COLUMN IF NOT EXISTS seq UINTEGER;
 -- move with their trace without rewriting stored rows.
 {TRACE_MAP}
 CREATE OR REPLACE VIEW spans AS
-SELECT s.trace_id, s.span_id, s.parent_span_id, t.conversation_id, s.name, s.kind,
-       make_timestamp_ns(TRY_CAST(s.start_time_unix_nano AS BIGINT)) AS start_time,
-       make_timestamp_ns(TRY_CAST(s.end_time_unix_nano AS BIGINT)) AS end_time,
-       s.attributes::JSON AS attributes, s.events::JSON AS events, s.links::JSON AS links,
-       s.status_code, s.status_message, s.resource::JSON AS resource, s.scope_name, s.scope_version,
-       s.service, s.trace_state, s.flags, s.dropped::JSON AS dropped, s.resource_schema_url,
-       s.scope_attributes::JSON AS scope_attributes,
-       s.start_time_unix_nano, s.end_time_unix_nano, s.received_at, s.batch_id
-FROM span_records s LEFT JOIN trace_map t USING (trace_id);
+{SPANS};
 CREATE OR REPLACE VIEW logs AS
-SELECT l.log_id, l.trace_id, l.span_id, t.conversation_id, l.event_name,
-       make_timestamp_ns(TRY_CAST(l.time_unix_nano AS BIGINT)) AS time,
-       l.severity_number, l.severity_text, l.body::JSON AS body, l.attributes::JSON AS attributes,
-       l.resource::JSON AS resource,
-       l.scope_name, l.scope_version, l.service, l.flags, l.dropped_attributes_count,
-       l.time_unix_nano, l.observed_time_unix_nano, l.received_at, l.batch_id
-FROM log_records l LEFT JOIN trace_map t USING (trace_id);
-""".replace("{TRACE_MAP}", TRACE_MAP).replace("{SPAN_TABLE}", SPAN_TABLE.format(name="span_records")) \
+{LOGS};
+""".replace("{SPANS}", SPANS.format(map="trace_map")).replace("{LOGS}", LOGS.format(map="trace_map")) \
+    .replace("{TRACE_MAP}", TRACE_MAP).replace("{SPAN_TABLE}", SPAN_TABLE.format(name="span_records")) \
     .replace("{LOG_TABLE}", LOG_TABLE.format(name="log_records")).replace("{RECENT_KEYS}", RECENT_KEYS)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from collector.conversations import writes
 from collector.store.schema import SCHEMA
+from collector.store.transactions import trace_place
 
 
 def _map(con: duckdb.DuckDBPyConnection, table: str) -> list[tuple[str, str, int]]:
@@ -46,3 +47,14 @@ def test_a_trace_keyed_again_shows_once_and_is_archived_once() -> None:
     writes.archive_traces(con, 0)
     assert _map(con, "trace_archive") == [("a", "trace:a", 7), ("b", "c2", 2)]
     assert _map(con, "trace_conversations") == []
+
+
+def test_a_trace_is_placed_from_the_keyed_map_else_the_archive() -> None:
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    con.executemany("INSERT INTO trace_conversations VALUES (?, ?, ?, ?)", [("a", "c1", 3, 5), ("b", "c2", 4, 4)])
+    writes.archive_traces(con, 0)
+    con.execute("INSERT INTO trace_conversations VALUES ('b', 'trace:b', 9, 9)")
+    assert trace_place(con, "a") == ("c1", 3)
+    assert trace_place(con, "b") == ("trace:b", 9)  # keyed again: the keyed row wins
+    assert trace_place(con, "z") == (None, None)
