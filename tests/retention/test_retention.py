@@ -19,9 +19,10 @@ import pytest
 import yaml
 
 from collector.config import Config, ConfigError, Retention as Settings, load_config
+from collector.conversations.writes import archive_traces
 from collector.metrics import Metrics
 from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
-from collector.store import Pacing, Store
+from collector.store import Pacing, Store, Transaction
 
 from ..forward.test_forward import forwarded, sink, traces
 from ..forward.test_forward import send as forward_send
@@ -39,8 +40,7 @@ criteria:
 """
 MEMORY = "24MB"  # DuckDB's limit in the test of a sweep's memory: it fails at 32MB when all are joined at once
 # Rows of one conversation in every table it has rows in.
-PER_CONVERSATION = ("conversations", "messages", "sampling_decisions", "verdicts", "eval_progress",
-                    "trace_conversations")
+PER_CONVERSATION = ("conversations", "messages", "sampling_decisions", "verdicts", "eval_progress", "trace_map")
 
 
 def sections(tmp_path: Path, **retention: Any) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def recorded(daemon: DaemonProcess, people: list[Any]) -> DaemonProcess:
 def rows_of(daemon_or_store: Any, cid: str) -> dict[str, int]:
     sql = {t: f"SELECT count(*) FROM {t} WHERE conversation_id = ?" for t in PER_CONVERSATION}
     sql["spans"] = ("SELECT count(*) FROM span_records WHERE trace_id IN "
-                    "(SELECT trace_id FROM trace_conversations WHERE conversation_id = ?)")
+                    "(SELECT trace_id FROM trace_map WHERE conversation_id = ?)")
     if isinstance(daemon_or_store, Store):
         cur = daemon_or_store.cursor()
         try:
@@ -97,10 +97,21 @@ def open_retention(path: Path, clock: list[float], **settings: Any) -> tuple[Sto
     return store, stage
 
 
-def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(make_daemon: Any,
-                                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("archived", [False, True])
+def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(make_daemon: Any, tmp_path: Path,
+                                                                             archived: bool) -> None:
+    """With ``archived``, every trace has left the keyed trace map for ``trace_archive`` (as traces do
+    after 200,000 newer ones): retention finds and deletes them there alike."""
     daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1, lookup=False), persona(2), persona(3)])
     ids = ["conv-001", "conv-002", "conv-003"]
+    if archived:
+        con = duckdb.connect(str(daemon.duckdb))
+        try:
+            with Transaction(con):
+                archive_traces(con, 0)
+            assert con.execute("SELECT count(*) FROM trace_conversations").fetchall() == [(0,)]
+        finally:
+            con.close()
     before = {cid: rows_of(daemon, cid) for cid in ids}
     assert all(b["spans"] > 0 and b["verdicts"] == 1 for b in before.values()), before
     assert daemon.query("SELECT conversation_id FROM review_items") == [("conv-001",)]
@@ -197,7 +208,7 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
         for cid in [p.conversation_id for p in old]:
             rows = rows_of(d, cid)
             if rows["conversations"]:
-                assert all(rows[t] > 0 for t in ("messages", "sampling_decisions", "trace_conversations")), rows
+                assert all(rows[t] > 0 for t in ("messages", "sampling_decisions", "trace_map")), rows
             else:
                 assert all(n == 0 for n in rows.values()), (cid, rows)
         orphans = d.query("SELECT count(*) FROM messages WHERE conversation_id NOT IN "
