@@ -265,21 +265,23 @@ def test_a_trace_back_after_the_map_archived_it_keeps_its_older_messages(tmp_pat
         assert stage.wait_idle(60)
     finally:
         stage.stop()
-    cur = store.cursor()
-    try:
-        stored = cur.execute("SELECT conversation_id, state, user_turns, message_count FROM conversations "
-                             "ORDER BY 1").fetchall()
-        said = cur.execute("SELECT content FROM messages WHERE conversation_id = 'a' AND role = 'user' "
-                           "ORDER BY seq").fetchall()
-        spans = cur.execute("SELECT span_id, conversation_id FROM spans ORDER BY 1").fetchall()
-        archived = cur.execute("SELECT count(*) FROM trace_archive").fetchall()[0][0]
-    finally:
-        cur.close()
-        store.close()
-    assert stored[0][:3] == ("a", "ended", 2), stored
+    stored, said, spans, archived = _read(
+        store, "SELECT conversation_id, state, user_turns FROM conversations ORDER BY 1",
+        "SELECT content FROM messages WHERE conversation_id = 'a' AND role = 'user' ORDER BY seq",
+        "SELECT span_id, conversation_id FROM spans ORDER BY 1", "SELECT count(*) FROM trace_archive")
+    store.close()
+    assert stored[0] == ("a", "ended", 2), stored
     assert said == [("where is my parcel?",), ("are you there?",)]
     assert [c for _, c in spans] == ["a", "b", "a"], spans
-    assert (archived > 0) == (traces_kept == 0)
+    assert (archived[0][0] > 0) == (traces_kept == 0)
+
+
+def _read(store: Store, *queries: str) -> list[list[tuple[Any, ...]]]:
+    cur = store.cursor()
+    try:
+        return [cur.execute(sql).fetchall() for sql in queries]
+    finally:
+        cur.close()
 
 
 def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_them(tmp_path: Path) -> None:
