@@ -41,7 +41,7 @@ import memory  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 SAME = ("SELECT * EXCLUDE (updated_at, closed_at, first_arrival_at, revision, messages_batch) FROM conversations "
         "ORDER BY ALL", "SELECT * EXCLUDE (first_batch) FROM messages ORDER BY ALL",  # where written: its own
-        "SELECT * FROM trace_conversations ORDER BY ALL")
+        "SELECT * FROM trace_map ORDER BY ALL")
 
 
 def copy_of(src: Path, into: Path) -> Path:

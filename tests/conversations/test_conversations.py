@@ -133,7 +133,7 @@ def test_conversations_cli_with_and_without_daemon(make_daemon: Any) -> None:
 # when it ended a conversation, which arrival of a trace it saw first), and so is where it wrote the
 # messages (messages_batch, and messages.first_batch).
 SAME = ("SELECT * EXCLUDE (updated_at, closed_at, first_arrival_at, messages_batch) FROM conversations ORDER BY ALL",
-        "SELECT * EXCLUDE (first_batch) FROM messages ORDER BY ALL", "SELECT * FROM trace_conversations ORDER BY ALL")
+        "SELECT * EXCLUDE (first_batch) FROM messages ORDER BY ALL", "SELECT * FROM trace_map ORDER BY ALL")
 
 
 def _every_fixture(daemon: Any) -> None:
