@@ -106,6 +106,7 @@ class Store:
         self._thread: threading.Thread | None = None
         self._con: duckdb.DuckDBPyConnection | None = None
         self._admin: duckdb.DuckDBPyConnection | None = None  # the writer's cursor outside the file: re-attaches it
+        self._opening: duckdb.DuckDBPyConnection | None = None  # while ``open`` runs (``interrupt_open``)
         self._batch_id = 0
         self._emptied_at = 0.0  # time.monotonic() when the queue last became empty
         self._listeners: list[Callable[[Committed], None]] = []
@@ -129,6 +130,7 @@ class Store:
             UserError: the file cannot be read (one line naming it and what is wrong).
         """
         con = connect(self.path, memory_limit=self.memory_limit, row_group_size=ROW_GROUP_SIZE)
+        self._opening = con
         try:
             create_schema(con)
             self._batch_id = self._last_batch(con)
@@ -138,13 +140,22 @@ class Store:
             self._admin = con.cursor()  # its catalog is the in-memory one, never the file
         except duckdb.Error as exc:
             con.close()
-            if file_fault(exc):
+            if file_fault(exc) and not isinstance(exc, duckdb.InterruptException):
                 raise unreadable(self.path, exc) from None
             raise
+        finally:
+            self._opening = None
         self._con = con
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="tracejudge-writer", daemon=True)
         self._thread.start()
+
+    def interrupt_open(self) -> None:
+        """Cut a running ``open`` short (from another thread): it raises ``duckdb.InterruptException``,
+        and the file stays as it was (a rebuild of an older file's tables is one transaction)."""
+        con = self._opening
+        if con is not None:
+            con.interrupt()
 
     def drain(self) -> None:
         """Stop taking work and commit everything already queued; the file stays open for reads."""

@@ -18,7 +18,7 @@ from collector.store import Committed, Store
 from collector.store.schema import LOG_TABLE, SPAN_TABLE
 from collector.store.transactions import one
 
-from ..support.daemon import REPO, wait_until
+from ..support.daemon import REPO, DaemonProcess, base_config, wait_until
 from ..support.wire import span_request_bytes
 
 
@@ -282,3 +282,43 @@ def test_a_file_whose_span_and_log_tables_have_keys_is_rebuilt_without_them(tmp_
         assert count(store, "SELECT count(*) FROM log_records") == len(before["log_records"])
     finally:
         store.close()
+
+
+def test_a_stop_during_the_rebuild_of_an_older_file_leaves_it_whole_and_the_next_start_rebuilds_it(
+        tmp_path: Path) -> None:
+    """The rebuild of a keyed span table is one transaction in the daemon's start: SIGTERM interrupts it
+    (the daemon exits at once, the file as it was) or, had it finished first, finds it rebuilt. Either
+    way no row is lost, and the next start rebuilds what is left."""
+    rows = 1_000_000
+    daemon = DaemonProcess(tmp_path, base_config(tmp_path))
+    store = Store(daemon.duckdb)
+    store.open()
+    store.close()
+    con = duckdb.connect(str(daemon.duckdb))
+    con.execute("DROP TABLE span_records")
+    con.execute(SPAN_TABLE.format(name="span_records").removesuffix(")") + ", PRIMARY KEY (trace_id, span_id))")
+    con.execute("INSERT INTO span_records (trace_id, span_id, name, attributes, received_at, batch_id) "
+                "SELECT md5((i // 4)::VARCHAR), left(md5(i::VARCHAR), 16), 'chat', '{\"k\": \"v\"}', now(), i // 512 "
+                "FROM range(?) t(i)", [rows])
+    con.close()
+
+    def layout() -> tuple[int, int]:
+        c = duckdb.connect(str(daemon.duckdb), read_only=True)
+        try:
+            return c.execute("SELECT (SELECT count(*) FROM span_records), (SELECT count(*) FROM duckdb_constraints() "
+                             "WHERE table_name = 'span_records' AND constraint_type = 'PRIMARY KEY')").fetchall()[0]
+        finally:
+            c.close()
+
+    try:
+        daemon.start(ready=False)
+        daemon.wait_output("rebuilding span_records")
+        assert daemon.stop() == 0
+        rebuilt = "span_records rebuilt in" in daemon.output()  # logged once its transaction committed
+        assert rebuilt or "interrupting it" in daemon.output()
+        assert layout() == (rows, 0 if rebuilt else 1), daemon.output()
+        daemon.start(timeout=120)
+        assert daemon.stop() == 0
+        assert layout() == (rows, 0)
+    finally:
+        daemon.end()

@@ -86,7 +86,8 @@ class DaemonProcess:
         self.info: dict[str, Any] = {}
         DaemonProcess.started.append(self)  # also one a test starts by hand
 
-    def start(self, timeout: float = 30) -> "DaemonProcess":
+    def start(self, timeout: float = 30, ready: bool = True) -> "DaemonProcess":
+        """Run it, and wait until it answers /readyz (with ``ready=False``, return at once)."""
         self.runtime_file.unlink(missing_ok=True)
         if hasattr(self, "log") and not self.log.closed:
             self.log.close()
@@ -94,6 +95,8 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "collector", "serve", "--config", str(self.config_path)],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, text=True)
+        if not ready:
+            return self
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
