@@ -173,6 +173,16 @@ class API:
         body["stages"] = {stage.name: stage.state for stage in self.stages}
         if self.forwarder is not None:
             body.update(self.forwarder.status())
+
+        def memory(cur: Any) -> dict[str, int]:
+            used = dict(cur.execute("SELECT tag, memory_usage_bytes FROM duckdb_memory()").fetchall())
+            return {"used_bytes": sum(used.values()), "index_bytes": used.get("ART_INDEX", 0)}
+
+        try:
+            body["duckdb_memory"] = {**await self.read(memory),
+                                     "limit_bytes": config.size_bytes(self.store.memory_limit)}
+        except (duckdb.Error, APIError):
+            pass  # the store cannot be read now: /readyz says why
         return web.json_response(body)
 
     async def spans_count(self, request: web.Request) -> web.Response:

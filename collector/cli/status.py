@@ -39,7 +39,19 @@ def render(body: dict[str, Any]) -> str:
         lines.append([label, f"{kept}; {oldest}{gone}"])
     if keep["keep_reviewed"] and keep["conversations"]["keep_seconds"] is not None:
         lines.append(["", "conversations with a review item are kept as long as their item"])
+    memory = body.get("duckdb_memory")
+    if memory:
+        lines.append(["DuckDB memory", f"{size_text(memory['used_bytes'])} of {size_text(memory['limit_bytes'])} "
+                                       f"(storage.memory_limit); key indexes {size_text(memory['index_bytes'])}"])
+        if memory["index_bytes"] > memory["limit_bytes"] // 2:
+            lines.append(["", INDEX_WARNING])
     return table(lines, align="ll")
+
+
+# Key indexes stay whole in DuckDB's memory; the conversations' grow with how many are kept (the span
+# table's and the trace map's keep only recent keys). Past the limit, commits fail.
+INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 300 bytes with each "
+                 "conversation kept: set storage.retention.conversations, or raise storage.memory_limit")
 
 
 @click.command()
@@ -47,7 +59,8 @@ def render(body: dict[str, Any]) -> str:
 @json_option
 def status(config_path: Path | None, as_json: bool) -> None:
     """Whether a daemon serves this config, how far its stages have got, and the DuckDB file: its size,
-    what storage.retention keeps and the oldest row of each kind.
+    what storage.retention keeps and the oldest row of each kind; with a daemon, DuckDB's memory and its
+    key indexes' share (a warning past half of storage.memory_limit).
 
     Through the daemon's API when one runs, else read from the file.
     """

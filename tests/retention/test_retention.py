@@ -20,6 +20,7 @@ import yaml
 
 from collector.config import Config, ConfigError, Retention as Settings, load_config
 from collector.conversations.writes import archive_traces
+from collector.cli.status import INDEX_WARNING, render
 from collector.metrics import Metrics
 from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
 from collector.store import Pacing, Store, Transaction
@@ -221,9 +222,12 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
     judged(daemon, 4 + len(fresh))  # what is left: the four reviewed, and the fresh ones once judged
     status = daemon.get("/api/status")[1]["storage"]
     assert status["file_bytes"] > 0 and status["retention"]["spans"]["keep_seconds"] == 14 * DAY
+    memory = daemon.get("/api/status")[1]["duckdb_memory"]
+    assert memory["limit_bytes"] == 128_000_000 and memory["used_bytes"] >= memory["index_bytes"] > 0, memory
     text = run_cli("status", "--config", str(daemon.config_path))
     assert text.returncode == 0, text.stderr
     assert "spans" in text.stdout and "kept 14d" in text.stdout and "running at" in text.stdout, text.stdout
+    assert "of 128.0 MB (storage.memory_limit); key indexes" in text.stdout, text.stdout
     assert daemon.stop() == 0
     whole_or_gone(daemon)
     assert daemon.query("SELECT count(*) FROM span_records WHERE received_at < now() - INTERVAL 14 DAY") == [(0,)]
@@ -346,3 +350,20 @@ def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(m
     finally:
         stage.stop()
         store.close()
+
+
+def test_status_warns_when_key_indexes_hold_over_half_of_duckdbs_memory() -> None:
+    kept = {"keep_seconds": None, "horizon": None, "oldest": None}
+    body = {"daemon": "http://127.0.0.1:8318", "stages": {}, "queue_depth": 0, "committed_batch": 9,
+            "conversations_batch": 9,
+            "storage": {"path": "t.duckdb", "file_bytes": 10**9, "wal_bytes": 0,
+                        "retention": {"spans": kept, "log_records": kept, "conversations": kept,
+                                      "keep_reviewed": True}}}
+    calm = render({**body, "duckdb_memory": {"used_bytes": 90 * 10**6, "index_bytes": 40 * 10**6,
+                                             "limit_bytes": 128 * 10**6}})
+    assert "90.0 MB of 128.0 MB (storage.memory_limit); key indexes 40.0 MB" in calm
+    assert INDEX_WARNING not in calm
+    full = render({**body, "duckdb_memory": {"used_bytes": 120 * 10**6, "index_bytes": 70 * 10**6,
+                                             "limit_bytes": 128 * 10**6}})
+    assert INDEX_WARNING in full
+    assert "DuckDB memory" not in render(body)  # read from the file: no daemon, no memory to show
