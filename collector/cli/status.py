@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..retention import INDEX_WARNING
 from ..words import duration_text, plural, size_text
 from .common import ask, config_option, json_option, table
 
@@ -46,12 +47,6 @@ def render(body: dict[str, Any]) -> str:
         if memory["index_bytes"] > memory["limit_bytes"] // 2:
             lines.append(["", INDEX_WARNING])
     return table(lines, align="ll")
-
-
-# Key indexes stay whole in DuckDB's memory; the conversations' grow with how many are kept (the span
-# table's and the trace map's keep only recent keys). Past the limit, commits fail.
-INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 300 bytes with each "
-                 "conversation kept: set storage.retention.conversations, or raise storage.memory_limit")
 
 
 @click.command()

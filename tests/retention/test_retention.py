@@ -9,6 +9,7 @@ the daemon on rows whose arrival times were moved back (a kill -9 among them).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -18,11 +19,14 @@ import duckdb
 import pytest
 import yaml
 
+from collector.cli.status import render
 from collector.config import Config, ConfigError, Retention as Settings, load_config
+from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
 from collector.conversations.writes import archive_traces
-from collector.cli.status import INDEX_WARNING, render
+from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
+from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
 from collector.metrics import Metrics
-from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
+from collector.retention import IDLE_GAP, INDEX_WARNING, INTERVAL, SHARE, SHARE_BEHIND, Retention
 from collector.store import Pacing, Store, Transaction
 
 from ..forward.test_forward import forwarded, sink, traces
@@ -367,3 +371,37 @@ def test_status_warns_when_key_indexes_hold_over_half_of_duckdbs_memory() -> Non
                                              "limit_bytes": 128 * 10**6}})
     assert INDEX_WARNING in full
     assert "DuckDB memory" not in render(body)  # read from the file: no daemon, no memory to show
+
+
+def test_a_sweep_warns_once_the_key_indexes_pass_half_of_duckdbs_memory(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The conversations' key indexes grow with the conversations kept: the sweep (every minute, with or
+    without retention) says so at half of storage.memory_limit, and again only at each further eighth."""
+    caplog.set_level(logging.WARNING, logger="tracejudge.retention")
+    store = Store(tmp_path / "t.duckdb", memory_limit="24MB")
+    store.open()
+    cur = store.cursor()
+    try:  # the other stages' tables, as the daemon's start makes them
+        for schema in (CONVERSATION_TABLES, VERDICT_TABLES, PROGRESS_TABLE):
+            cur.execute(schema)
+    finally:
+        cur.close()
+    stage = Retention(store, Settings(), Metrics(), max_wait=0)
+    stage.open()
+    try:
+        stage.sweep()
+        assert INDEX_WARNING not in caplog.text
+        cur = store.cursor()
+        try:  # about 70 bytes of index each: 17 MB of the 24
+            for lo in range(0, 250_000, 10_000):
+                cur.execute("INSERT INTO conversations (conversation_id, state) "
+                            "SELECT md5(i::VARCHAR), 'ended' FROM range(?, ?) t(i)", [lo, lo + 10_000])
+        finally:
+            cur.close()
+        stage.sweep()
+        assert caplog.text.count(INDEX_WARNING) == 1, caplog.text
+        stage.sweep()
+        assert caplog.text.count(INDEX_WARNING) == 1  # nothing grew: said once
+    finally:
+        stage.stop()
+        store.close()
