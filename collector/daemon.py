@@ -51,7 +51,7 @@ from .forward import Forwarder
 from .forward.verdicts import VerdictEvents
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
-from .memory import resident_bytes
+from .memory import duckdb_memory, resident_bytes
 from .metrics import Metrics
 from .retention import Retention
 from .review import queue as review_queue
@@ -99,8 +99,7 @@ def _memory_gauges(store: Store) -> list[str]:
     try:
         cur = store.cursor()
         try:
-            rows = cur.execute("SELECT tag, memory_usage_bytes, temporary_storage_bytes FROM duckdb_memory() "
-                               "WHERE memory_usage_bytes > 0 OR temporary_storage_bytes > 0").fetchall()
+            rows = [(tag, used, spilled) for tag, (used, spilled) in duckdb_memory(cur).items() if used or spilled]
         finally:
             cur.close()
     except (duckdb.Error, StoreUnavailable):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-from typing import Callable
+from typing import Any, Callable
 
 ARENAS = 2  # malloc arenas for the whole process
 _M_ARENA_MAX = -8  # mallopt's parameter number (glibc malloc.h)
@@ -34,6 +34,23 @@ def peak_resident_bytes() -> int:
     """The largest resident set the process has had. The kernel updates its high-water mark lazily
     (when pages are unmapped), so the current resident set can be the larger one."""
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident_bytes())  # KiB on Linux
+
+
+# DuckDB's key indexes (ART) stay whole in its memory. The span table's and the trace map's keep only
+# recent keys; the conversations' grow with how many are kept. Past storage.memory_limit, commits fail.
+INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 300 bytes with each "
+                 "conversation kept: set storage.retention.conversations, or raise storage.memory_limit")
+
+
+def duckdb_memory(cur: Any) -> dict[str, tuple[int, int]]:
+    """DuckDB's memory by what holds it (``duckdb_memory()``): tag -> (bytes held, bytes spilled to disk)."""
+    return {tag: (int(used), int(spilled)) for tag, used, spilled in cur.execute(
+        "SELECT tag, memory_usage_bytes, temporary_storage_bytes FROM duckdb_memory()").fetchall()}
+
+
+def index_eighths(index_bytes: int, limit_bytes: int) -> int:
+    """Eighths of DuckDB's memory limit its key indexes hold: ``INDEX_WARNING`` from 4 on."""
+    return index_bytes * 8 // limit_bytes
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -48,24 +48,13 @@ from .config import Retention as Settings, size_bytes
 from .conversations.writes import delete_messages
 from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .listing import iso_utc
+from .memory import INDEX_WARNING, duckdb_memory, index_eighths
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction
 from .store.transactions import conversations_filter
 from .words import size_text
 
 log = logging.getLogger("tracejudge.retention")
-
-# Key indexes stay whole in DuckDB's memory; the conversations' grow with how many are kept (the span
-# table's and the trace map's keep only recent keys). Past the limit, commits fail.
-INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 300 bytes with each "
-                 "conversation kept: set storage.retention.conversations, or raise storage.memory_limit")
-
-
-def index_bytes(cur: duckdb.DuckDBPyConnection) -> int:
-    """What DuckDB's key indexes hold in its memory."""
-    row = cur.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory() WHERE tag = 'ART_INDEX'").fetchall()
-    return int(row[0][0] or 0) if row else 0
-
 
 INTERVAL = 60.0  # seconds between sweeps when nothing was due
 # Conversations per transaction. Each transaction waits for a pause in ingestion, and pauses are what
@@ -343,8 +332,8 @@ class Retention(Stage):
     def _check_indexes(self) -> None:
         """Warn once the key indexes pass half of DuckDB's memory limit, and at each further eighth."""
         assert self.cur is not None
-        used, limit = index_bytes(self.cur), size_bytes(self.store.memory_limit)
-        eighths = used * 8 // limit
+        used, limit = duckdb_memory(self.cur).get("ART_INDEX", (0, 0))[0], size_bytes(self.store.memory_limit)
+        eighths = index_eighths(used, limit)
         if eighths >= 4 and eighths > self._indexes_warned:
             self._indexes_warned = eighths
             log.warning("%s (%s of %s now)", INDEX_WARNING, size_text(used), size_text(limit))

@@ -31,6 +31,7 @@ from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
 from ..forward import Forwarder
 from ..listing import MAX_LIMIT, iso_utc, parse_since
+from ..memory import duckdb_memory
 from ..metrics import Metrics
 from ..review import calibration
 from ..review import page as review_page
@@ -175,8 +176,9 @@ class API:
             body.update(self.forwarder.status())
 
         def memory(cur: Any) -> dict[str, int]:
-            used = dict(cur.execute("SELECT tag, memory_usage_bytes FROM duckdb_memory()").fetchall())
-            return {"used_bytes": sum(used.values()), "index_bytes": used.get("ART_INDEX", 0)}
+            held = duckdb_memory(cur)
+            return {"used_bytes": sum(used for used, _ in held.values()),
+                    "index_bytes": held.get("ART_INDEX", (0, 0))[0]}
 
         try:
             body["duckdb_memory"] = {**await self.read(memory),

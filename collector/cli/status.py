@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..retention import INDEX_WARNING
+from ..memory import INDEX_WARNING, index_eighths
 from ..words import duration_text, plural, size_text
 from .common import ask, config_option, json_option, table
 
@@ -44,7 +44,7 @@ def render(body: dict[str, Any]) -> str:
     if memory:
         lines.append(["DuckDB memory", f"{size_text(memory['used_bytes'])} of {size_text(memory['limit_bytes'])} "
                                        f"(storage.memory_limit); key indexes {size_text(memory['index_bytes'])}"])
-        if memory["index_bytes"] > memory["limit_bytes"] // 2:
+        if index_eighths(memory["index_bytes"], memory["limit_bytes"]) >= 4:
             lines.append(["", INDEX_WARNING])
     return table(lines, align="ll")
 

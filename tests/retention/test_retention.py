@@ -25,8 +25,9 @@ from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
 from collector.conversations.writes import archive_traces
 from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
+from collector.memory import INDEX_WARNING
 from collector.metrics import Metrics
-from collector.retention import IDLE_GAP, INDEX_WARNING, INTERVAL, SHARE, SHARE_BEHIND, Retention
+from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
 from collector.store import Pacing, Store, Transaction
 
 from ..forward.test_forward import forwarded, sink, traces
@@ -228,6 +229,7 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
     assert status["file_bytes"] > 0 and status["retention"]["spans"]["keep_seconds"] == 14 * DAY
     memory = daemon.get("/api/status")[1]["duckdb_memory"]
     assert memory["limit_bytes"] == 128_000_000 and memory["used_bytes"] >= memory["index_bytes"] > 0, memory
+    assert daemon.metric('tracejudge_duckdb_memory_bytes{tag="ART_INDEX"}') > 0
     text = run_cli("status", "--config", str(daemon.config_path))
     assert text.returncode == 0, text.stderr
     assert "spans" in text.stdout and "kept 14d" in text.stdout and "running at" in text.stdout, text.stdout
