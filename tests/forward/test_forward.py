@@ -141,8 +141,10 @@ def test_each_backend_type_gets_its_path_headers_and_the_request(tmp_path: Path)
             assert lw.body == body and lw.headers["authorization"] == "Bearer lw-key"
             assert len(s.at("/lw/api/otel/v1/logs")) == 1
             assert not s.at("/ls/otel/v1/logs") and not s.at("/opik/api/v1/private/otel/v1/logs")
+            # Counted before the queue shrinks: wait on the emptied queue, which implies the count.
+            wait_until(lambda: forwarded(daemon, "ls")["queued_requests"] == 0, "LangSmith's queue emptied")
+            assert forwarded(daemon, "ls")["sent"] == 1
             wait_until(lambda: daemon.metric("tracejudge_forward_sent_total") == 6, "6 sends counted")
-            assert forwarded(daemon, "ls")["queued_requests"] == 0 and forwarded(daemon, "ls")["sent"] == 1
             assert daemon.stop() == 0
         finally:
             daemon.end()
