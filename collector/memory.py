@@ -38,7 +38,7 @@ def peak_resident_bytes() -> int:
 
 # DuckDB's key indexes (ART) stay whole in its memory. The span table's and the trace map's keep only
 # recent keys; the conversations' grow with how many are kept. Past storage.memory_limit, commits fail.
-INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 300 bytes with each "
+INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 100 bytes with each "
                  "conversation kept: set storage.retention.conversations, or raise storage.memory_limit")
 
 

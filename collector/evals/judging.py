@@ -35,19 +35,20 @@ from judges import (
 
 from ..conversations.record import conversation_records
 from ..errors import UserError
+from ..store.schema import drop_primary_key
 from ..store.transactions import Transaction, insert_rows
 from . import simulations, verdicts
 
-PROGRESS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS eval_progress (
-    conversation_id VARCHAR PRIMARY KEY,
+# One row per judged conversation, replaced at each judgement. No key, for the reason and on the terms
+# of the evals tables (``verdicts.UNKEYED``): only ``store`` writes it, deleting the rows it replaces.
+PROGRESS_SCHEMA = """CREATE TABLE IF NOT EXISTS {name} (
+    conversation_id VARCHAR NOT NULL,
     revision INTEGER NOT NULL,
     judged_at TIMESTAMPTZ NOT NULL,
     errors INTEGER NOT NULL,
     attempts INTEGER NOT NULL,
     retry_at TIMESTAMPTZ
-);
-"""
+)"""
 PROGRESS_COLUMNS = ("conversation_id", "revision", "judged_at", "errors", "attempts", "retry_at")
 
 # An ended conversation the evaluator has still to decide, judge at its current revision, or retry
@@ -265,8 +266,10 @@ class Judging:
                 self.on_stored(cur, [vid for o in outcomes if not o.job.simulated for vid in o.stored], now)
             verdicts.store_not_run(cur, [n for o in outcomes for n in o.run.not_run], now=now)
             if progress:
-                insert_rows(cur, "INSERT OR REPLACE INTO eval_progress", PROGRESS_COLUMNS,
-                            [self._progress(o, now) for o in outcomes])
+                rows = {o.job.conversation_id: self._progress(o, now) for o in outcomes}  # the last one stands
+                cur.execute("DELETE FROM eval_progress WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
+                            [list(rows)])
+                insert_rows(cur, "INSERT INTO eval_progress", PROGRESS_COLUMNS, list(rows.values()))
 
     def _progress(self, o: Outcome, now: dt.datetime) -> tuple[Any, ...]:
         errors = sum(1 for v in o.run.verdicts if v.result == "error")
@@ -287,4 +290,6 @@ def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     """The tables of the evals stage: verdicts and the rest (``verdicts``), and the progress rows."""
     verdicts.ensure_schema(cur)
     simulations.ensure_schema(cur)
-    cur.execute(PROGRESS_SCHEMA)
+    cur.execute(PROGRESS_SCHEMA.format(name="eval_progress"))
+    drop_primary_key(cur, "eval_progress", PROGRESS_SCHEMA.format(name="eval_progress_unkeyed"),
+                     "its index grew with what is kept")

@@ -30,11 +30,17 @@ from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript
 from ..conversations.record import conversation_record
 from ..listing import iso_utc
 from ..store.arrow import Table
+from ..store.schema import drop_primary_key
 from ..store.transactions import Transaction, one, registered, registered_rows, utc_now
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sampling_decisions (
-    conversation_id VARCHAR PRIMARY KEY,
+# ``sampling_decisions``, ``verdicts`` and ``not_run`` have no key: a key's index stays whole in DuckDB's
+# memory, about 90 bytes a row with their ids, for as long as the rows are kept (a month of
+# conversations filled the default limit). Nothing read them by key: the evaluator's scans join whole
+# tables. Each is written by the evaluator alone (one thread in the daemon; ``tracejudge eval`` and
+# the backfill hold the file alone), which stores a row once by reading first, in the same transaction.
+UNKEYED = {
+    "sampling_decisions": """CREATE TABLE IF NOT EXISTS {name} (
+    conversation_id VARCHAR NOT NULL,
     revision INTEGER,
     transcript_hash VARCHAR,
     sampled BOOLEAN NOT NULL,
@@ -42,20 +48,9 @@ CREATE TABLE IF NOT EXISTS sampling_decisions (
     rule VARCHAR,
     skipped_reason VARCHAR,
     decided_at TIMESTAMPTZ NOT NULL
-);
-CREATE TABLE IF NOT EXISTS criteria (
-    criterion_id VARCHAR NOT NULL,
-    criterion_version INTEGER NOT NULL,
-    kind VARCHAR NOT NULL,
-    severity VARCHAR,
-    criterion_group VARCHAR,
-    text VARCHAR NOT NULL,
-    first_seen_at TIMESTAMPTZ NOT NULL,
-    PRIMARY KEY (criterion_id, criterion_version)
-);
-CREATE SEQUENCE IF NOT EXISTS verdict_seq;
-CREATE TABLE IF NOT EXISTS verdicts (
-    id VARCHAR PRIMARY KEY,
+)""",
+    "verdicts": """CREATE TABLE IF NOT EXISTS {name} (
+    id VARCHAR NOT NULL,
     seq BIGINT NOT NULL,
     conversation_id VARCHAR NOT NULL,
     criterion_id VARCHAR NOT NULL,
@@ -76,15 +71,30 @@ CREATE TABLE IF NOT EXISTS verdicts (
     sampling_rule VARCHAR,
     judged_at TIMESTAMPTZ NOT NULL,
     superseded BOOLEAN NOT NULL
-);
-CREATE TABLE IF NOT EXISTS not_run (
+)""",
+    "not_run": """CREATE TABLE IF NOT EXISTS {name} (
     conversation_id VARCHAR NOT NULL,
     criterion_id VARCHAR NOT NULL,
     criterion_version INTEGER NOT NULL,
     reason VARCHAR NOT NULL,
-    "at" TIMESTAMPTZ NOT NULL,
-    PRIMARY KEY (conversation_id, criterion_id, criterion_version)
+    "at" TIMESTAMPTZ NOT NULL
+)""",
+}
+SCHEMA = f"""
+{UNKEYED["sampling_decisions"].format(name="sampling_decisions")};
+CREATE TABLE IF NOT EXISTS criteria (
+    criterion_id VARCHAR NOT NULL,
+    criterion_version INTEGER NOT NULL,
+    kind VARCHAR NOT NULL,
+    severity VARCHAR,
+    criterion_group VARCHAR,
+    text VARCHAR NOT NULL,
+    first_seen_at TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (criterion_id, criterion_version)
 );
+CREATE SEQUENCE IF NOT EXISTS verdict_seq;
+{UNKEYED["verdicts"].format(name="verdicts")};
+{UNKEYED["not_run"].format(name="not_run")};
 CREATE TABLE IF NOT EXISTS evals_state (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
 
@@ -101,6 +111,8 @@ VERDICT_COLUMNS = (
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     """Create the tables of this module when they do not exist yet, and bring older verdicts' digests up to date."""
     cur.execute(SCHEMA)
+    for table, ddl in UNKEYED.items():
+        drop_primary_key(cur, table, ddl.format(name=f"{table}_unkeyed"), "its index grew with what is kept")
     migrate_digests(cur)
 
 
@@ -187,13 +199,15 @@ class SamplingRecord(NamedTuple):
 def record_samplings(cur: duckdb.DuckDBPyConnection, records: Sequence[SamplingRecord], *,
                      now: dt.datetime | None = None) -> None:
     """Store sampling decisions in one transaction, once each: a conversation's first decision stands."""
-    if not records:
+    first = list({r.conversation_id: r for r in reversed(records)}.values())
+    if not first:
         return
-    columns = {name: [getattr(r, name) for r in records] for name in SamplingRecord._fields}
-    columns["decided_at"] = [utc_now(now)] * len(records)
+    columns = {name: [getattr(r, name) for r in first] for name in SamplingRecord._fields}
+    columns["decided_at"] = [utc_now(now)] * len(first)
     with Transaction(cur), registered(cur, "_decisions", Table(columns)):
         cur.execute("INSERT INTO sampling_decisions SELECT conversation_id, revision, transcript_hash, sampled, "
-                    "probability, rule, skipped_reason, decided_at FROM _decisions ON CONFLICT DO NOTHING")
+                    "probability, rule, skipped_reason, decided_at FROM _decisions d WHERE NOT EXISTS "
+                    "(SELECT 1 FROM sampling_decisions s WHERE s.conversation_id = d.conversation_id)")
 
 
 def record_sampling(cur: duckdb.DuckDBPyConnection, conversation_id: str, *, sampled: bool, probability: float,
@@ -368,9 +382,11 @@ def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
     latest = {(r.conversation_id, r.criterion_id, r.criterion_version): r.reason for r in not_run}
     if not latest:
         return
-    with registered_rows(cur, "_not_run", NOT_RUN_COLUMNS, [(*key, reason, at) for key, reason in latest.items()]):
-        cur.execute('INSERT INTO not_run SELECT * FROM _not_run ON CONFLICT DO UPDATE SET '
-                    'reason = excluded.reason, "at" = excluded."at"').fetchall()
+    with Transaction(cur), registered_rows(cur, "_not_run", NOT_RUN_COLUMNS,
+                                           [(*key, reason, at) for key, reason in latest.items()]):
+        cur.execute("DELETE FROM not_run USING _not_run n WHERE not_run.conversation_id = n.conversation_id "
+                    "AND not_run.criterion_id = n.criterion_id AND not_run.criterion_version = n.criterion_version")
+        cur.execute("INSERT INTO not_run SELECT * FROM _not_run")
 
 
 def verdict_dict(row: Sequence[Any]) -> dict[str, Any]:

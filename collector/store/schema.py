@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import blake2b
 
 import duckdb
@@ -199,23 +199,10 @@ def create_schema(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _drop_record_keys(con: duckdb.DuckDBPyConnection) -> None:
-    """Rebuild a span or log table of an older file that still has its key (DuckDB cannot drop a
-    constraint), in commit order, in one transaction; its newest records' keys go to ``recent_keys``."""
+    """Rebuild a span or log table of an older file that still has its key; its newest records' keys go to
+    ``recent_keys``."""
     for table, ddl in (("span_records", SPAN_TABLE), ("log_records", LOG_TABLE)):
-        keyed = con.execute("SELECT count(*) FROM duckdb_constraints() WHERE database_name = ? AND "
-                            "schema_name = 'main' AND table_name = ? AND constraint_type = 'PRIMARY KEY'",
-                            [ATTACHED, table]).fetchall()[0][0]
-        if not keyed:
-            continue
-        rows = con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
-        log.warning("rebuilding %s (%d rows) without its key, once: its index grew with the file "
-                    "and filled DuckDB's memory", table, rows)
-        started = time.monotonic()
-        new = f"{table}_unkeyed"
-        with Transaction(con):
-            con.execute(f"DROP TABLE IF EXISTS {new}")
-            con.execute(ddl.format(name=new))
-            con.execute(f"INSERT INTO {new} BY NAME SELECT * FROM {table}")  # in the order stored
+        def keep_newest(new: str, table: str = table) -> None:
             newest = con.execute(f"SELECT {', '.join(KEY_IDS[table])}, batch_id FROM {new} "
                                  f"ORDER BY batch_id DESC LIMIT {KEYS_KEPT}").fetchall()
             if newest:
@@ -224,8 +211,31 @@ def _drop_record_keys(con: duckdb.DuckDBPyConnection) -> None:
                              {"key": UINT64, "batch_id": UINT64})
                 with registered(con, "migrated_keys", keys) as view:
                     con.execute(f"INSERT OR IGNORE INTO recent_keys SELECT key, batch_id FROM {view}")
-            con.execute(f"DROP TABLE {table}")
-            con.execute(f"ALTER TABLE {new} RENAME TO {table}")
-        log.warning("%s rebuilt in %.1f s", table, time.monotonic() - started)
+        drop_primary_key(con, table, ddl.format(name=f"{table}_unkeyed"), "its index grew with the file "
+                         "and filled DuckDB's memory", then=keep_newest)
 
 
+def drop_primary_key(con: duckdb.DuckDBPyConnection, table: str, ddl: str, why: str, *,
+                     then: Callable[[str], object] | None = None) -> bool:
+    """Rebuild ``table`` of an older file without its primary key (DuckDB cannot drop a constraint), in
+    stored order, in one transaction; True when it did. ``ddl`` creates the new table as
+    ``{table}_unkeyed``; ``then`` is given that name before it takes the old one's."""
+    [(keyed,)] = con.execute("SELECT count(*) FROM duckdb_constraints() WHERE database_name = current_database() "
+                             "AND schema_name = current_schema() AND table_name = ? "
+                             "AND constraint_type = 'PRIMARY KEY'", [table]).fetchall()
+    if not keyed:
+        return False
+    [(rows,)] = con.execute(f"SELECT count(*) FROM {table}").fetchall()
+    log.warning("rebuilding %s (%d rows) without its key, once: %s", table, rows, why)
+    started = time.monotonic()
+    new = f"{table}_unkeyed"
+    with Transaction(con):
+        con.execute(f"DROP TABLE IF EXISTS {new}")
+        con.execute(ddl)
+        con.execute(f"INSERT INTO {new} BY NAME SELECT * FROM {table}")  # in the order stored
+        if then is not None:
+            then(new)
+        con.execute(f"DROP TABLE {table}")
+        con.execute(f"ALTER TABLE {new} RENAME TO {table}")
+    log.warning("%s rebuilt in %.1f s", table, time.monotonic() - started)
+    return True

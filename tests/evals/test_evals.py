@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -676,3 +677,61 @@ def test_page_highlights_exactly_what_the_evidence_check_verified(cur: duckdb.Du
         else:
             assert "<mark>" not in page and "not found in the transcript" in page
             assert "At least one quote the judge gave was not found" in page
+
+
+def test_an_older_files_keyed_evals_tables_are_rebuilt_without_their_keys_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Keys on the evals tables filled DuckDB's memory as conversations were kept: a file that has them is
+    rebuilt without, every row kept, and the rows written then are stored once as before."""
+    from collector.evals.judging import PROGRESS_SCHEMA
+    from collector.evals.judging import ensure_schema as judging_schema
+
+    old = {  # the tables as they were made before
+        "sampling_decisions": evals.UNKEYED["sampling_decisions"].replace(
+            "conversation_id VARCHAR NOT NULL", "conversation_id VARCHAR PRIMARY KEY"),
+        "verdicts": evals.UNKEYED["verdicts"].replace("id VARCHAR NOT NULL", "id VARCHAR PRIMARY KEY", 1),
+        "not_run": evals.UNKEYED["not_run"].replace(
+            '"at" TIMESTAMPTZ NOT NULL', '"at" TIMESTAMPTZ NOT NULL, PRIMARY KEY (conversation_id, criterion_id, '
+            'criterion_version)'),
+        "eval_progress": PROGRESS_SCHEMA.replace("conversation_id VARCHAR NOT NULL",
+                                                 "conversation_id VARCHAR PRIMARY KEY"),
+    }
+    con = duckdb.connect(str(tmp_path / "old.duckdb"))
+    c = con.cursor()
+    c.execute(CONVERSATIONS_SCHEMA)
+    c.execute("CREATE SEQUENCE verdict_seq")
+    for table, ddl in old.items():
+        c.execute(ddl.format(name=table))
+    review.ensure_schema(c)
+    add_conversation(c, "c", TOOL_TURNS[:2])
+    c.execute("INSERT INTO sampling_decisions VALUES ('c', 1, NULL, true, 0.5, NULL, NULL, ?)", [T0])
+    c.execute("INSERT INTO not_run VALUES ('c', 'tone', 1, 'no provider configured', ?)", [T0])
+    c.execute("INSERT INTO eval_progress VALUES ('c', 1, ?, 1, 1, ?)", [T0, T0])
+    stored = store(c, [verdict("c", "c1", "fail", "1" * 64)], probability=0.5, rule=None, now=T0)
+    tables = ("sampling_decisions", "verdicts", "not_run", "eval_progress")
+
+    def rows() -> dict[str, list[Any]]:
+        return {t: c.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall() for t in tables}
+
+    def keyed() -> list[str]:
+        return [t for (t,) in c.execute("SELECT table_name FROM duckdb_constraints() WHERE constraint_type = "
+                                        "'PRIMARY KEY' AND list_contains(?, table_name)", [list(tables)]).fetchall()]
+
+    before = rows()
+    assert sorted(keyed()) == sorted(tables)
+    caplog.set_level(logging.WARNING, logger="tracejudge.store")
+    judging_schema(c)
+    assert keyed() == [] and rows() == before
+    assert caplog.text.count("without its key, once") == 4
+    judging_schema(c)  # once
+    assert caplog.text.count("without its key, once") == 4
+
+    # Written again: the first decision stands, the latest not-run reason, a verdict once.
+    assert evals.record_sampling(c, "c", sampled=False, probability=0.1, rule="r")["probability"] == 0.5
+    evals.store_not_run(c, [NotRun(conversation_id="c", criterion_id="tone", criterion_version=1, reason="budget")])
+    assert store(c, [verdict("c", "c1", "fail", "1" * 64)], probability=0.5, rule=None) == []
+    after = rows()
+    assert after["sampling_decisions"] == before["sampling_decisions"] and after["verdicts"] == before["verdicts"]
+    assert [r[3] for r in after["not_run"]] == ["budget"]
+    assert stored and len(after["verdicts"]) == 1
+    con.close()

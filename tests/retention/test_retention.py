@@ -384,7 +384,7 @@ def test_a_sweep_warns_once_the_key_indexes_pass_half_of_duckdbs_memory(tmp_path
     store.open()
     cur = store.cursor()
     try:  # the other stages' tables, as the daemon's start makes them
-        for schema in (CONVERSATION_TABLES, VERDICT_TABLES, PROGRESS_TABLE):
+        for schema in (CONVERSATION_TABLES, VERDICT_TABLES, PROGRESS_TABLE.format(name="eval_progress")):
             cur.execute(schema)
     finally:
         cur.close()

@@ -1,0 +1,112 @@
+"""DuckDB's index memory per conversation kept: the evals tables keyed (as before) against unkeyed.
+
+Every conversation kept holds rows in several tables. A primary key's index stays whole in DuckDB's
+memory (``ART_INDEX`` in ``duckdb_memory()``) for as long as the rows are kept, so what it costs per
+conversation decides how many conversations fit in ``storage.memory_limit``. This fills two in-memory
+DuckDB databases with the same rows, in steps, as the daemon leaves them for each ended conversation:
+
+  keyed     the evals tables as they were: ``sampling_decisions``, ``eval_progress``, ``verdicts`` and
+            ``not_run`` each with its primary key
+  unkeyed   the daemon's tables (``collector.evals``), where only ``conversations`` keeps its key
+
+Each conversation has a random 36-character id, a row and a sampling decision; ``--sampled`` of them
+are judged (a progress row, a verdict per ``--criteria``) and, for want of a provider, get as many
+not-run records. At each step it prints the index bytes per conversation of both, and their ratio,
+and the milliseconds of the evaluator's scan (``Evaluator._scan``'s joins) over everything kept.
+Run by hand:
+
+    .venv/bin/python bench/conversation_keys.py [--conversations 1000000] [--sampled 0.1] [--criteria 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+import uuid
+from random import Random
+
+import duckdb
+
+from collector.conversations.tables import SCHEMA as CONVERSATIONS
+from collector.evals.judging import JUDGEMENT_DUE, PROGRESS_SCHEMA
+from collector.evals.judging import ensure_schema as evals_schema
+from collector.evals.verdicts import UNKEYED
+
+KEYS = {  # each table's key before
+    "sampling_decisions": "PRIMARY KEY (conversation_id)",
+    "eval_progress": "PRIMARY KEY (conversation_id)",
+    "verdicts": "PRIMARY KEY (id)",
+    "not_run": "PRIMARY KEY (conversation_id, criterion_id, criterion_version)",
+}
+SCAN = ("SELECT count(*) FROM conversations c LEFT JOIN sampling_decisions s USING (conversation_id) "
+        f"LEFT JOIN eval_progress p USING (conversation_id) WHERE c.state = 'ended' AND c.updated_at > ? "
+        f"AND {JUDGEMENT_DUE.replace('c.conversation_id', 'conversation_id')}")
+
+
+def database(keyed: bool) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(config={"memory_limit": "4GB"})
+    con.execute(CONVERSATIONS)
+    if keyed:  # as older versions made them (the evals schema would rebuild them unkeyed)
+        con.execute("CREATE SEQUENCE verdict_seq")
+        for table, ddl in {**UNKEYED, "eval_progress": PROGRESS_SCHEMA}.items():
+            con.execute(ddl.format(name=table).rstrip()[:-1] + f", {KEYS[table]})")
+    else:
+        evals_schema(con)
+    return con
+
+
+def fill(con: duckdb.DuckDBPyConnection, ids: list[str], sampled: list[str], criteria: int) -> None:
+    old = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    con.execute("INSERT INTO conversations (conversation_id, state, revision, updated_at) "
+                "SELECT x, 'ended', 1, ? FROM unnest(?::VARCHAR[]) t(x)", [old, ids])
+    con.execute("INSERT INTO sampling_decisions SELECT x, 1, NULL, list_contains(?, x), 0.1, NULL, NULL, ? "
+                "FROM unnest(?::VARCHAR[]) t(x)", [sampled, old, ids])
+    con.execute("INSERT INTO eval_progress SELECT x, 1, ?, 0, 1, NULL FROM unnest(?::VARCHAR[]) t(x)", [old, sampled])
+    con.execute("INSERT INTO verdicts SELECT md5(x || k), nextval('verdict_seq'), x, 'c' || k, 1, 'anthropic', 'm', "
+                "md5(x), 'pass', NULL, '', '[]', true, false, 0, 0, NULL, 0.1, NULL, ?, false "
+                "FROM unnest(?::VARCHAR[]) t(x), range(?) r(k)", [old, sampled, criteria])
+    con.execute("INSERT INTO not_run SELECT x, 'llm' || k, 1, 'no provider configured', ? "
+                "FROM unnest(?::VARCHAR[]) t(x), range(?) r(k)", [old, sampled, criteria])
+
+
+def index_bytes(con: duckdb.DuckDBPyConnection) -> int:
+    rows = con.execute("SELECT memory_usage_bytes FROM duckdb_memory() WHERE tag = 'ART_INDEX'").fetchall()
+    return rows[0][0] if rows else 0
+
+
+def scan_ms(con: duckdb.DuckDBPyConnection) -> float:
+    since = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+    times = []
+    for _ in range(5):
+        began = time.perf_counter()
+        con.execute(SCAN, [since]).fetchall()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[2] * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=1_000_000)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--sampled", type=float, default=0.1, help="share of conversations judged")
+    p.add_argument("--criteria", type=int, default=3, help="verdicts (and not-run records) per judged conversation")
+    args = p.parse_args()
+    rnd = Random(1)
+    dbs = {"keyed": database(True), "unkeyed": database(False)}
+    step = args.conversations // args.steps
+    print(f"{'conversations':>13} {'keyed B/conv':>13} {'unkeyed B/conv':>15} {'unkeyed/keyed':>14} "
+          f"{'scan ms keyed':>14} {'scan ms unkeyed':>16}")
+    for n in range(step, step * args.steps + 1, step):
+        ids = [str(uuid.UUID(int=rnd.getrandbits(128))) for _ in range(step)]
+        sampled = [c for c in ids if rnd.random() < args.sampled]
+        for con in dbs.values():
+            fill(con, ids, sampled, args.criteria)
+        per = {name: index_bytes(con) / n for name, con in dbs.items()}
+        ms = {name: scan_ms(con) for name, con in dbs.items()}
+        print(f"{n:>13,} {per['keyed']:>13.0f} {per['unkeyed']:>15.0f} {per['unkeyed'] / per['keyed']:>13.2f}x "
+              f"{ms['keyed']:>14.1f} {ms['unkeyed']:>16.1f}")
+
+
+if __name__ == "__main__":
+    main()
