@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -57,6 +58,11 @@ PROGRESS_COLUMNS = ("conversation_id", "revision", "judged_at", "errors", "attem
 JUDGEMENT_DUE = ("(s.conversation_id IS NULL OR (s.sampled AND s.skipped_reason IS NULL "
                  "AND (p.revision IS NULL OR p.revision < c.revision)))")
 RETRY_DUE = "(p.retry_at IS NOT NULL AND p.revision = c.revision)"
+
+# The evals tables have no key (``verdicts.UNKEYED``): a store writes each row once by reading first, in
+# its transaction. The evaluator and a ``tracejudge eval`` pass store on two cursors of one daemon, so
+# their stores take turns: each begins after the other has committed, and sees what it wrote.
+_STORING = threading.Lock()
 
 RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attempt on errors
 _UTC = dt.timezone.utc
@@ -251,7 +257,7 @@ class Judging:
         one by one (three quarters of its time in bench/online.py) while judge calls waited to start.
         """
         now = utc(self.clock())
-        with Transaction(cur):
+        with _STORING, Transaction(cur):
             groups: dict[tuple[float, str | None], list[Outcome]] = defaultdict(list)
             for o in outcomes:
                 groups[(o.job.probability, o.job.rule)].append(o)

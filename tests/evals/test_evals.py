@@ -299,6 +299,45 @@ def test_outcomes_stored_together_are_stored_as_each_alone(tmp_path: Path) -> No
         ("a", 1, 0, 1, None), ("b", 1, 1, 2, T0 + dt.timedelta(seconds=600)), ("sim", 1, 0, 1, None)]
 
 
+def test_two_stores_of_the_same_outcomes_at_once_write_each_row_once(tmp_path: Path) -> None:
+    """The evaluator and a ``tracejudge eval`` pass store on two cursors of one daemon, and the evals
+    tables have no key: the second store begins once the first has committed, so it finds its rows."""
+    import threading
+
+    from collector.evals.judging import Outcome
+    from collector.evals.judging import ensure_schema as judging_schema
+    from judges import JudgeRun
+
+    con = duckdb.connect(str(tmp_path / "t.duckdb"))
+    c = con.cursor()
+    c.execute(CONVERSATIONS_SCHEMA)
+    judging_schema(c)
+    review.ensure_schema(c)
+    sha = add_conversation(c, "a", TOOL_TURNS[:4])
+    inside, go = threading.Event(), threading.Event()
+
+    def hold_the_first(*_: Any) -> None:  # called in the storing transaction
+        if not inside.is_set():
+            inside.set()
+            assert go.wait(30)
+
+    judging = Judging(TOOL_CRITERIA, None, concurrency=1, timeout=1.0, on_stored=hold_the_first,
+                      clock=lambda: T0.timestamp())
+    outcome = Outcome(Job("a", 1, 0.5, None), JudgeRun(verdicts=[verdict("a", "c1", "fail", sha)], not_run=[
+        NotRun(conversation_id="a", criterion_id="c2", criterion_version=1, reason="budget")], usage=Usage()), sha, 0)
+    stores = [threading.Thread(target=judging.store, args=(con.cursor(), [outcome])) for _ in range(2)]
+    stores[0].start()
+    assert inside.wait(30)
+    stores[1].start()
+    stores[1].join(1.0)  # without turns, the second store ends here, before the first commits
+    go.set()
+    for t in stores:
+        t.join(30)
+    for table in ("verdicts", "not_run", "eval_progress"):
+        assert count(c, f"SELECT count(*) FROM {table}") == 1, table
+    con.close()
+
+
 def test_verdicts_under_the_earlier_digest_are_not_judged_again(cur: duckdb.DuckDBPyConnection) -> None:
     """A file from before the digest covered the rendered transcript: its verdicts stay current."""
     add_conversation(cur, "conv", TOOL_TURNS)
