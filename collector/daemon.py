@@ -46,6 +46,7 @@ from .conversations.process import StageProcess
 from .conversations.reindex import Runner
 from .errors import StoreUnavailable, UserError
 from .evals.evaluator import Evaluator
+from .evals.judging import ensure_schema as evals_schema
 from .evals.setup import daemon_provider, load_configured_criteria
 from .forward import Forwarder
 from .forward.verdicts import VerdictEvents
@@ -157,8 +158,9 @@ class Stopped:
 async def _open(store: Store, signals: StopSignals) -> bool:
     """Open the store off the loop, so that a stop signal cuts a long open short (the one-time rebuild of
     an older file's tables, half a minute at ten million spans): False when a signal came first, with
-    the file as it was and nothing left open."""
-    opening = asyncio.ensure_future(asyncio.to_thread(store.open))
+    the file as it was and nothing left open. The evals tables are made there too, for their own
+    one-time rebuild (about a second a million conversations)."""
+    opening = asyncio.ensure_future(asyncio.to_thread(store.open, evals_schema))
     stop = asyncio.ensure_future(signals.wait())
     try:
         await asyncio.wait({opening, stop}, return_when=asyncio.FIRST_COMPLETED)

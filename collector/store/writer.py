@@ -122,8 +122,11 @@ class Store:
 
     # ------------------------------------------------------------ lifecycle
 
-    def open(self) -> None:
+    def open(self, prepare: Callable[[duckdb.DuckDBPyConnection], object] | None = None) -> None:
         """Connect, create the schema and start the writer.
+
+        ``prepare``: more of the schema (another package's tables), made on the same connection and on the
+        same terms: ``interrupt_open`` cuts it short.
 
         Raises:
             DatabaseLocked: another process holds the file.
@@ -133,6 +136,8 @@ class Store:
         self._opening = con
         try:
             create_schema(con)
+            if prepare is not None:
+                prepare(con)
             self._batch_id = self._last_batch(con)
             self._keys = collections.deque(
                 con.execute("SELECT batch_id, count(*) FROM recent_keys GROUP BY batch_id ORDER BY batch_id").fetchall())

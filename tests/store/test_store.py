@@ -12,6 +12,7 @@ import duckdb
 import pytest
 
 from collector.errors import StoreUnavailable
+from collector.evals.verdicts import UNKEYED
 from collector.ingest.batches import LOG_COLUMNS, SPAN_COLUMNS, LogBatch, SpanBatch
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Committed, Store
@@ -284,37 +285,50 @@ def test_a_file_whose_span_and_log_tables_have_keys_is_rebuilt_without_them(tmp_
         store.close()
 
 
+# A keyed table of an older file, as it was made, and how to fill it with a million rows.
+_OLDER = {
+    "span_records": (SPAN_TABLE.format(name="span_records").removesuffix(")") + ", PRIMARY KEY (trace_id, span_id))",
+                     "INSERT INTO span_records (trace_id, span_id, name, attributes, received_at, batch_id) "
+                     "SELECT md5((i // 4)::VARCHAR), left(md5(i::VARCHAR), 16), 'chat', '{\"k\": \"v\"}', now(), "
+                     "i // 512 FROM range(?) t(i)"),
+    "sampling_decisions": (UNKEYED["sampling_decisions"].format(name="sampling_decisions").replace(
+                               "conversation_id VARCHAR NOT NULL", "conversation_id VARCHAR PRIMARY KEY"),
+                           "INSERT INTO sampling_decisions SELECT md5(i::VARCHAR), 1, NULL, i % 10 = 0, 0.1, NULL, "
+                           "NULL, now() FROM range(?) t(i)"),
+}
+
+
+@pytest.mark.parametrize("table", list(_OLDER))
 def test_a_stop_during_the_rebuild_of_an_older_file_leaves_it_whole_and_the_next_start_rebuilds_it(
-        tmp_path: Path) -> None:
-    """The rebuild of a keyed span table is one transaction in the daemon's start: SIGTERM interrupts it
-    (the daemon exits at once, the file as it was) or, had it finished first, finds it rebuilt. Either
-    way no row is lost, and the next start rebuilds what is left."""
+        tmp_path: Path, table: str) -> None:
+    """The rebuild of a keyed table (the span table's, the evals tables') is one transaction in the
+    daemon's start: SIGTERM interrupts it (the daemon exits at once, the file as it was) or, had it
+    finished first, finds it rebuilt. Either way no row is lost, and the next start rebuilds what is left."""
     rows = 1_000_000
     daemon = DaemonProcess(tmp_path, base_config(tmp_path))
     store = Store(daemon.duckdb)
     store.open()
     store.close()
     con = duckdb.connect(str(daemon.duckdb))
-    con.execute("DROP TABLE span_records")
-    con.execute(SPAN_TABLE.format(name="span_records").removesuffix(")") + ", PRIMARY KEY (trace_id, span_id))")
-    con.execute("INSERT INTO span_records (trace_id, span_id, name, attributes, received_at, batch_id) "
-                "SELECT md5((i // 4)::VARCHAR), left(md5(i::VARCHAR), 16), 'chat', '{\"k\": \"v\"}', now(), i // 512 "
-                "FROM range(?) t(i)", [rows])
+    ddl, fill = _OLDER[table]
+    con.execute(f"DROP TABLE IF EXISTS {table}")
+    con.execute(ddl)
+    con.execute(fill, [rows])
     con.close()
 
     def layout() -> tuple[int, int]:
         c = duckdb.connect(str(daemon.duckdb), read_only=True)
         try:
-            return c.execute("SELECT (SELECT count(*) FROM span_records), (SELECT count(*) FROM duckdb_constraints() "
-                             "WHERE table_name = 'span_records' AND constraint_type = 'PRIMARY KEY')").fetchall()[0]
+            return c.execute(f"SELECT (SELECT count(*) FROM {table}), (SELECT count(*) FROM duckdb_constraints() "
+                             "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY')", [table]).fetchall()[0]
         finally:
             c.close()
 
     try:
         daemon.start(ready=False)
-        daemon.wait_output("rebuilding span_records")
+        daemon.wait_output(f"rebuilding {table}")
         assert daemon.stop() == 0
-        rebuilt = "span_records rebuilt in" in daemon.output()  # logged once its transaction committed
+        rebuilt = f"{table} rebuilt in" in daemon.output()  # logged once its transaction committed
         assert rebuilt or "interrupting it" in daemon.output()
         assert layout() == (rows, 0 if rebuilt else 1), daemon.output()
         daemon.start(timeout=120)
