@@ -34,10 +34,11 @@ from ..store.schema import drop_primary_key
 from ..store.transactions import Transaction, one, registered, registered_rows, utc_now
 
 # ``sampling_decisions``, ``verdicts`` and ``not_run`` have no key: a key's index stays whole in DuckDB's
-# memory, about 90 bytes a row with their ids, for as long as the rows are kept (a month of
-# conversations filled the default limit). Nothing read them by key: the evaluator's scans join whole
-# tables. Each is written by the evaluator alone (one thread in the daemon; ``tracejudge eval`` and
-# the backfill hold the file alone), which stores a row once by reading first, in the same transaction.
+# memory for as long as the rows are kept, and theirs with ``eval_progress``'s took 244-257 bytes a
+# conversation kept against 94-99 without (``bench/conversation_keys.py``). Nothing read them by key: the
+# evaluator's scans join whole tables. A row is stored once by reading first, in the same transaction:
+# sampling decisions by the evaluator's scan alone, the rest by ``Judging.store``, whose stores take
+# turns (``judging._STORING``).
 UNKEYED = {
     "sampling_decisions": """CREATE TABLE IF NOT EXISTS {name} (
     conversation_id VARCHAR NOT NULL,
