@@ -123,14 +123,14 @@ def messages(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
             con.execute("INSERT INTO messages (conversation_id, seq, role, content, first_batch) "
                         "SELECT md5((i // 9)::VARCHAR), i % 9, 'user', repeat('x', 100), i // 900 FROM range(?, ?) t(i)",
                         [lo, min(size, lo + INSERT_ROWS)])
-            con.execute("INSERT INTO conversations (conversation_id, state, first_batch, messages_batch) "
+            con.execute("INSERT INTO live_conversations (conversation_id, state, first_batch, messages_batch) "
                         "SELECT md5(c::VARCHAR), 'ended', c // 100, c // 100 FROM range(?, ?) t(c)",
                         [lo // MESSAGES_PER_CONVERSATION, min(size, lo + INSERT_ROWS) // MESSAGES_PER_CONVERSATION])
         filled = size
         con.execute("CHECKPOINT")
         last = size // MESSAGES_PER_CONVERSATION
         ids = [r[0] for r in con.execute("SELECT md5(c::VARCHAR) FROM range(?, ?) t(c)", [last - REPLACED, last]).fetchall()]
-        con.execute("UPDATE conversations SET first_batch = 0 WHERE conversation_id = ?", [ids[-1]])  # open since the start
+        con.execute("UPDATE live_conversations SET first_batch = 0 WHERE conversation_id = ?", [ids[-1]])  # open since the start
         con.execute("CHECKPOINT")
 
         def rolled_back(delete: object) -> None:

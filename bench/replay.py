@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 MESSAGES = 8
 
 FILL_CONVERSATIONS = """
-INSERT INTO conversations
+INSERT INTO live_conversations
 SELECT 'c-' || md5(i::VARCHAR), 'shopbot', ts - INTERVAL 5 MINUTE, CASE WHEN i % 20 = 0 THEN NULL ELSE ts END,
        CASE WHEN i % 20 = 0 THEN NULL WHEN i % 7 = 0 THEN 'handover' ELSE 'idle' END,
        CASE WHEN i % 20 = 0 THEN 'open' ELSE 'ended' END, 4, 2000 + i % 500, 300 + i % 90, 5, 8,

@@ -57,7 +57,7 @@ def copy_of(src: Path, into: Path) -> Path:
 def reopen_all(db: Path) -> int:
     con = duckdb.connect(str(db))
     try:
-        con.execute("UPDATE conversations SET state = 'open', ended_at = NULL, ended_by = NULL, closed_at = NULL")
+        con.execute("UPDATE live_conversations SET state = 'open', ended_at = NULL, ended_by = NULL, closed_at = NULL")
         return int(con.execute("SELECT count(*) FROM conversations").fetchone()[0])
     finally:
         con.close()

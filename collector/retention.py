@@ -276,7 +276,7 @@ class Retention(Stage):
         ids = [cid for cid, _, _ in rows]
         with Transaction(cur):
             spans = self._delete_rows(ids, max(at for _, at, _ in rows), mark, [first for _, _, first in rows])
-            delete_messages(cur, ids)  # within where their messages were written
+            delete_messages(cur, ids, ids)  # within where their messages were written; most are archived
             for table in ("sampling_decisions", "verdicts", "not_run", "eval_progress"):
                 cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
             if not self.settings.keep_reviewed:
@@ -287,8 +287,13 @@ class Retention(Stage):
                 cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
             # A conversation the conversation stage reopens meanwhile makes this commit conflict:
             # all of it rolls back, and the next sweep finds it open.
-            [(gone,)] = cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
-                                    [ids]).fetchall()
+            [(live,)] = cur.execute("DELETE FROM live_conversations WHERE conversation_id IN "
+                                    "(SELECT unnest(?::VARCHAR[]))", [ids]).fetchall()
+            # The archive has no key: the last arrival bounds the row groups read (moves append the oldest first).
+            [(archived,)] = cur.execute("DELETE FROM archived_conversations WHERE last_arrival_at <= ? AND "
+                                        "conversation_id IN (SELECT unnest(?::VARCHAR[]))",
+                                        [max(at for _, at, _ in rows), ids]).fetchall()
+            gone = live + archived
         self._count(deleted, spans)
         deleted["conversations"] += gone
         self.m.deleted.inc(gone, what="conversations")

@@ -63,7 +63,7 @@ from ..memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
 from ..metrics import Metrics
 from ..store import Committed, Pacing, register, rows_table
 from .rows import Light
-from .tables import SCHEMA
+from .tables import ensure_tables
 
 if TYPE_CHECKING:
     from ..store import Store  # imported when first asked for (collector.store)
@@ -386,7 +386,7 @@ class StageProcess(Stage):
         """Create the stage's tables here (an error in them stops the start-up), then start the child;
         it opens its stage and catches up while the daemon starts."""
         self.cur = self.store.cursor()
-        self.cur.execute(SCHEMA)
+        ensure_tables(self.cur)
         self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
         self._thread = threading.Thread(target=self._supervise, name="tracejudge-conversations", daemon=True)
         self._thread.start()

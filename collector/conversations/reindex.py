@@ -40,7 +40,7 @@ from ..store import Transaction
 from ..store.schema import TRACE_MAP
 from ..store.transactions import one
 from .stage import Conversations
-from .tables import SCHEMA as TABLES
+from .tables import ensure_tables
 
 if TYPE_CHECKING:
     from ..store import Store  # imported when first asked for (collector.store)
@@ -50,7 +50,12 @@ log = logging.getLogger("tracejudge.reindex")
 SCHEMA = "reindex"
 LAYOUT = "traces-v3"  # reindex_traces with each trace's first and last commits
 CHUNK = 500  # traces rebuilt and committed together
-_REBUILT = ("conversations", "messages", "trace_conversations", "trace_archive")
+_REBUILT = ("live_conversations", "archived_conversations", "conversation_filter", "messages", "trace_conversations",
+            "trace_archive")
+# Those kept as stored, copied from the main schema before the rebuild: every one into the live table (keyed,
+# so that the rebuild finds it; the reindex's moves archive it with its filter).
+_KEPT_FROM = {"live_conversations": "conversations", "messages": "messages",
+              "trace_conversations": "trace_conversations", "trace_archive": "trace_archive"}
 
 
 @dataclass
@@ -162,11 +167,12 @@ class Reindex:
             with Transaction(cur):
                 upto = self._state(cur, "reindex.upto")
                 # The next revision where the transcript changed, to be judged again; the same one elsewhere.
-                cur.execute(
-                    f"UPDATE {SCHEMA}.conversations AS n SET revision = CASE WHEN o.transcript_hash = "
-                    "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
-                    "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
-                cur.execute(f"UPDATE {SCHEMA}.conversations SET updated_at = ?", [now])
+                for table in ("live_conversations", "archived_conversations"):
+                    cur.execute(
+                        f"UPDATE {SCHEMA}.{table} AS n SET revision = CASE WHEN o.transcript_hash = "
+                        "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
+                        "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
+                    cur.execute(f"UPDATE {SCHEMA}.{table} SET updated_at = ?", [now])
                 for table in _REBUILT:
                     cur.execute(f"DELETE FROM main.{table}")
                     cur.execute(f"INSERT INTO main.{table} SELECT * FROM {SCHEMA}.{table}")
@@ -200,13 +206,13 @@ class Reindex:
     def _start(self, cur: duckdb.DuckDBPyConnection, fingerprint: str) -> None:
         """The reindex's schema, its tables, the order of the traces, and the conversations kept as stored."""
         with Transaction(cur):
-            cur.execute(TABLES)  # a file no daemon has opened since conversations came has none yet
+            ensure_tables(cur)  # a file no daemon has opened since conversations came has none yet
             cur.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
             cur.execute(f"CREATE SCHEMA {SCHEMA}")
         shadow = self.store.cursor(SCHEMA)
         try:
             with Transaction(shadow):
-                shadow.execute(TABLES)
+                ensure_tables(shadow)
                 shadow.execute(TRACE_MAP)
                 upto = self.store.batch_id
                 # One pass over the rows, so that each chunk reads its traces by number, each within its commits.
@@ -221,8 +227,8 @@ class Reindex:
                     "CREATE TEMP TABLE reindex_kept AS SELECT DISTINCT conversation_id FROM main.trace_map t "
                     "WHERE NOT EXISTS (SELECT 1 FROM main.span_records s WHERE s.trace_id = t.trace_id) "
                     "AND NOT EXISTS (SELECT 1 FROM main.log_records l WHERE l.trace_id = t.trace_id)")
-                for table in _REBUILT:
-                    shadow.execute(f"INSERT INTO {table} SELECT * FROM main.{table} WHERE conversation_id IN "
+                for table, source in _KEPT_FROM.items():
+                    shadow.execute(f"INSERT INTO {table} SELECT * FROM main.{source} WHERE conversation_id IN "
                                    "(SELECT conversation_id FROM reindex_kept)")
                 row = one(shadow.execute("SELECT count(*) FROM reindex_kept"))
                 shadow.execute("DROP TABLE reindex_kept")

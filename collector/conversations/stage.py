@@ -53,7 +53,8 @@ from .endings import ended_by_rule, idle
 from .keys import conversation_key
 from .record import stored_transcript
 from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
-from .tables import SCHEMA, TRACES_KEPT
+from .archive import ARCHIVE_KEPT, ConversationArchive
+from .tables import TRACES_KEPT, ensure_tables
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
 from .writes import ConversationRow, Writes, message_rows
@@ -89,13 +90,14 @@ class Conversations(Stage):
     def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
                  rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
-                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP, traces_kept: int = TRACES_KEPT) -> None:
+                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP, traces_kept: int = TRACES_KEPT,
+                 conversations_kept: int = ARCHIVE_KEPT) -> None:
         super().__init__(store, metrics or Metrics())
         self.settings = settings
         self.clock = clock
         self.pacing = store.pacing(idle_gap=idle_gap, share=SHARE, max_wait=max_wait, poll=POLL, piece=PIECE)
         self.rows = RowCache(cache_spans)
-        self.map = TraceMap()
+        self.map = TraceMap(ConversationArchive(conversations_kept))  # ended ones keyed (``archive``)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._warned_no_content: set[str] = set()
         # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
@@ -129,7 +131,7 @@ class Conversations(Stage):
 
     def _open(self) -> None:
         """Create tables and load state; ``start`` then queues the catch-up and runs the thread."""
-        self._db().execute(SCHEMA)
+        ensure_tables(self._db())
         self._load_state()
         # Commits this stage never saw (a crash between commit and processing) come back from DuckDB.
         self._queue.put(("catch_up", None))
@@ -148,6 +150,7 @@ class Conversations(Stage):
         self._processed_batch = int(row[0]) if row else 0
         self._resume_from = self._processed_batch
         self._resume_to = self.store.batch_id  # the last commit made before now
+        self.map.archive.load(cur)
         self.map.load_open(cur)
 
     @property
@@ -596,6 +599,8 @@ class Conversations(Stage):
         conv.rebuilt_at = self.clock()
         if not conv.traces:  # every trace moved to a keyed conversation
             self._writes.delete(conv.id)
+            if conv.archived:
+                self._writes.unarchive.add(conv.id)
             self.map.convs.pop(conv.id, None)
             self._rows_written.pop(conv.id, None)
             return
@@ -674,6 +679,9 @@ class Conversations(Stage):
         self._writes.messages[conv.id] = message_rows(conv.id, tr, row.messages_batch)
         if conv.stored:
             self._writes.replace.add(conv.id)
+        if conv.archived:  # back in live_conversations with this write, out of the archive with the same flush
+            self._writes.unarchive.add(conv.id)
+            conv.archived = False
         conv.stored = True
         if conv.state == "ended":
             # It leaves memory once this write is sent: until then the trace map and its row in DuckDB
@@ -688,6 +696,7 @@ class Conversations(Stage):
         In the stage process the daemon writes while this goes on (``RemoteCursor.write_behind``): its
         statements come after the writes, and the cycle ends with ``_sync``, which raises their error.
         """
+        written = len(self._writes.conversations)
         try:
             behind = getattr(self._db(), "write_behind", None)
             if behind is None:
@@ -702,6 +711,10 @@ class Conversations(Stage):
             if conv.state == "ended" and conv.id not in self._dirty:  # no new data meanwhile
                 self._forget(conv)
         self._leaving.clear()
+        archive = self.map.archive
+        archive.written(written)
+        if archive.due():  # after the writes, on the same cursor: what it moves is stored
+            archive.move(self._db(), held=self.map.convs.keys())
 
     def _sync(self) -> None:
         """Everything written so far is stored (the stage process's writes behind are answered)."""
@@ -733,9 +746,9 @@ class Conversations(Stage):
                      dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
             with Transaction(cur), registered_rows(
                     cur, "ended_now", ("conversation_id", "ended_at", "ended_by", "closed_at", "updated_at"), rows):
-                cur.execute("UPDATE conversations SET state = 'ended', ended_at = e.ended_at, ended_by = e.ended_by, "
-                            "closed_at = e.closed_at, updated_at = e.updated_at FROM ended_now e "
-                            "WHERE conversations.conversation_id = e.conversation_id")
+                cur.execute("UPDATE live_conversations AS c SET state = 'ended', ended_at = e.ended_at, "
+                            "ended_by = e.ended_by, closed_at = e.closed_at, updated_at = e.updated_at "
+                            "FROM ended_now e WHERE c.conversation_id = e.conversation_id")
             for conv in part:
                 self._done(conv.id)
                 self._forget(conv)

@@ -13,11 +13,9 @@ from typing import Any
 import duckdb
 
 from ..listing import iso_utc
-from ..store.transactions import one
+from ..store.transactions import Transaction, one
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    conversation_id VARCHAR PRIMARY KEY,
+_CONVERSATION_FIELDS = """
     service VARCHAR,
     started_at TIMESTAMPTZ,
     ended_at TIMESTAMPTZ,
@@ -45,13 +43,28 @@ CREATE TABLE IF NOT EXISTS conversations (
     sources VARCHAR,
     first_batch UBIGINT,
     messages_batch UBIGINT
-);
+"""
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS live_conversations (
+    conversation_id VARCHAR PRIMARY KEY,
+{_CONVERSATION_FIELDS});
 -- The first commit holding rows of the conversation's traces (reads of them skip older ones).
 -- Added to older files; NULL there until the conversation is rebuilt.
-ALTER TABLE conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
+ALTER TABLE live_conversations ADD COLUMN IF NOT EXISTS first_batch UBIGINT;
 -- Where its messages were last written: the batch the stage had taken in then, as their rows carry it
 -- (messages.first_batch). Added to older files; NULL there until the transcript is written again.
-ALTER TABLE conversations ADD COLUMN IF NOT EXISTS messages_batch UBIGINT;
+ALTER TABLE live_conversations ADD COLUMN IF NOT EXISTS messages_batch UBIGINT;
+-- Ended conversations past the newest ARCHIVE_KEPT, without a key (``archive`` says why).
+CREATE TABLE IF NOT EXISTS archived_conversations (
+    conversation_id VARCHAR NOT NULL,
+{_CONVERSATION_FIELDS});
+-- A Bloom filter of every id ever archived, in layers of growing capacity (``archive.ArchiveFilter``).
+CREATE TABLE IF NOT EXISTS conversation_filter (
+    layer INTEGER PRIMARY KEY, capacity BIGINT NOT NULL, ids BIGINT NOT NULL, bits BLOB NOT NULL,
+    newest TIMESTAMPTZ);
+CREATE OR REPLACE VIEW conversations AS
+    SELECT * FROM live_conversations UNION ALL SELECT * FROM archived_conversations;
 CREATE TABLE IF NOT EXISTS messages (
     conversation_id VARCHAR NOT NULL,
     seq INTEGER NOT NULL,
@@ -89,6 +102,18 @@ TRACE_MAP_COLUMNS = ("trace_id", "conversation_id", "first_batch", "last_batch")
 # 3 minutes of traces, at 10 a second the last 5 hours. An open conversation's traces are known however
 # old: the stage holds them.
 TRACES_KEPT = 200_000
+
+def ensure_tables(cur: duckdb.DuckDBPyConnection) -> None:
+    """``SCHEMA`` in the cursor's schema, on a file of any version: the keyed ``conversations`` table of an
+    older one becomes ``live_conversations`` (its conversations move to the archive a flush at a time)."""
+    with Transaction(cur):
+        row = one(cur.execute(
+            "SELECT table_type FROM information_schema.tables WHERE table_catalog = current_database() "
+            "AND table_schema = current_schema() AND table_name = 'conversations'"))
+        if row and row[0] == "BASE TABLE":
+            cur.execute("ALTER TABLE conversations RENAME TO live_conversations")
+        cur.execute(SCHEMA)
+
 
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",

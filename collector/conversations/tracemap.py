@@ -6,8 +6,8 @@ one whose response its model call continues (``previous_response.id``), else to
 LLM call or agent span, no GenAI event) waits in ``pending`` until it has.
 
 Memory holds the open conversations and the ended ones touched recently, with
-their traces; anything else is read from ``conversations`` and
-``trace_conversations`` when a trace of it comes back.
+their traces; anything else is read from ``live_conversations`` (or the archive,
+``archive``) and ``trace_conversations`` when a trace of it comes back.
 
 Lifecycle: one per stage, used by its thread only; ``clear()`` after a failed
 cycle, then ``load_open`` again.
@@ -25,6 +25,7 @@ import orjson
 
 from ..normalize import Attrs, span_kind
 from ..store.transactions import by_keys
+from .archive import ConversationArchive
 from .keys import json_column, response_links
 from .rows import TraceRows
 
@@ -46,6 +47,7 @@ class Tracked:
     hash: str | None = None
     revision: int = 0
     stored: bool = False  # has rows in the conversations/messages tables
+    archived: bool = False  # its stored row is in archived_conversations (read back by ``TraceMap.load``)
     last_span_end: dt.datetime | None = None
     rebuilt_at: float = 0.0
     # The first commit holding rows of its traces, so that reading them skips older commits; None when
@@ -77,7 +79,8 @@ def is_genai(rows: TraceRows) -> bool:
 class TraceMap:
     """Traces to conversations, and the conversations in memory (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, archive: ConversationArchive | None = None) -> None:
+        self.archive = archive or ConversationArchive()
         self.convs: dict[str, Tracked] = {}  # open conversations, and ended ones touched recently
         # traces with no conversation yet -> (when they last arrived, the first commit with their rows)
         self.pending: dict[str, tuple[float, int | None]] = {}
@@ -114,11 +117,15 @@ class TraceMap:
         return out
 
     def load(self, cur: duckdb.DuckDBPyConnection, cids: Iterable[str]) -> None:
-        """Bring these conversations into memory (one read for those not there yet); new ones start empty."""
+        """Bring these conversations into memory (one read of the live ones for those not there yet, then of
+        the archive for those its filter may have); new ones start empty."""
         missing = sorted({c for c in cids if c not in self.convs})
         if not missing:
             return
         found = {c.id: c for c in _read(cur, "conversation_id IN {keys}", missing)}
+        for conv in _tracked(self.archive.find(cur, [c for c in missing if c not in found], _COLUMNS)):
+            conv.archived = True
+            found[conv.id] = conv
         for cid in missing:
             self.keep(found.get(cid) or Tracked(cid, []))
 
@@ -150,11 +157,16 @@ class TraceMap:
         return cid
 
 
+_COLUMNS = ("conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
+            "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch")
+
+
 def _read(cur: duckdb.DuckDBPyConnection, where: str, keys: list[str] | None = None) -> list[Tracked]:
-    """Stored conversations as the stage tracks them: ``where``, or with ``keys`` those ids (``{keys}`` in it)."""
-    sql = ("SELECT conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-           "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch FROM conversations "
-           f"WHERE {where}")
+    """Live conversations as the stage tracks them: ``where``, or with ``keys`` those ids (``{keys}`` in it)."""
+    sql = f"SELECT {_COLUMNS} FROM live_conversations WHERE {where}"
+    return _tracked(by_keys(cur, sql, keys) if keys is not None else cur.execute(sql).fetchall())
+
+
+def _tracked(rows: list[tuple[Any, ...]]) -> list[Tracked]:
     return [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
-                    rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10])
-            for rec in (by_keys(cur, sql, keys) if keys is not None else cur.execute(sql).fetchall())]
+                    rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10]) for rec in rows]

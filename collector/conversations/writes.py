@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +114,7 @@ def message_rows(cid: str, tr: Transcript, written: int | None) -> list[tuple[An
             for i, m in enumerate(tr.messages)]
 
 
-def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str]) -> None:
+def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str], archived: Collection[str] = ()) -> None:
     """Delete these conversations' stored messages, reading only the row groups that can hold them.
 
     ``messages`` has no index, and a transcript is replaced at every update, so a delete by id alone
@@ -125,12 +126,17 @@ def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str]) ->
     bounds it above, so that retention's delete of the oldest conversations skips the newer ones. A row
     written before ``messages_batch`` carries its conversation's ``first_batch``, found from there
     (no upper bound then); one from before either is NULL, and still found.
+
+    Their rows are read from ``live_conversations`` by key, and those of ``archived`` from the archive too.
     """
+    bounds = ("SELECT count(*), min(coalesce(messages_batch, first_batch)), max(messages_batch), "
+              "count(*) FILTER (WHERE messages_batch IS NULL) FROM {table} WHERE conversation_id IN {keys}")
+    found = by_keys(cur, bounds.format(table="live_conversations", keys="{keys}"), conversations)
+    if archived:
+        found += cur.execute(bounds.format(table="archived_conversations", keys="(SELECT unnest(?::VARCHAR[]))"),
+                             [sorted(archived)]).fetchall()
     low, high = 2**63 - 1, 0
-    for stored, first, last, unknown in by_keys(
-            cur, "SELECT count(*), min(coalesce(messages_batch, first_batch)), max(messages_batch), "
-                 "count(*) FILTER (WHERE messages_batch IS NULL) FROM conversations WHERE conversation_id IN {keys}",
-            conversations):
+    for stored, first, last, unknown in found:
         if not stored:
             continue
         low = min(low, first if first is not None else 0)
@@ -149,6 +155,7 @@ class Writes:
     messages: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
     replace: set[str] = field(default_factory=set)  # conversations whose old messages go
     deleted: set[str] = field(default_factory=set)
+    unarchive: set[str] = field(default_factory=set)  # read back from the archive: their archived rows go
     # trace -> (its conversation, the first and last commits with its rows)
     traces: dict[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
     traces_kept: int = TRACES_KEPT  # keyed in ``trace_conversations``; older ones go to ``trace_archive``
@@ -168,21 +175,24 @@ class Writes:
             with Transaction(cur):
                 gone = sorted(self.deleted | self.replace)
                 if gone:
-                    delete_messages(cur, gone)
+                    delete_messages(cur, gone, self.unarchive)
                 if self.deleted:
-                    cur.execute("DELETE FROM conversations WHERE conversation_id IN (SELECT unnest(?))",
+                    cur.execute("DELETE FROM live_conversations WHERE conversation_id IN (SELECT unnest(?))",
                                 [sorted(self.deleted)])
+                if self.unarchive:
+                    cur.execute("DELETE FROM archived_conversations WHERE conversation_id IN (SELECT unnest(?))",
+                                [sorted(self.unarchive)])
                 insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", TRACE_MAP_COLUMNS,
                             [(t, *where) for t, where in self.traces.items()])
                 archive_traces(cur, self.traces_kept)
                 insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
                             [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
-                insert_rows(cur, "INSERT OR REPLACE INTO conversations", CONVERSATION_COLUMNS,
+                insert_rows(cur, "INSERT OR REPLACE INTO live_conversations", CONVERSATION_COLUMNS,
                             [row.values() for cid, row in self.conversations.items() if cid not in self.deleted])
                 cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)", [str(mark)])
         finally:
             self.conversations, self.messages = {}, {}
-            self.replace, self.deleted, self.traces = set(), set(), {}
+            self.replace, self.deleted, self.unarchive, self.traces = set(), set(), set(), {}
 
 
 MOVED_AT_ONCE = 50_000

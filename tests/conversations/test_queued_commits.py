@@ -36,16 +36,16 @@ SETTINGS = Settings.model_validate({"end_rules": [{"attribute": "app.handover", 
 
 def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_spans: int = 10_000,
             each: bool = False, remote: bool = False, each_row: bool = False,
-            traces_kept: int = 200_000) -> dict[str, list[tuple[Any, ...]]]:
+            traces_kept: int = 200_000, conversations_kept: int = 100_000) -> dict[str, list[tuple[Any, ...]]]:
     """What the stage stored; with ``each`` it catches up after every request, not once at the end; with
     ``each_row`` every row is a commit of its own; with ``remote`` its statements go through a pipe to the daemon's side of the stage process, which runs
     them on the store (reads ahead, writes behind), as in the daemon."""
-    store = Store(tmp / f"{queued_only}-{cache_spans}-{remote}-{each_row}-{traces_kept}.duckdb")
+    store = Store(tmp / f"{queued_only}-{cache_spans}-{remote}-{each_row}-{traces_kept}-{conversations_kept}.duckdb")
     store.open()
     served = Served(store, SETTINGS) if remote else None
     stage = Conversations(served.store if served else store, SETTINGS,  # type: ignore[arg-type]
                           max_queued_commits=0 if queued_only else 1_000_000, cache_spans=cache_spans,
-                          traces_kept=traces_kept)
+                          traces_kept=traces_kept, conversations_kept=conversations_kept)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
@@ -124,7 +124,7 @@ def test_a_trace_map_keyed_for_no_trace_rebuilds_the_same_conversations(tmp_path
     requests = list(fixture_requests(case))
     whole = rebuilt(tmp_path, requests, queued_only=False)
     assert rebuilt(tmp_path, requests, queued_only=False, cache_spans=0, each=True, traces_kept=0) == whole
-    con = duckdb.connect(str(tmp_path / "False-0-False-False-0.duckdb"), read_only=True)
+    con = duckdb.connect(str(tmp_path / "False-0-False-False-0-100000.duckdb"), read_only=True)
     try:
         keyed, archived = con.execute("SELECT (SELECT count(*) FROM trace_conversations), "
                                       "(SELECT count(*) FROM trace_archive)").fetchall()[0]
@@ -274,6 +274,58 @@ def test_a_trace_back_after_the_map_archived_it_keeps_its_older_messages(tmp_pat
     assert said == [("where is my parcel?",), ("are you there?",)]
     assert [c for _, c in spans] == ["a", "b", "a"], spans
     assert (archived[0][0] > 0) == (traces_kept == 0)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("remote", [False, True])
+def test_conversations_archived_at_every_flush_rebuild_the_same_conversations(tmp_path: Path, case: str,
+                                                                               remote: bool) -> None:
+    """With no ended conversation kept keyed, every flush moves those that left memory to the archive: a
+    conversation the fixture continues after its end is read back from there (its id in the filter), and
+    the conversations, their messages and the trace map are the same as with every one keyed."""
+    requests = list(fixture_requests(case))
+    whole = rebuilt(tmp_path, requests, queued_only=False, each_row=remote)
+    assert rebuilt(tmp_path, requests, queued_only=remote, cache_spans=8 if remote else 0, each=not remote,
+                   remote=remote, each_row=remote, conversations_kept=0) == whole
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_conversation_back_from_the_archive_keeps_its_older_messages_and_is_stored_once(
+        tmp_path: Path, restart: bool) -> None:
+    """Conversation a ended and was archived (no ended conversation kept keyed); a new trace with its id
+    comes, after a restart too (the filter read back from the file): the stage reads it back from the
+    archive, its transcript has both turns, and its row is in the live table only."""
+    store = Store(tmp_path / "back.duckdb")
+    store.open()
+    stage = Conversations(store, SETTINGS, conversations_kept=0)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    try:
+        store.submit(spans=_chat_commit("a", 1, "where is my parcel?", "a person will help you",
+                                        handover=True)).result(30)
+        assert stage.wait_idle(60)
+        store.submit(spans=_chat_commit("b", 2, "hello", "hi", handover=True)).result(30)
+        assert stage.wait_idle(60)
+        assert _read(store, "SELECT conversation_id FROM archived_conversations ORDER BY 1")[0] == [("a",), ("b",)]
+        if restart:
+            stage.stop()
+            stage = Conversations(store, SETTINGS, conversations_kept=0)
+            stage.start()
+            store.on_commit(stage.on_commit)
+        store.submit(spans=_chat_commit("a", 3, "are you there?", "yes, here")).result(30)
+        assert stage.wait_idle(60)
+        assert stage.map.archive.filter.maybe(["a", "b"]) == ["a", "b"]
+    finally:
+        stage.stop()
+    stored, said, live, archived = _read(
+        store, "SELECT conversation_id, state, user_turns FROM conversations ORDER BY 1",
+        "SELECT content FROM messages WHERE conversation_id = 'a' AND role = 'user' ORDER BY seq",
+        "SELECT conversation_id FROM live_conversations ORDER BY 1",
+        "SELECT conversation_id FROM archived_conversations ORDER BY 1")
+    store.close()
+    assert stored == [("a", "open", 2), ("b", "ended", 1)], stored
+    assert said == [("where is my parcel?",), ("are you there?",)]
+    assert (live, archived) == ([("a",)], [("b",)])
 
 
 def _read(store: Store, *queries: str) -> list[list[tuple[Any, ...]]]:

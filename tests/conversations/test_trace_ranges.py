@@ -115,7 +115,7 @@ def test_a_conversation_rebuilt_after_a_restart_reads_every_row_from_its_first_c
     assert _firsts(daemon)["c-1"] == (first, first)
 
     # A conversation an older version stored has no first commit: it is read whole once, and learns it.
-    _as_an_older_version_wrote(daemon, "UPDATE conversations SET first_batch = NULL")
+    _as_an_older_version_wrote(daemon, "UPDATE live_conversations SET first_batch = NULL")
     daemon.start()
     _send(daemon, [_root(4), _chat(4, 4)])
     assert _turns(daemon)[-2:] == ["question 4", "answer 4"] and len(_turns(daemon)) == 8

@@ -73,8 +73,8 @@ def test_messages_an_older_version_wrote_are_replaced(tmp_path: Path) -> None:
     bare = StoredConversation("bare", text_messages([("hello", "hi")]))
     flush(db, bare, None, mark=4, first_batch=None)
     con = duckdb.connect(str(db))
-    con.execute("UPDATE conversations SET messages_batch = NULL")
-    con.execute("UPDATE conversations SET first_batch = 4 WHERE conversation_id = 'bare'")  # learnt since
+    con.execute("UPDATE live_conversations SET messages_batch = NULL")
+    con.execute("UPDATE live_conversations SET first_batch = 4 WHERE conversation_id = 'bare'")  # learnt since
     con.close()
     for conv in (by_first, bare):
         conv.messages = text_messages([("hello", "hi"), ("more", "ok")])
@@ -94,7 +94,7 @@ def test_the_oldest_transcripts_are_deleted_between_where_they_were_written_and_
     flush(db, legacy, None, mark=8, first_batch=None)  # as a version before first_batch wrote it
     con = duckdb.connect(str(db))
     try:
-        con.execute("UPDATE conversations SET messages_batch = NULL WHERE conversation_id = 'legacy'")
+        con.execute("UPDATE live_conversations SET messages_batch = NULL WHERE conversation_id = 'legacy'")
         delete_messages(con, ["c-1", "c-3"])
         delete_messages(con, ["legacy", "c-6"])
         delete_messages(con, ["never-stored"])

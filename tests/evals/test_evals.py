@@ -68,8 +68,8 @@ def add_conversation(cur: duckdb.DuckDBPyConnection, cid: str, messages: Sequenc
                      system: str | None = None) -> str:
     """Store a conversation as the conversations stage does; returns the hash the judges see."""
     cur.execute("DELETE FROM messages WHERE conversation_id = ?", [cid])
-    cur.execute("DELETE FROM conversations WHERE conversation_id = ?", [cid])
-    cur.execute("INSERT INTO conversations (conversation_id, service, state, ended_by, system, models, trace_ids, "
+    cur.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [cid])
+    cur.execute("INSERT INTO live_conversations (conversation_id, service, state, ended_by, system, models, trace_ids, "
                 "content_captured, revision, user_turns, closed_at) VALUES (?, 'bot', 'ended', 'idle', ?, '[]', "
                 "'[]', true, 1, ?, ?)",
                 [cid, system, sum(m["role"] == "user" for m in messages), T0])
@@ -350,7 +350,7 @@ def test_verdicts_under_the_earlier_digest_are_not_judged_again(cur: duckdb.Duck
     store(cur, [verdict("conv", "c1", "fail", old), verdict("conv", "c2", "error", old),
                 verdict("conv", "c1", "pass", "1" * 64), verdict("gone", "c1", "fail", old)],
           probability=1.0, rule=None)
-    cur.execute("DELETE FROM conversations WHERE conversation_id = 'gone'")
+    cur.execute("DELETE FROM live_conversations WHERE conversation_id = 'gone'")
     cur.execute("UPDATE verdicts SET superseded = (transcript_sha256 <> ?)", [old])  # as stored before the upgrade
     items = cur.execute("SELECT verdict_id FROM review_items ORDER BY ALL").fetchall()
     cur.execute("DELETE FROM evals_state")  # the file predates the marker

@@ -179,7 +179,7 @@ def _walk_world(db: Path) -> list[StoredConversation]:
     row, messages = apart.rows()
     con = duckdb.connect(str(db))
     try:
-        con.execute(f"INSERT INTO conversations VALUES ({', '.join('?' * len(row))})", row)
+        con.execute(f"INSERT INTO live_conversations VALUES ({', '.join('?' * len(row))})", row)
         con.executemany(f"INSERT INTO messages VALUES ({', '.join('?' * len(messages[0]))})", messages[:4])
     finally:
         con.close()

@@ -21,6 +21,7 @@ import yaml
 
 from collector.cli.status import render
 from collector.config import Config, ConfigError, Retention as Settings, load_config
+from collector.conversations.archive import ConversationArchive
 from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
 from collector.conversations.writes import archive_traces
 from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
@@ -107,7 +108,8 @@ def open_retention(path: Path, clock: list[float], **settings: Any) -> tuple[Sto
 def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(make_daemon: Any, tmp_path: Path,
                                                                              archived: bool) -> None:
     """With ``archived``, every trace has left the keyed trace map for ``trace_archive`` (as traces do
-    after 200,000 newer ones): retention finds and deletes them there alike."""
+    after 200,000 newer ones), and every conversation the live table for ``archived_conversations`` (as
+    ended ones do after 100,000 newer ones): retention finds and deletes them there alike."""
     daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1, lookup=False), persona(2), persona(3)])
     ids = ["conv-001", "conv-002", "conv-003"]
     if archived:
@@ -115,6 +117,7 @@ def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(mak
         try:
             with Transaction(con):
                 archive_traces(con, 0)
+            assert ConversationArchive(0).move(con, held=()) == 3
             assert con.execute("SELECT count(*) FROM trace_conversations").fetchall() == [(0,)]
         finally:
             con.close()
@@ -199,7 +202,7 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
     con = duckdb.connect(str(daemon.duckdb))
     for table in ("span_records", "log_records"):
         con.execute(f"UPDATE {table} SET received_at = received_at {back}")
-    con.execute(f"UPDATE conversations SET last_arrival_at = last_arrival_at {back}, "
+    con.execute(f"UPDATE live_conversations SET last_arrival_at = last_arrival_at {back}, "
                 f"first_arrival_at = first_arrival_at {back}")
     con.close()
     daemon.config["storage"]["retention"] = {"spans": "14d", "conversations": "30d"}
@@ -312,7 +315,7 @@ def test_a_sweep_passes_over_expired_conversations_still_due_in_bounded_duckdb_m
     clock = [time.time() + 95 * DAY]
     con = duckdb.connect(str(daemon.duckdb))
     # Older than both, expired, ended and sampled, not judged yet.
-    con.execute("INSERT INTO conversations (conversation_id, state, revision, last_arrival_at) "
+    con.execute("INSERT INTO live_conversations (conversation_id, state, revision, last_arrival_at) "
                 "SELECT 'waiting-' || md5(i::VARCHAR), 'ended', 1, now() - INTERVAL 1 DAY FROM range(300000) t(i)")
     con.execute("INSERT INTO sampling_decisions (conversation_id, revision, sampled, probability, decided_at) "
                 "SELECT conversation_id, 1, true, 1.0, now() FROM conversations WHERE conversation_id LIKE 'waiting-%'")
@@ -396,7 +399,7 @@ def test_a_sweep_warns_once_the_key_indexes_pass_half_of_duckdbs_memory(tmp_path
         cur = store.cursor()
         try:  # about 70 bytes of index each: 17 MB of the 24
             for lo in range(0, 250_000, 10_000):
-                cur.execute("INSERT INTO conversations (conversation_id, state) "
+                cur.execute("INSERT INTO live_conversations (conversation_id, state) "
                             "SELECT md5(i::VARCHAR), 'ended' FROM range(?, ?) t(i)", [lo, lo + 10_000])
         finally:
             cur.close()

@@ -47,7 +47,7 @@ def add_conversation(store: Store, cid: str, content: str, *, captured: bool = T
     at = dt.datetime.fromtimestamp(T0, dt.timezone.utc)
     cur = store.cursor()
     try:
-        cur.execute("INSERT INTO conversations (conversation_id, service, state, ended_by, models, trace_ids, "
+        cur.execute("INSERT INTO live_conversations (conversation_id, service, state, ended_by, models, trace_ids, "
                     "content_captured, revision, user_turns, closed_at, updated_at) VALUES "
                     "(?, 'bot', 'ended', 'idle', '[]', '[]', ?, 1, 1, ?, ?)", [cid, captured, at, at])
         if captured:

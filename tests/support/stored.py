@@ -118,7 +118,7 @@ def write(path: Path, conversations: Sequence[StoredConversation], *,
             row, messages = c.rows()
             convs.append(row)
             msgs += messages
-        insert_rows(con, "INSERT INTO conversations", CONVERSATION_COLUMNS, convs)
+        insert_rows(con, "INSERT INTO live_conversations", CONVERSATION_COLUMNS, convs)
         insert_rows(con, "INSERT INTO messages", MESSAGE_COLUMNS, msgs)
         for cid, sampled, probability, rule, skipped in decisions:
             con.execute("INSERT INTO sampling_decisions VALUES (?, 1, NULL, ?, ?, ?, ?, ?)",

@@ -1,0 +1,206 @@
+"""Ended conversations past the newest ones, kept without a key, and a Bloom filter that says which ids they are.
+
+DuckDB keeps a primary key's index whole in memory for as long as its rows are kept: about 95 bytes a
+conversation with 36-character ids, so the conversations of a few months outgrow ``storage.memory_limit``
+and every commit fails. ``live_conversations`` keys the open conversations and the newest ``kept`` ended
+ones (by last arrival); past that, ``ConversationArchive.move`` takes the oldest ended ones, a quarter of
+``kept`` or more at a time, to ``archived_conversations``, which has no key. The view ``conversations`` is
+both, for every reader that lists or joins.
+
+The stage looks up every conversation id it has not seen yet, in every commit, to find whether it is
+stored: a chat thread reopened days later is real. Reading the unkeyed archive for each would cost a scan
+of it per commit (20 ms at a million rows, 96 ms at five million), so ``ArchiveFilter``, a Bloom filter of
+every id archived, says which ids may be there. One it has never seen is new, with no read; one that may be
+there is read from the archive (about 1 new id in 2,000 reads it for nothing). The stage writes a
+conversation read back from the archive to ``live_conversations``, and the same flush deletes its archived
+row (``Writes.unarchive``).
+
+The filter is kept in the file, updated in the transaction of each move, and read back when the stage
+starts: building it from the archive took 2 s a million ids. It is in layers of growing capacity (each
+twice the last, as a scalable Bloom filter), 16 bits and 11 hashes an id: 2 bytes an id, in the file and in
+the stage's memory. Ids are hashed with blake2b (DuckDB's ``hash`` may change between versions). Ids that
+retention deletes stay set until no archived conversation is as old as a layer's newest: the layer goes
+then, its few survivors (kept for review, or still due for judging) added to the newest layer first.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..store.transactions import Transaction, one
+
+# Ended conversations keyed in live_conversations: about 10 MB of DuckDB's memory. At 200 conversations a
+# second (3,000 spans/s) the last 8 minutes, at one a second the last day.
+ARCHIVE_KEPT = 100_000
+MOVED_AT_ONCE = 50_000  # a move of an older file's million keyed conversations goes a flush at a time
+FIRST_CAPACITY = 1 << 16
+BITS_PER_ID = 16
+HASHES = 11
+RETIRE_SURVIVORS = 100  # ids of an old layer still archived, added to the newest so that the old one goes
+
+
+@dataclass
+class Layer:
+    capacity: int
+    ids: int
+    bits: bytearray
+    newest: dt.datetime | None  # the latest last_arrival_at of the conversations added
+
+    @property
+    def size(self) -> int:
+        return len(self.bits) * 8
+
+
+def _hashes(cid: str) -> tuple[int, int]:
+    digest = hashlib.blake2b(cid.encode(), digest_size=16).digest()
+    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") | 1
+
+
+class ArchiveFilter:
+    """Which conversation ids may be archived (never a false no)."""
+
+    def __init__(self, layers: dict[int, Layer] | None = None) -> None:
+        self.layers: dict[int, Layer] = layers or {}
+
+    @classmethod
+    def read(cls, cur: Any) -> "ArchiveFilter":
+        return cls({n: Layer(capacity, ids, bytearray(bits), newest) for n, capacity, ids, bits, newest in cur.execute(
+            "SELECT layer, capacity, ids, bits, newest FROM conversation_filter ORDER BY layer").fetchall()})
+
+    def __len__(self) -> int:
+        """Ids added, over every layer."""
+        return sum(layer.ids for layer in self.layers.values())
+
+    def nbytes(self) -> int:
+        return sum(len(layer.bits) for layer in self.layers.values())
+
+    def maybe(self, ids: Iterable[str]) -> list[str]:
+        """Those of ``ids`` that may be archived."""
+        if not self.layers:
+            return []
+        layers = list(self.layers.values())
+        out = []
+        for cid in ids:
+            h1, h2 = _hashes(cid)
+            for layer in layers:
+                bits, size = layer.bits, layer.size
+                for i in range(HASHES):
+                    p = (h1 + i * h2) % size
+                    if not bits[p >> 3] & (1 << (p & 7)):
+                        break
+                else:
+                    out.append(cid)
+                    break
+        return out
+
+    def add(self, ids: Sequence[str], newest: dt.datetime | None) -> set[int]:
+        """Set these ids (whose latest last arrival is ``newest``); the layers changed."""
+        changed: set[int] = set()
+        i = 0
+        while i < len(ids):
+            n = max(self.layers, default=-1)
+            if n < 0 or self.layers[n].ids >= self.layers[n].capacity:
+                capacity = self.layers[n].capacity * 2 if n >= 0 else FIRST_CAPACITY
+                n += 1
+                self.layers[n] = Layer(capacity, 0, bytearray(capacity * BITS_PER_ID // 8), None)
+            layer = self.layers[n]
+            part = ids[i:i + layer.capacity - layer.ids]
+            bits, size = layer.bits, layer.size
+            for cid in part:
+                h1, h2 = _hashes(cid)
+                for k in range(HASHES):
+                    p = (h1 + k * h2) % size
+                    bits[p >> 3] |= 1 << (p & 7)
+            layer.ids += len(part)
+            if newest is not None and (layer.newest is None or newest > layer.newest):
+                layer.newest = newest
+            changed.add(n)
+            i += len(part)
+        return changed
+
+    def write(self, cur: Any, layers: Iterable[int]) -> None:
+        for n in sorted(layers):
+            layer = self.layers.get(n)
+            if layer is None:
+                cur.execute("DELETE FROM conversation_filter WHERE layer = ?", [n])
+            else:
+                cur.execute("INSERT OR REPLACE INTO conversation_filter VALUES (?, ?, ?, ?, ?)",
+                            [n, layer.capacity, layer.ids, bytes(layer.bits), layer.newest])
+
+
+class ConversationArchive:
+    """The stage's side of the archive: which ids may be there, and the moves (see the module docstring)."""
+
+    def __init__(self, kept: int = ARCHIVE_KEPT) -> None:
+        self.kept = kept
+        self.filter = ArchiveFilter()
+        self._written = 0  # conversations written since the live table was last counted
+        self._over = True  # the last count found more than kept: count again at the next flush
+
+    def load(self, cur: Any) -> None:
+        self.filter = ArchiveFilter.read(cur)
+        self._over = True
+
+    def find(self, cur: Any, ids: Sequence[str], columns: str) -> list[tuple[Any, ...]]:
+        """The archived rows (``columns``) of those of ``ids`` the filter may have: one scan of the archive."""
+        maybe = self.filter.maybe(ids)
+        if not maybe:
+            return []
+        return cur.execute(f"SELECT {columns} FROM archived_conversations "
+                           "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [maybe]).fetchall()
+
+    def written(self, conversations: int) -> None:
+        self._written += conversations
+
+    def due(self) -> bool:
+        return self._over or self._written >= max(1, self.kept // 16)
+
+    def move(self, cur: Any, held: Collection[str]) -> int:
+        """Past ``kept`` ended conversations and a quarter more, the oldest go to the archive (not ``held``,
+        those the stage has in memory), in one transaction with the filter's changes; how many moved."""
+        self._written = 0
+        row = one(cur.execute("SELECT count(*) FROM live_conversations WHERE state = 'ended'"))
+        count = int(row[0]) if row else 0
+        self._over = count > self.kept + self.kept // 4
+        if not self._over:
+            return 0
+        step = min(count - self.kept, MOVED_AT_ONCE)
+        moved = cur.execute(
+            "SELECT conversation_id, last_arrival_at FROM live_conversations WHERE state = 'ended' "
+            "AND conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "
+            "ORDER BY last_arrival_at NULLS FIRST, conversation_id LIMIT ?", [list(held), step]).fetchall()
+        if not moved:
+            self._over = False
+            return 0
+        ids = [cid for cid, _ in moved]
+        newest = max((at for _, at in moved if at is not None), default=None)
+        changed = self.filter.add(ids, newest)  # before the commit: a set bit too many costs one read at most
+        with Transaction(cur):
+            cur.execute("INSERT INTO archived_conversations SELECT * FROM live_conversations "
+                        "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
+            cur.execute("DELETE FROM live_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
+                        [ids])
+            changed |= self._retire(cur)
+            self.filter.write(cur, changed)
+        self._over = count - len(ids) > self.kept + self.kept // 4
+        return len(ids)
+
+    def _retire(self, cur: Any) -> set[int]:
+        """The oldest layer goes once at most ``RETIRE_SURVIVORS`` archived conversations are as old as its
+        newest: every other id set in it was deleted, or moved again (into a newer layer) after coming back."""
+        layers = self.filter.layers
+        if len(layers) < 2:
+            return set()
+        oldest = min(layers)
+        newest_at = layers[oldest].newest
+        survivors = [r[0] for r in cur.execute(
+            "SELECT conversation_id FROM archived_conversations WHERE last_arrival_at IS NULL OR last_arrival_at <= ? "
+            "LIMIT ?", [newest_at, RETIRE_SURVIVORS + 1]).fetchall()]
+        if len(survivors) > RETIRE_SURVIVORS:
+            return set()
+        del layers[oldest]
+        return {oldest} | (self.filter.add(survivors, newest_at) if survivors else set())
