@@ -2,8 +2,10 @@
 
 Every conversation kept holds rows in several tables. A primary key's index stays whole in DuckDB's
 memory (``ART_INDEX`` in ``duckdb_memory()``) for as long as the rows are kept, so what it costs per
-conversation decides how many conversations fit in ``storage.memory_limit``. This fills two in-memory
-DuckDB databases with the same rows, in steps, as the daemon leaves them for each ended conversation:
+conversation decides how many conversations fit in ``storage.memory_limit``. This fills two DuckDB
+files with the same rows, in steps, as the daemon leaves them for each ended conversation, and
+checkpoints after each step as the daemon does when its WAL grows (DuckDB frees the index nodes of
+deleted keys at a checkpoint, and loads the index back at the next write):
 
   keyed     every conversation in the keyed ``live_conversations`` (the layout before the archive)
   archived  ended conversations past ``ARCHIVE_KEPT`` moved to ``archived_conversations`` after each
@@ -11,7 +13,8 @@ DuckDB databases with the same rows, in steps, as the daemon leaves them for eac
 
 Each conversation has a random 36-character id, a row and a sampling decision; ``--sampled`` of them
 are judged (a progress row, a verdict per ``--criteria``) and, for want of a provider, get as many
-not-run records. At each step it prints the index bytes per conversation of both, and their ratio, the
+not-run records. At each step it prints the index memory (MB) of both after the checkpoint and the next
+write, and their ratio, the
 filter's bytes per conversation, the milliseconds of the evaluator's scan (``Evaluator._scan``'s joins)
 over everything kept, and those of the stage's lookup of 50 ids it has not seen (as for each commit:
 the live table by key, then the archive for those the filter may have), all new, then one archived.
@@ -23,9 +26,11 @@ Run by hand:
 from __future__ import annotations
 
 import argparse
+import tempfile
 import datetime as dt
 import time
 import uuid
+from pathlib import Path
 from random import Random
 
 import duckdb
@@ -41,8 +46,8 @@ SCAN = ("SELECT count(*) FROM conversations c LEFT JOIN sampling_decisions s USI
         f"AND {JUDGEMENT_DUE.replace('c.conversation_id', 'conversation_id')}")
 
 
-def database() -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect(config={"memory_limit": "4GB"})
+def database(path: Path) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(str(path), config={"memory_limit": "4GB"})
     con.execute(CONVERSATIONS)
     evals_schema(con)
     return con
@@ -95,13 +100,15 @@ def main() -> None:
     p.add_argument("--criteria", type=int, default=3, help="verdicts (and not-run records) per judged conversation")
     args = p.parse_args()
     rnd = Random(1)
-    dbs = {"keyed": database(), "archived": database()}
+    folder = Path(tempfile.mkdtemp(prefix="conversation-keys-"))
+    dbs = {name: database(folder / f"{name}.duckdb") for name in ("keyed", "archived")}
     # The keyed layout never moves: a filter that is never written says no to every id.
     archives = {"keyed": ConversationArchive(kept=2**62), "archived": ConversationArchive()}
     step = args.conversations // args.steps
-    print(f"{'conversations':>13} {'index B/conv keyed':>19} {'archived':>9} {'ratio':>6} {'filter B/conv':>14} "
+    print(f"{'conversations':>13} {'index MB keyed':>15} {'archived':>9} {'ratio':>6} {'filter B/conv':>14} "
           f"{'scan ms keyed':>14} {'archived':>9} {'lookup ms keyed':>16} {'archived':>9} {'one archived':>13}")
     oldest = ""
+    print(f"files in {folder}")
     for n in range(step, step * args.steps + 1, step):
         ids = [str(uuid.UUID(int=rnd.getrandbits(128))) for _ in range(step)]
         oldest = oldest or ids[0]
@@ -110,12 +117,17 @@ def main() -> None:
             fill(con, ids, sampled, args.criteria)
         while archives["archived"].move(dbs["archived"], ()):
             pass
-        per = {name: index_bytes(con) / n for name, con in dbs.items()}
+        for con in dbs.values():
+            con.execute("CHECKPOINT")
+            # the next flush of the stage, a few conversations written: DuckDB loads the index back
+            con.execute("INSERT INTO live_conversations (conversation_id, state) SELECT x, 'open' "
+                        "FROM unnest(?::VARCHAR[]) t(x)", [[str(uuid.UUID(int=rnd.getrandbits(128))) for _ in range(100)]])
+        per = {name: index_bytes(con) / 1e6 for name, con in dbs.items()}
         ms = {name: scan_ms(con) for name, con in dbs.items()}
         new = [str(uuid.UUID(int=rnd.getrandbits(128))) for _ in range(50)]
         look = {name: lookup_ms(con, archives[name], new) for name, con in dbs.items()}
         back = lookup_ms(dbs["archived"], archives["archived"], [*new[:49], oldest])
-        print(f"{n:>13,} {per['keyed']:>19.0f} {per['archived']:>9.0f} {per['archived'] / per['keyed']:>5.2f}x "
+        print(f"{n:>13,} {per['keyed']:>15.1f} {per['archived']:>9.1f} {per['archived'] / per['keyed']:>5.2f}x "
               f"{archives['archived'].filter.nbytes() / n:>14.2f} {ms['keyed']:>14.1f} {ms['archived']:>9.1f} "
               f"{look['keyed']:>16.2f} {look['archived']:>9.2f} {back:>13.2f}")
 

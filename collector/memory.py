@@ -36,10 +36,10 @@ def peak_resident_bytes() -> int:
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident_bytes())  # KiB on Linux
 
 
-# DuckDB's key indexes (ART) stay whole in its memory. The span table's and the trace map's keep only
-# recent keys; the conversations' grow with how many are kept. Past storage.memory_limit, commits fail.
-INDEX_WARNING = ("key indexes hold over half of DuckDB's memory, and grow by about 100 bytes with each "
-                 "conversation kept: set storage.retention.conversations, or raise storage.memory_limit")
+# DuckDB's key indexes (ART) stay whole in its memory. The span table, the trace map and the conversations
+# key only their newest rows, about 40 MB at most; past storage.memory_limit, commits fail.
+INDEX_WARNING = ("key indexes hold over half of DuckDB's memory (they key the newest spans, traces and "
+                 "conversations, about 40 MB at most): raise storage.memory_limit")
 
 
 def duckdb_memory(cur: Any) -> dict[str, tuple[int, int]]:

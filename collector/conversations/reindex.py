@@ -39,6 +39,7 @@ from ..metrics import Metrics
 from ..store import Transaction
 from ..store.schema import TRACE_MAP
 from ..store.transactions import one
+from .archive import ARCHIVE_KEPT
 from .stage import Conversations
 from .tables import ensure_tables
 
@@ -88,8 +89,10 @@ class Reindex:
     """One reindex of the conversations of ``store`` (see the module docstring)."""
 
     def __init__(self, store: Store, settings: Settings, *, chunk: int = CHUNK,
-                 clock: Callable[[], float] = time.time, max_wait: float = 30.0) -> None:
+                 clock: Callable[[], float] = time.time, max_wait: float = 30.0,
+                 conversations_kept: int = ARCHIVE_KEPT) -> None:
         self.store = store
+        self.conversations_kept = conversations_kept  # ended ones keyed, the rest archived (``archive``)
         self.settings = settings
         self.chunk = chunk
         self.clock = clock
@@ -122,7 +125,7 @@ class Reindex:
             ) -> bool:
         """Rebuild the traces left, a chunk at a time; False if ``stop`` came first (what is done is kept)."""
         stage = Conversations(self.store, self.settings, Metrics(), clock=lambda: self._now,
-                              max_wait=self.max_wait)
+                              max_wait=self.max_wait, conversations_kept=self.conversations_kept)
         if stop is not None:
             stage.stopping = stop  # its rebuild raises Stopping once it is set
         self.progress.state = "rebuilding"

@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
+from collector.conversations.archive import ArchiveFilter
 from collector.conversations.reindex import Reindex
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Store
@@ -132,9 +133,11 @@ def test_reindex_of_a_file_with_a_lone_surrogate_rebuilds_every_conversation(mak
 # ---------------------------------------------------------------- reindex: nothing goes before the new is built
 
 
-def _seed(path: Path, conversations: int, per_commit: int = 50) -> None:
-    """Store spans the way the daemon does, without its conversation stage (as if it was far behind)."""
-    store = Store(path)
+def _seed(path: Path, conversations: int, per_commit: int = 50, hours_apart: bool = False) -> None:
+    """Store spans the way the daemon does, without its conversation stage (as if it was far behind); with
+    ``hours_apart`` each commit comes an hour after the last, so that a rebuild ends the ones before it."""
+    commits = iter(range(10**6))
+    store = Store(path, clock=(lambda: 1_764_478_800.0 + 3600 * next(commits)) if hours_apart else time.time)
     store.open()
     try:
         for first in range(0, conversations, per_commit):
@@ -145,11 +148,11 @@ def _seed(path: Path, conversations: int, per_commit: int = 50) -> None:
         store.close()
 
 
-def _stored(store: Store) -> dict[str, list[tuple[Any, ...]]]:
+def _stored(store: Store, when: str = "updated_at") -> dict[str, list[tuple[Any, ...]]]:
     """What a reindex writes, but for when (``updated_at``: the swap's time)."""
     cur = store.cursor()
     try:
-        return {table: cur.execute(f"SELECT * {'EXCLUDE (updated_at) ' if table == 'conversations' else ''}"
+        return {table: cur.execute(f"SELECT * {f'EXCLUDE ({when}) ' if table == 'conversations' else ''}"
                                    f"FROM {table} ORDER BY ALL").fetchall()
                 for table in ("conversations", "messages", "trace_conversations")}
     finally:
@@ -186,6 +189,34 @@ def test_a_reindex_cut_off_midway_leaves_the_old_conversations_and_goes_on_from_
         assert resumed.progress.resumed_from == 2 and resumed.progress.state == "finished"
         assert _stored(store) == before
         assert Reindex(store, Settings()).progress.resumed_from == 0  # nothing left to resume
+    finally:
+        store.close()
+
+
+def test_a_reindex_that_archives_its_conversations_swaps_in_the_same_ones_with_their_filter(tmp_path: Path) -> None:
+    """With no ended conversation kept keyed, the reindex's stage moves them to its archive, a chunk at a
+    time, cut off and resumed too: the swap brings the archive and its filter, and the conversations are
+    those of a reindex that keeps them all keyed."""
+    path = tmp_path / "t.duckdb"
+    _seed(path, 6, per_commit=1, hours_apart=True)
+    store = Store(path)
+    store.open()
+    try:
+        # In the same chunks (where messages are written follows them); the last conversation ends by the clock.
+        _reindex(store, chunk=2)
+        keyed = _stored(store, when="updated_at, closed_at")
+        assert [r[5] for r in keyed["conversations"]] == ["ended"] * 6  # state
+        assert _reindex(store, threading.Event(), chunk=2, conversations_kept=0).progress.state == "stopped"
+        assert _reindex(store, chunk=2, conversations_kept=0).progress.resumed_from == 2
+        assert _stored(store, when="updated_at, closed_at") == keyed
+        cur = store.cursor()
+        try:
+            archived = [r[0] for r in cur.execute("SELECT conversation_id FROM archived_conversations").fetchall()]
+            live = cur.execute("SELECT count(*) FROM live_conversations WHERE state = 'ended'").fetchall()
+            assert sorted(ArchiveFilter.read(cur).maybe(archived)) == sorted(archived)
+        finally:
+            cur.close()
+        assert len(archived) == 6 and live == [(0,)]
     finally:
         store.close()
 
