@@ -3,8 +3,9 @@
 DuckDB keeps a primary key's index whole in memory for as long as its rows are kept: about 95 bytes a
 conversation with 36-character ids, so the conversations of a few months outgrow ``storage.memory_limit``
 and every commit fails. ``live_conversations`` keys the open conversations and the newest ``kept`` ended
-ones (by last arrival); past that, ``ConversationArchive.move`` takes the oldest ended ones, a quarter of
-``kept`` or more at a time, to ``archived_conversations``, which has no key. The view ``conversations`` is
+ones (by last arrival); past that, ``ConversationArchive.move`` takes the oldest ended ones to
+``archived_conversations``, which has no key: once a quarter of ``kept`` more have ended, or half of
+``MOVED_AT_ONCE`` if that is less. The view ``conversations`` is
 both, for every reader that lists or joins.
 
 The stage looks up every conversation id it has not seen yet, in every commit, to find whether it is
@@ -36,7 +37,10 @@ from ..store.transactions import Transaction, one
 # Ended conversations keyed in live_conversations: about 10 MB of DuckDB's memory. At 200 conversations a
 # second (3,000 spans/s) the last 8 minutes, at one a second the last day.
 ARCHIVE_KEPT = 100_000
-MOVED_AT_ONCE = 50_000  # a move of an older file's million keyed conversations goes a flush at a time
+# Conversations moved at most at once, in one transaction: 5,000 took 220 ms at two million conversations
+# kept (a quarter of it writing the filter's newest layer), 31,000 630 ms, which ingestion waited for. An
+# older file's million keyed conversations move a flush at a time.
+MOVED_AT_ONCE = 10_000
 FIRST_CAPACITY = 1 << 16
 BITS_PER_ID = 16
 HASHES = 11
@@ -160,12 +164,12 @@ class ConversationArchive:
         return self._over or self._written >= max(1, self.kept // 16)
 
     def move(self, cur: Any, held: Collection[str]) -> int:
-        """Past ``kept`` ended conversations and a quarter more, the oldest go to the archive (not ``held``,
-        those the stage has in memory), in one transaction with the filter's changes; how many moved."""
+        """Past ``kept`` ended conversations and a few more (``slack``), the oldest go to the archive (not
+        ``held``, those the stage has in memory), in one transaction with the filter's changes; how many moved."""
         self._written = 0
         row = one(cur.execute("SELECT count(*) FROM live_conversations WHERE state = 'ended'"))
         count = int(row[0]) if row else 0
-        self._over = count > self.kept + self.kept // 4
+        self._over = count > self.kept + self.slack
         if not self._over:
             return 0
         step = min(count - self.kept, MOVED_AT_ONCE)
@@ -186,8 +190,12 @@ class ConversationArchive:
                         [ids])
             changed |= self._retire(cur)
             self.filter.write(cur, changed)
-        self._over = count - len(ids) > self.kept + self.kept // 4
+        self._over = count - len(ids) > self.kept + self.slack
         return len(ids)
+
+    @property
+    def slack(self) -> int:
+        return min(self.kept // 4, MOVED_AT_ONCE // 2)
 
     def _retire(self, cur: Any) -> set[int]:
         """The oldest layer goes once at most ``RETIRE_SURVIVORS`` archived conversations are as old as its

@@ -713,7 +713,8 @@ class Conversations(Stage):
         self._leaving.clear()
         archive = self.map.archive
         archive.written(written)
-        if archive.due():  # after the writes, on the same cursor: what it moves is stored
+        # After the writes, on the same cursor (what it moves is stored), in a pause of ingestion.
+        if archive.due() and (self._hurry or self.pacing.checkpoint(self.stopping)):
             archive.move(self._db(), held=self.map.convs.keys())
 
     def _sync(self) -> None:

@@ -63,7 +63,7 @@ CREATE TABLE IF NOT EXISTS archived_conversations (
 CREATE TABLE IF NOT EXISTS conversation_filter (
     layer INTEGER PRIMARY KEY, capacity BIGINT NOT NULL, ids BIGINT NOT NULL, bits BLOB NOT NULL,
     newest TIMESTAMPTZ);
-CREATE OR REPLACE VIEW conversations AS
+CREATE VIEW IF NOT EXISTS conversations AS
     SELECT * FROM live_conversations UNION ALL SELECT * FROM archived_conversations;
 CREATE TABLE IF NOT EXISTS messages (
     conversation_id VARCHAR NOT NULL,

@@ -252,17 +252,11 @@ def test_a_trace_back_after_the_map_archived_it_keeps_its_older_messages(tmp_pat
     too, as it does while the map still has the trace. Every span is in ``spans`` once."""
     store = Store(tmp_path / "back.duckdb")
     store.open()
-    stage = Conversations(store, SETTINGS, traces_kept=traces_kept)
-    stage.start()
-    store.on_commit(stage.on_commit)
+    stage = _started(store, traces_kept=traces_kept)
     try:
-        store.submit(spans=_chat_commit("a", 1, "where is my parcel?", "a person will help you",
-                                        handover=True)).result(30)
-        assert stage.wait_idle(60)
-        store.submit(spans=_chat_commit("b", 2, "hello", "hi")).result(30)
-        assert stage.wait_idle(60)
-        store.submit(spans=_chat_commit("a", 1, "are you there?", "yes, here", span_id=99)).result(30)
-        assert stage.wait_idle(60)
+        _taken(store, stage, _chat_commit("a", 1, "where is my parcel?", "a person will help you", handover=True))
+        _taken(store, stage, _chat_commit("b", 2, "hello", "hi"))
+        _taken(store, stage, _chat_commit("a", 1, "are you there?", "yes, here", span_id=99))
     finally:
         stage.stop()
     stored, said, spans, archived = _read(
@@ -297,23 +291,15 @@ def test_a_conversation_back_from_the_archive_keeps_its_older_messages_and_is_st
     archive, its transcript has both turns, and its row is in the live table only."""
     store = Store(tmp_path / "back.duckdb")
     store.open()
-    stage = Conversations(store, SETTINGS, conversations_kept=0)
-    stage.start()
-    store.on_commit(stage.on_commit)
+    stage = _started(store, conversations_kept=0)
     try:
-        store.submit(spans=_chat_commit("a", 1, "where is my parcel?", "a person will help you",
-                                        handover=True)).result(30)
-        assert stage.wait_idle(60)
-        store.submit(spans=_chat_commit("b", 2, "hello", "hi", handover=True)).result(30)
-        assert stage.wait_idle(60)
+        _taken(store, stage, _chat_commit("a", 1, "where is my parcel?", "a person will help you", handover=True))
+        _taken(store, stage, _chat_commit("b", 2, "hello", "hi", handover=True))
         assert _read(store, "SELECT conversation_id FROM archived_conversations ORDER BY 1")[0] == [("a",), ("b",)]
         if restart:
             stage.stop()
-            stage = Conversations(store, SETTINGS, conversations_kept=0)
-            stage.start()
-            store.on_commit(stage.on_commit)
-        store.submit(spans=_chat_commit("a", 3, "are you there?", "yes, here")).result(30)
-        assert stage.wait_idle(60)
+            stage = _started(store, conversations_kept=0)
+        _taken(store, stage, _chat_commit("a", 3, "are you there?", "yes, here"))
         assert stage.map.archive.filter.maybe(["a", "b"]) == ["a", "b"]
     finally:
         stage.stop()
@@ -326,6 +312,20 @@ def test_a_conversation_back_from_the_archive_keeps_its_older_messages_and_is_st
     assert stored == [("a", "open", 2), ("b", "ended", 1)], stored
     assert said == [("where is my parcel?",), ("are you there?",)]
     assert (live, archived) == ([("a",)], [("b",)])
+
+
+def _started(store: Store, **kw: Any) -> Conversations:
+    """A conversation stage over ``store``, started, taking its commits."""
+    stage = Conversations(store, SETTINGS, **kw)
+    stage.start()
+    store.on_commit(stage.on_commit)
+    return stage
+
+
+def _taken(store: Store, stage: Conversations, batch: Any) -> None:
+    """Commit ``batch``, and wait until the stage has taken it in."""
+    store.submit(spans=batch).result(30)
+    assert stage.wait_idle(60)
 
 
 def _read(store: Store, *queries: str) -> list[list[tuple[Any, ...]]]:
