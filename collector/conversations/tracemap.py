@@ -92,9 +92,11 @@ class TraceMap:
         self._traces.clear()
 
     def held(self) -> dict[str, int]:
-        """Conversations in memory, the traces mapped for them, traces waiting, response ids for chaining."""
+        """Conversations in memory, the traces mapped for them, traces waiting, response ids for chaining, and
+        the bytes of the archive's filter (2 an archived conversation)."""
         return {"conversations": len(self.convs), "mapped_traces": len(self._traces),
-                "pending_traces": len(self.pending), "response_ids": len(self._responses)}
+                "pending_traces": len(self.pending), "response_ids": len(self._responses),
+                "archive_filter_bytes": self.archive.filter.nbytes()}
 
     def load_open(self, cur: duckdb.DuckDBPyConnection) -> None:
         """Bring every open conversation into memory (at start)."""

@@ -23,7 +23,10 @@ When a commit fails (disk full) every request in it is refused retryably and
 DuckDB invalidates the database when a checkpoint fails; the writer then
 detaches the file and attaches it again (every ``retry_after`` seconds until it
 can), which replays the WAL. Cursors name the attached database, not the
-attachment, so every reader's cursor reads the new one. If the writer itself
+attachment, so every reader's cursor reads the new one. A read that still holds
+the old file (DuckDB ran out of memory in a commit while every stage was busy)
+keeps it attached, and then only a restart frees it: after ``pinned_give_up``
+seconds of that the writer stops, as below. If the writer itself
 stops (a bug, a fatal DuckDB error), everything queued is refused, ``broken``
 says why and the ``on_broken`` listeners are told, so that the daemon exits
 non-zero for its supervisor to restart it; nothing acknowledged is lost, since
@@ -76,6 +79,13 @@ class _Item:
 
 
 _STOP = object()
+# DuckDB's answer to attaching a file that an instance a read still holds has open.
+_HELD = "Unique file handle conflict"
+PINNED_GIVE_UP = 30.0  # seconds: a read holding the old file lets go within one of its statements, or never
+
+
+class StorePinned(RuntimeError):
+    """The invalidated file cannot be attached again: a read holds it (see the module docstring)."""
 
 
 @dataclass
@@ -90,8 +100,10 @@ class Store:
 
     def __init__(self, path: Path, *, memory_limit: str = "128MB", max_queue_spans: int = 200_000,
                  max_batch_spans: int = 8192, retry_after: float = 1.0, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.time, keys_kept: int = KEYS_KEPT) -> None:
+                 clock: Callable[[], float] = time.time, keys_kept: int = KEYS_KEPT,
+                 pinned_give_up: float = PINNED_GIVE_UP) -> None:
         self.path = path
+        self.pinned_give_up = pinned_give_up
         self.keys_kept = keys_kept  # the newest records a retry of which stores nothing (``recent_keys``)
         self.clock = clock  # the arrival time of each commit (``received_at``)
         self.memory_limit = memory_limit
@@ -114,6 +126,7 @@ class Store:
         self._failure: str | None = None
         self._broken: str | None = None
         self._invalid = False  # DuckDB invalidated the attached file: attach it again before writing
+        self._pinned_since: float | None = None  # time.monotonic() when a re-attach first met the old file held
         self._taken: list[_Item] = []  # what the writer is committing now
         # The commits whose records' keys ``recent_keys`` holds, oldest first: (commit, keys).
         self._keys: collections.deque[tuple[int, int]] = collections.deque()
@@ -469,8 +482,15 @@ class Store:
             if reason != self._failure:  # once per new reason, not every retry
                 log.error("%s; retrying every %gs", reason, self.retry_after)
             self._failure = reason
+            if _HELD in str(exc):
+                now = time.monotonic()
+                self._pinned_since = self._pinned_since or now
+                if now - self._pinned_since >= self.pinned_give_up:
+                    raise StorePinned(f"{reason} for {self.pinned_give_up:g}s: a read still holds the "
+                                      "invalidated file, and only a restart frees it") from exc
             return False
         self._invalid = False
+        self._pinned_since = None
         log.warning("attached %s again after DuckDB invalidated it", self.path)
         return True
 

@@ -21,6 +21,7 @@ import pytest
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
+from collector.conversations.archive import BITS_PER_ID, FIRST_CAPACITY
 from collector.ingest.decode import log_batch, parse_logs, parse_traces, span_batch
 from collector.store import Store
 
@@ -301,6 +302,7 @@ def test_a_conversation_back_from_the_archive_keeps_its_older_messages_and_is_st
             stage = _started(store, conversations_kept=0)
         _taken(store, stage, _chat_commit("a", 3, "are you there?", "yes, here"))
         assert stage.map.archive.filter.maybe(["a", "b"]) == ["a", "b"]
+        assert stage.held()["archive_filter_bytes"] == FIRST_CAPACITY * BITS_PER_ID // 8  # one layer, in memory
     finally:
         stage.stop()
     stored, said, live, archived = _read(

@@ -15,7 +15,7 @@ from collector.errors import StoreUnavailable
 from collector.evals.verdicts import UNKEYED
 from collector.ingest.batches import LOG_COLUMNS, SPAN_COLUMNS, LogBatch, SpanBatch
 from collector.ingest.decode import parse_traces, span_batch
-from collector.store import Committed, Store
+from collector.store import ATTACHED, Committed, Store
 from collector.store.schema import LOG_TABLE, SPAN_TABLE
 from collector.store.transactions import one
 
@@ -90,6 +90,46 @@ def test_a_writer_that_stops_refuses_everything_and_says_why(store: Store) -> No
     assert store.queue_depth == 0
     store.drain()  # returns: nothing waits on a writer that is gone
     assert stored(store) == 8
+
+
+@pytest.mark.parametrize("let_go", [False, True])
+def test_a_file_a_read_still_holds_is_attached_again_once_it_lets_go_else_the_writer_stops(
+        tmp_path: Path, let_go: bool) -> None:
+    """The file is gone from under the writer (detached here; in a soak, DuckDB invalidated it when a
+    commit ran out of memory) while a read holds it open: attaching it again fails for as long as the
+    read holds it. Once it lets go, the writer attaches the file again and commits; if it never does,
+    the writer stops after ``pinned_give_up`` seconds (the daemon exits for its supervisor), rather than
+    refusing data for ever. Nothing committed is lost."""
+    store = Store(tmp_path / "t.duckdb", retry_after=0.05, pinned_give_up=0.5 if not let_go else 3600)
+    store.open()
+    broken = threading.Event()
+    store.on_broken(lambda reason: broken.set())
+    try:
+        assert store.submit(spans(8, 1)).result(timeout=60) == (8, 0)
+        reader = store.cursor()
+        reader.execute("SELECT * FROM span_records")
+        assert len(reader.fetchmany(1)) == 1  # the rest unread: the result holds the file
+        other = store.cursor()
+        other.execute("USE memory")
+        other.execute(f"DETACH DATABASE {ATTACHED}")
+        with pytest.raises(StoreUnavailable, match="storage commit failed"):
+            store.submit(spans(8, 2)).result(timeout=60)
+        if let_go:
+            reader.close()
+            assert store.submit(spans(8, 3)).result(timeout=60) == (8, 0)
+            assert store.broken is None
+        else:
+            assert broken.wait(60)
+            assert store.broken is not None and "only a restart frees it" in store.broken
+            reader.close()
+    finally:
+        store.close()
+    store = Store(tmp_path / "t.duckdb")
+    store.open()  # the restart
+    try:
+        assert stored(store) == (16 if let_go else 8)
+    finally:
+        store.close()
 
 
 def test_a_fatal_error_met_by_a_reader_stops_the_idle_writer(store: Store) -> None:
