@@ -108,15 +108,20 @@ def conversation_records(cur: duckdb.DuckDBPyConnection, conversation_ids: Seque
     those not stored are left out."""
     if not conversation_ids:
         return {}
-    # The live table by its key first (the evaluator judges conversations just ended), the archive for the rest.
+    return {cid: stored_record(cid, transcript, facts)
+            for cid, transcript, facts in stored_transcripts(cur, _stored_rows(cur, conversation_ids))}
+
+
+def _stored_rows(cur: duckdb.DuckDBPyConnection, conversation_ids: Sequence[str]) -> list[tuple[Any, ...]]:
+    """The ``stored_select`` rows of these conversations, by id: the live table by its key first (the
+    evaluator reads the conversations it judges, just ended), the archive for the rest."""
     rows = by_keys(cur, f"SELECT {stored_select()} FROM live_conversations WHERE conversation_id IN {{keys}}",
                    sorted(set(conversation_ids)))
     rest = sorted(set(conversation_ids) - {r[0] for r in rows})
     if rest:
         rows += cur.execute(f"SELECT {stored_select()} FROM archived_conversations WHERE conversation_id IN "
                             "(SELECT unnest(?::VARCHAR[]))", [rest]).fetchall()
-    rows.sort(key=lambda r: r[0])
-    return {cid: stored_record(cid, transcript, facts) for cid, transcript, facts in stored_transcripts(cur, rows)}
+    return sorted(rows, key=lambda r: r[0])
 
 
 def stored_record(conversation_id: str, transcript: Transcript, facts: StoredFacts, *,
@@ -133,13 +138,7 @@ def stored_transcript(cur: duckdb.DuckDBPyConnection, conversation_id: str
                       ) -> tuple[Transcript, StoredFacts] | None:
     """A stored conversation read back into a ``Transcript``, with its (state, ended_by, revision,
     transcript_hash, user_turns); None when it is not stored."""
-    # The live table by its key first: the evaluator reads each conversation it judges, just ended.
-    rows = cur.execute(f"SELECT {stored_select()} FROM live_conversations WHERE conversation_id = ?",
-                       [conversation_id]).fetchall()
-    if not rows:
-        rows = cur.execute(f"SELECT {stored_select()} FROM archived_conversations WHERE conversation_id = ?",
-                           [conversation_id]).fetchall()
-    found = stored_transcripts(cur, rows)
+    found = stored_transcripts(cur, _stored_rows(cur, [conversation_id]))
     return (found[0][1], found[0][2]) if found else None
 
 
