@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -95,18 +96,33 @@ def file_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in (path, Path(f"{path}.wal")) if p.exists())
 
 
+def duckdb_tags(api: str) -> dict[str, float]:
+    """DuckDB's memory (MB) by what holds it, from /metrics."""
+    return {k[len("duckdb "):]: v for k, v in memory.sample(api, count=False).items()
+            if k.startswith("duckdb ") and k != "duckdb total" and v >= 0.05}
+
+
 def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered: list[tuple[float, float]],
-            rows: list[dict[str, float]], done: list[bool]) -> None:
+            rows: list[dict[str, float]], done: list[bool], trace: Any) -> None:
     seen = 0
     start = time.perf_counter()
     while not done[0]:
         # The proportional set every second: its largest in the interval is the peak a container's limit sees.
-        peak_pss, peak_daemon, end = 0.0, 0.0, time.perf_counter() + interval
+        # DuckDB's memory by tag too: its largest in the interval, and what held it then.
+        peak_pss, peak_daemon, peak_duck, duck_tags, end = 0.0, 0.0, 0.0, {}, time.perf_counter() + interval
         while (left := end - time.perf_counter()) > 0:
             time.sleep(min(PSS_EVERY, left))
             parts = ingest.pss_parts(pid)
+            tags = duckdb_tags(info["api"])
+            if trace:
+                trace.write(json.dumps({"t": round(time.perf_counter() - start, 1), "wall": time.strftime("%H:%M:%S"),
+                                        "pss": {str(k): round(v, 1) for k, v in parts.items()},
+                                        "duckdb": {k: round(v, 1) for k, v in tags.items()}}) + "\n")
+                trace.flush()
             if sum(parts.values()) > peak_pss:  # where the peak is: the daemon's own share, or its processes'
                 peak_pss, peak_daemon = sum(parts.values()), parts.get(pid, 0.0)
+            if sum(tags.values()) > peak_duck:
+                peak_duck, duck_tags = sum(tags.values()), tags
         now = time.perf_counter()
         lat = [lat for at, lat in answered[seen:]]
         seen = len(answered)
@@ -118,7 +134,7 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
             "peak rss": ingest.peak_rss_mb(pid), "pss": ingest.pss_mb(pid), "peak pss": peak_pss,
             "at peak: daemon": peak_daemon, "at peak: children": peak_pss - peak_daemon, "duckdb": m["duckdb total"],
             "duckdb index": m.get("duckdb ART_INDEX", 0.0), "outside duckdb": m["outside duckdb"],
-            "stage process": m.get("stage process", 0.0),
+            "stage process": m.get("stage process", 0.0), "duckdb peak": peak_duck,
             "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
             "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
             "lag commits": st["committed_batch"] - st["conversations_batch"],
@@ -128,6 +144,8 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
         print(f"  {r['t']:5.0f}s  {r['spans stored']:>10,.0f} stored  RSS {r['rss']:4.0f} MB (peak {r['peak rss']:.0f})"
               f"  file {r['file']:5.0f} MB  p99 {r['p99 ms']:4.0f} ms  {r['spans/s']:>7,.0f} spans/s"
               f"  lag {r['lag commits']:.0f} commits  deleted {r['deleted spans']:,.0f}", flush=True)
+        print("         DuckDB's peak " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(
+            duck_tags.items(), key=lambda kv: -kv[1])) + " MB", flush=True)
 
 
 def main() -> None:
@@ -136,6 +154,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=10_000)
     ap.add_argument("--interval", type=float, default=30)
     ap.add_argument("--retention", default="90s")
+    ap.add_argument("--trace", type=Path, help="Write every second's proportional sets and DuckDB memory by tag "
+                                                 "here, as JSON lines (to line up with the daemon's log).")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,8 +170,9 @@ def main() -> None:
         answered: list[tuple[float, float]] = []
         rows: list[dict[str, float]] = []
         done = [False]
+        trace = args.trace.open("w") if args.trace else None
         watch = threading.Thread(target=sampler, args=(info, proc.pid, data / "bench.duckdb", args.interval,
-                                                       answered, rows, done), daemon=True)
+                                                       answered, rows, done, trace), daemon=True)
         print(f"{args.spans:,} spans at {args.rate:,.0f} spans/s; retention {keep} of spans, {conv_keep} of "
               "conversations", flush=True)
         try:
@@ -188,7 +209,7 @@ def file_blocks(path: Path) -> str:
 
 
 def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
-    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
+    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb peak", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
     print(f"\n{'interval end (s)':18}" + "".join(f"{r['t']:>12.0f}" for r in rows))

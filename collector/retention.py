@@ -51,7 +51,7 @@ from .listing import iso_utc
 from .memory import INDEX_WARNING, duckdb_memory, index_eighths
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction
-from .store.transactions import conversations_filter
+from .store.transactions import batch_filter, conversation_traces, mapped_traces, registered_rows
 from .words import size_text
 
 log = logging.getLogger("tracejudge.retention")
@@ -235,13 +235,19 @@ class Retention(Stage):
         if upto <= done:
             return False
         hi = min(upto, done + CHUNK_COMMITS)
-        mapped = "EXISTS (SELECT 1 FROM trace_map t WHERE t.trace_id = {0}.trace_id)"
-        with Transaction(cur):
+        # The commits' traces, then those of them the map holds: a semi-join with the whole map would
+        # hash every trace id it holds (tens of MB of DuckDB's memory at 250,000 traces).
+        traces = [t for (t,) in cur.execute(
+            "SELECT DISTINCT trace_id FROM span_records WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL "
+            "UNION SELECT DISTINCT trace_id FROM log_records WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL",
+            [done + 1, hi, done + 1, hi]).fetchall()]
+        mapped = mapped_traces(cur, traces)
+        with Transaction(cur), registered_rows(cur, "kept_traces", ("trace_id",), [(t,) for t in mapped]):
             n = {}
             for table in _TABLES:
                 [(n[table],)] = cur.execute(
-                    f"DELETE FROM {table} WHERE batch_id BETWEEN ? AND ? AND (trace_id IS NULL OR NOT "
-                    f"{mapped.format(table)})", [done + 1, hi]).fetchall()
+                    f"DELETE FROM {table} WHERE batch_id BETWEEN ? AND ? AND (trace_id IS NULL OR trace_id NOT IN "
+                    "(SELECT trace_id FROM kept_traces))", [done + 1, hi]).fetchall()
             self._set_state("retention.commits", str(hi))
         self._count(deleted, (n["span_records"], n["log_records"]))
         return hi < upto
@@ -311,14 +317,16 @@ class Retention(Stage):
         # newer ones, the first commit of the conversations the older ones (the spans deleted before),
         # and the commits of their traces those between (a conversation that ran for days among them).
         since = 0 if any(f is None for f in firsts) else min(f for f in firsts if f is not None)
-        within, bounds = conversations_filter(cur, conversations)
+        traces = conversation_traces(cur, conversations)
+        within, bounds = batch_filter([(first, last) for _, _, first, last in traces])
         out = []
-        for table in _TABLES:
-            [(found,)] = cur.execute(
-                f"DELETE FROM {table} WHERE received_at <= ? AND batch_id BETWEEN ? AND ?{within} AND trace_id IN ("
-                "SELECT trace_id FROM trace_map WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))",
-                [newest + dt.timedelta(seconds=1), since, mark, *bounds, conversations]).fetchall()
-            out.append(int(found))
+        with registered_rows(cur, "expired_traces", ("trace_id",), [(t,) for t, *_ in traces]):
+            for table in _TABLES:
+                [(found,)] = cur.execute(
+                    f"DELETE FROM {table} WHERE received_at <= ? AND batch_id BETWEEN ? AND ?{within} "
+                    "AND trace_id IN (SELECT trace_id FROM expired_traces)",
+                    [newest + dt.timedelta(seconds=1), since, mark, *bounds]).fetchall()
+                out.append(int(found))
         return out[0], out[1]
 
     def _count(self, deleted: dict[str, int], rows: tuple[int, int]) -> None:

@@ -47,7 +47,7 @@ from ..background import Stage
 from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import conversations_filter, one, trace_batches
+from ..store.transactions import batch_filter, conversation_traces, one, trace_batches
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
@@ -736,13 +736,15 @@ class Conversations(Stage):
             part = convs[i:i + END_CHUNK]
             # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part,
             # within the commits of their traces.
-            ids = [c.id for c in part]
-            within, bounds = conversations_filter(cur, ids)
-            ends = dict(cur.execute(
-                "SELECT t.conversation_id, max(s.end_time_unix_nano) FROM trace_map t "
-                "JOIN span_records s USING (trace_id) WHERE t.conversation_id IN (SELECT unnest(?::VARCHAR[])) "
-                f"AND s.end_time_unix_nano > 0 AND s.batch_id >= ?{within} GROUP BY 1",
-                [ids, part[0].first_batch or 0, *bounds]).fetchall())
+            traces = conversation_traces(cur, [c.id for c in part])
+            within, bounds = batch_filter([(first, last) for _, _, first, last in traces])
+            with registered_rows(cur, "ending_traces", ("trace_id", "conversation_id"),
+                                 [(t, c) for t, c, _, _ in traces]):
+                ends = dict(cur.execute(
+                    "SELECT e.conversation_id, max(s.end_time_unix_nano) FROM ending_traces e "
+                    "JOIN span_records s USING (trace_id) "
+                    f"WHERE s.end_time_unix_nano > 0 AND s.batch_id >= ?{within} GROUP BY 1",
+                    [part[0].first_batch or 0, *bounds]).fetchall())
             rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
                      dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
             with Transaction(cur), registered_rows(

@@ -212,10 +212,37 @@ def trace_place(cur: Any, trace_id: str) -> tuple[str | None, int | None]:
     return None, None
 
 
-def conversations_filter(cur: Any, conversations: Sequence[str]) -> tuple[str, list[int]]:
-    """``batch_filter`` over the commits of every trace of these conversations (``trace_map``)."""
-    return batch_filter(cur.execute("SELECT first_batch, last_batch FROM trace_map WHERE conversation_id "
-                                    "IN (SELECT unnest(?::VARCHAR[]))", [list(conversations)]).fetchall())
+def mapped_traces(cur: Any, traces: Sequence[str]) -> set[str]:
+    """Those of these traces the trace map holds: keyed ones by key, archived ones by a join that hashes
+    only the traces asked for (a semi-join with ``trace_map`` would hash every trace id it holds)."""
+    found = {t for (t,) in by_keys(cur, "SELECT trace_id FROM trace_conversations WHERE trace_id IN {keys}", traces)}
+    rest = [(t,) for t in traces if t not in found]
+    if rest:
+        with registered_rows(cur, "asked_traces", ("trace_id",), rest):
+            found.update(t for (t,) in cur.execute(
+                "SELECT DISTINCT trace_id FROM trace_archive JOIN asked_traces USING (trace_id)").fetchall())
+    return found
+
+
+def conversation_traces(cur: Any, conversations: Sequence[str]) -> list[tuple[str, str, int | None, int | None]]:
+    """Every trace of these conversations (``trace_map``'s rows): trace, conversation, first and last commits.
+
+    Read from the two tables, not the view: the view's anti-join hashes every keyed trace id, 30 MB
+    of DuckDB's memory at 250,000 traces (half its limit with the key's index, and retention ran out of
+    it), where these joins hash only the conversations asked for, and the archived traces found are
+    looked up by key.
+    """
+    if not conversations:
+        return []
+    read = ("SELECT trace_id, conversation_id, first_batch, last_batch FROM {} "
+            "JOIN wanted_conversations USING (conversation_id)")
+    with registered_rows(cur, "wanted_conversations", ("conversation_id",), [(c,) for c in conversations]):
+        keyed = cur.execute(read.format("trace_conversations")).fetchall()
+        archived = {row[0]: row for row in cur.execute(read.format("trace_archive")).fetchall()}
+    # A trace back after the map forgot it is keyed again, maybe to another conversation: the keyed row wins.
+    for (t,) in by_keys(cur, "SELECT trace_id FROM trace_conversations WHERE trace_id IN {keys}", list(archived)):
+        del archived[t]
+    return [*keyed, *archived.values()]
 
 
 def utc_now(now: dt.datetime | None = None) -> dt.datetime:

@@ -7,7 +7,7 @@ import pytest
 
 from collector.conversations import writes
 from collector.store.schema import SCHEMA
-from collector.store.transactions import trace_place
+from collector.store.transactions import conversation_traces, mapped_traces, trace_place
 
 
 def _map(con: duckdb.DuckDBPyConnection, table: str) -> list[tuple[str, str, int]]:
@@ -58,3 +58,22 @@ def test_a_trace_is_placed_from_the_keyed_map_else_the_archive() -> None:
     assert trace_place(con, "a") == ("c1", 3)
     assert trace_place(con, "b") == ("trace:b", 9)  # keyed again: the keyed row wins
     assert trace_place(con, "z") == (None, None)
+
+
+def test_reads_of_the_map_by_conversation_and_by_trace_agree_with_its_view() -> None:
+    """``conversation_traces`` and ``mapped_traces`` read the two tables without the view's anti-join (which
+    hashes every keyed trace id): they answer what the view answers, a trace keyed again included."""
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    con.executemany("INSERT INTO trace_conversations VALUES (?, ?, ?, ?)",
+                    [("a", "c1", 1, 2), ("b", "c1", 3, 3), ("c", "c2", 4, 4), ("d", "c3", 5, 5)])
+    writes.archive_traces(con, 0)
+    con.executemany("INSERT INTO trace_conversations VALUES (?, ?, ?, ?)",
+                    [("b", "trace:b", 8, 8), ("c", "c2", 9, 9), ("e", "c1", 10, 11)])
+    for convs in (["c1"], ["c2", "trace:b"], ["c1", "c2", "c3", "trace:b", "nobody"], []):
+        view = con.execute("SELECT trace_id, conversation_id, first_batch, last_batch FROM trace_map "
+                           "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY ALL", [convs]).fetchall()
+        assert sorted(conversation_traces(con, convs)) == view
+    assert sorted(conversation_traces(con, ["c1"])) == [("a", "c1", 1, 2), ("e", "c1", 10, 11)]  # b is trace:b's now
+    assert mapped_traces(con, ["a", "b", "e", "z"]) == {"a", "b", "e"}  # archived, in both, keyed; z in neither
+    assert mapped_traces(con, []) == set()
