@@ -19,6 +19,12 @@ ATTACHED = "tracejudge"
 # filling; at DuckDB's default of 122,880 rows of 1-2 KB spans that took up to
 # 2.8 s (every request waits for it) and held its memory; 8192 rows take ~0.15 s.
 ROW_GROUP_SIZE = 8192
+# Row-group merges (vacuum tasks) a checkpoint runs at most. A merge reads row groups with deleted rows
+# back into memory and writes them again, fewer: after retention's deletes DuckDB's default of 100 at once
+# took its memory from 25 to 135-160 MB at one checkpoint (bench/soak.py ran out of the 128MB limit);
+# one at a time adds about 30-40 MB, and checkpoints come every few seconds under load, so freed
+# space is still reused.
+VACUUM_TASKS = 1
 
 # What DuckDB's messages about a file it cannot read mean, in the user's words, and
 # whether its own words add anything (a block's location does; a repeated path does not).
@@ -73,7 +79,9 @@ def connect(path: Path, read_only: bool = False, memory_limit: str | None = None
         UserError: the file cannot be read (not DuckDB, truncated, damaged, a directory...).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    config: dict[str, str | bool | int | float | list[str]] = {"memory_limit": memory_limit} if memory_limit else {}
+    config: dict[str, str | bool | int | float | list[str]] = {"max_vacuum_tasks": VACUUM_TASKS}
+    if memory_limit:
+        config["memory_limit"] = memory_limit
     try:
         if row_group_size is None:
             return duckdb.connect(str(path), read_only=read_only, config=config)
