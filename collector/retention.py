@@ -194,12 +194,13 @@ class Retention(Stage):
         assert cur is not None
         at, after = self._state("retention.spans_at", ""), self._state("retention.spans_after", "")
         since = dt.datetime.fromisoformat(at) if at else utc(0)
-        rows = cur.execute(
-            f"WITH c AS ({_NEXT.format(columns='state, first_batch', ended='')}) "
-            "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL, c.first_batch "
-            "FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
-            "ORDER BY c.last_arrival_at, c.conversation_id",
-            [horizon, since, since, after, self.chunk]).fetchall()
+        with self.store.large_reads:
+            rows = cur.execute(
+                f"WITH c AS ({_NEXT.format(columns='state, first_batch', ended='')}) "
+                "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL, c.first_batch "
+                "FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+                "ORDER BY c.last_arrival_at, c.conversation_id",
+                [horizon, since, since, after, self.chunk]).fetchall()
         ids: list[str] = []
         firsts: list[int | None] = []
         last: tuple[dt.datetime, str] | None = None
@@ -262,13 +263,14 @@ class Retention(Stage):
         reviewed = ("AND NOT EXISTS (SELECT 1 FROM review_items r WHERE r.conversation_id = c.conversation_id) "
                     if self.settings.keep_reviewed else "")
         ended = _NEXT.format(columns="first_batch, revision", ended="AND state = 'ended' ")
-        window = cur.execute(
-            f"WITH c AS ({ended}) "
-            f"SELECT c.conversation_id, c.last_arrival_at, c.first_batch, NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE} "
-            f"{reviewed}FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
-            "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
-            "ORDER BY c.last_arrival_at, c.conversation_id",
-            [horizon, after[0], after[0], after[1], self.chunk * WINDOW]).fetchall()
+        with self.store.large_reads:
+            window = cur.execute(
+                f"WITH c AS ({ended}) "
+                f"SELECT c.conversation_id, c.last_arrival_at, c.first_batch, NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE} "
+                f"{reviewed}FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+                "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
+                "ORDER BY c.last_arrival_at, c.conversation_id",
+                [horizon, after[0], after[0], after[1], self.chunk * WINDOW]).fetchall()
         free = [(cid, at, first) for cid, at, first, deletable in window if deletable]
         rows = free[:self.chunk]
         # The next chunk starts after the last one deleted, or else after the window.

@@ -366,17 +366,18 @@ class Evaluator(Stage):
                 "user_turns", "trace_ids", "decided", "probability", "rule", "first_batch")
         # Only rows that need something: no decision yet, or sampled and not judged at this revision.
         # Those queued or being judged are left out, so they cannot fill every page.
-        rows = cur.execute(
-            "SELECT c.conversation_id, c.updated_at, c.revision, c.transcript_hash, c.ended_by, c.service, "
-            "c.models, c.user_turns, c.trace_ids, s.conversation_id IS NOT NULL, s.probability, s.rule, "
-            "c.first_batch FROM conversations c "
-            "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
-            "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
-            "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "
-            f"AND {JUDGEMENT_DUE} "
-            "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
-            "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
-            [since, since, after, busy, SCAN_PAGE]).fetchall()
+        with self.store.large_reads:
+            rows = cur.execute(
+                "SELECT c.conversation_id, c.updated_at, c.revision, c.transcript_hash, c.ended_by, c.service, "
+                "c.models, c.user_turns, c.trace_ids, s.conversation_id IS NOT NULL, s.probability, s.rule, "
+                "c.first_batch FROM conversations c "
+                "LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+                "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
+                "WHERE c.state = 'ended' AND (c.updated_at > ? OR (c.updated_at = ? AND c.conversation_id > ?)) "
+                f"AND {JUDGEMENT_DUE} "
+                "AND c.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "  # a hash anti-join, not a list walk per row
+                "ORDER BY c.updated_at, c.conversation_id LIMIT ?",
+                [since, since, after, busy, SCAN_PAGE]).fetchall()
         settled = utc(now - self.settle)
         decisions = []
         last: tuple[dt.datetime, str] | None = None

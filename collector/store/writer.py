@@ -114,6 +114,10 @@ class Store:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
+        # Held by the background stages' scans over every stored conversation (the evaluator's, retention's
+        # windows): each joins several tables, 24-32 MB of DuckDB's memory at 40,000 conversations however
+        # small its answer, and two at once with a commit and the key indexes ran out of the 128MB.
+        self.large_reads = threading.Lock()
         self._accepting = False
         self._thread: threading.Thread | None = None
         self._con: duckdb.DuckDBPyConnection | None = None
