@@ -283,8 +283,9 @@ class Retention(Stage):
             return more
         ids = [cid for cid, _, _ in rows]
         with Transaction(cur):
-            spans = self._delete_rows(ids, max(at for _, at, _ in rows), mark, [first for _, _, first in rows])
-            delete_messages(cur, ids, ids)  # within where their messages were written; most are archived
+            newest = max(at for _, at, _ in rows)
+            spans = self._delete_rows(ids, newest, mark, [first for _, _, first in rows])
+            delete_messages(cur, ids, ids, newest)  # within where their messages were written; most are archived
             for table in ("sampling_decisions", "verdicts", "not_run", "eval_progress"):
                 cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
             if not self.settings.keep_reviewed:
@@ -299,8 +300,7 @@ class Retention(Stage):
                                     "(SELECT unnest(?::VARCHAR[]))", [ids]).fetchall()
             # The archive has no key: the last arrival bounds the row groups read (moves append the oldest first).
             [(archived,)] = cur.execute("DELETE FROM archived_conversations WHERE last_arrival_at <= ? AND "
-                                        "conversation_id IN (SELECT unnest(?::VARCHAR[]))",
-                                        [max(at for _, at, _ in rows), ids]).fetchall()
+                                        "conversation_id IN (SELECT unnest(?::VARCHAR[]))", [newest, ids]).fetchall()
             gone = live + archived
         self._count(deleted, spans)
         deleted["conversations"] += gone

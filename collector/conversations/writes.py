@@ -114,7 +114,8 @@ def message_rows(cid: str, tr: Transcript, written: int | None) -> list[tuple[An
             for i, m in enumerate(tr.messages)]
 
 
-def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str], archived: Collection[str] = ()) -> None:
+def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str], archived: Collection[str] = (),
+                    arrived_by: dt.datetime | None = None) -> None:
     """Delete these conversations' stored messages, reading only the row groups that can hold them.
 
     ``messages`` has no index, and a transcript is replaced at every update, so a delete by id alone
@@ -127,14 +128,17 @@ def delete_messages(cur: duckdb.DuckDBPyConnection, conversations: list[str], ar
     written before ``messages_batch`` carries its conversation's ``first_batch``, found from there
     (no upper bound then); one from before either is NULL, and still found.
 
-    Their rows are read from ``live_conversations`` by key, and those of ``archived`` from the archive too.
+    Their rows are read from ``live_conversations`` by key, and those of ``archived`` from the archive too,
+    there only among the rows that arrived by ``arrived_by`` when given (moves append the oldest first,
+    so DuckDB skips the newer row groups).
     """
     bounds = ("SELECT count(*), min(coalesce(messages_batch, first_batch)), max(messages_batch), "
               "count(*) FILTER (WHERE messages_batch IS NULL) FROM {table} WHERE conversation_id IN {keys}")
     found = by_keys(cur, bounds.format(table="live_conversations", keys="{keys}"), conversations)
     if archived:
-        found += cur.execute(bounds.format(table="archived_conversations", keys="(SELECT unnest(?::VARCHAR[]))"),
-                             [sorted(archived)]).fetchall()
+        keys = "(SELECT unnest(?::VARCHAR[]))" + (" AND last_arrival_at <= ?" if arrived_by else "")
+        found += cur.execute(bounds.format(table="archived_conversations", keys=keys),
+                             [sorted(archived), *([arrived_by] if arrived_by else [])]).fetchall()
     low, high = 2**63 - 1, 0
     for stored, first, last, unknown in found:
         if not stored:

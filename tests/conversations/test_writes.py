@@ -8,6 +8,7 @@ Rows an older version wrote carry their conversation's first commit instead, or 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from pathlib import Path
 
 import duckdb
@@ -99,6 +100,19 @@ def test_the_oldest_transcripts_are_deleted_between_where_they_were_written_and_
         delete_messages(con, ["legacy", "c-6"])
         delete_messages(con, ["never-stored"])
         left = con.execute("SELECT DISTINCT conversation_id FROM messages ORDER BY 1").fetchall()
+        # Archived ones, as retention deletes them: found in the archive among those arrived by its bound.
+        con.execute("UPDATE live_conversations SET last_arrival_at = TIMESTAMPTZ '2026-01-01 00:00:00+00' "
+                    "+ to_seconds(messages_batch::BIGINT)")
+        moved = "conversation_id IN ('c-2', 'c-4')"
+        con.execute(f"INSERT INTO archived_conversations SELECT * FROM live_conversations WHERE {moved}")
+        con.execute(f"DELETE FROM live_conversations WHERE {moved}")
+        at = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+        delete_messages(con, ["c-2", "c-4"], {"c-2", "c-4"}, at + dt.timedelta(seconds=3))  # c-4 arrived after
+        after_early = con.execute("SELECT DISTINCT conversation_id FROM messages ORDER BY 1").fetchall()
+        delete_messages(con, ["c-2", "c-4"], {"c-2", "c-4"}, at + dt.timedelta(seconds=4))
+        after_both = con.execute("SELECT DISTINCT conversation_id FROM messages ORDER BY 1").fetchall()
     finally:
         con.close()
     assert [c for (c,) in left] == ["c-2", "c-4", "c-5", "c-7"]
+    assert [c for (c,) in after_early] == ["c-4", "c-5", "c-7"]
+    assert [c for (c,) in after_both] == ["c-5", "c-7"]
