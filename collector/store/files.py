@@ -23,7 +23,8 @@ ROW_GROUP_SIZE = 8192
 # back into memory and writes them again, fewer: after retention's deletes DuckDB's default of 100 at once
 # took its memory from 25 to 135-160 MB at one checkpoint (bench/soak.py ran out of the 128MB limit);
 # one at a time adds about 30-40 MB, and checkpoints come every few seconds under load, so freed
-# space is still reused.
+# space is still reused. None is worse: rows deleted among kept ones (retention's, the stage's rewritten
+# messages) stay, and in the retention soak the file grew 47 MB a minute and the daemon's memory with it.
 VACUUM_TASKS = 1
 
 # What DuckDB's messages about a file it cannot read mean, in the user's words, and
