@@ -21,7 +21,7 @@ ATTACHED = "tracejudge"
 ROW_GROUP_SIZE = 8192
 # Row-group merges (vacuum tasks) a checkpoint runs at most. A merge reads row groups with deleted rows
 # back into memory and writes them again, fewer: after retention's deletes DuckDB's default of 100 at once
-# took its memory from 25 to 135-160 MB at one checkpoint (bench/soak.py ran out of the 128MB limit);
+# took its memory from 25 to 135-160 MB at one checkpoint, past the 128MB limit (bench/checkpoint_memory.py);
 # one at a time adds about 30-40 MB, and checkpoints come every few seconds under load, so freed
 # space is still reused. None is worse: rows deleted among kept ones (retention's, the stage's rewritten
 # messages) stay, and in the retention soak the file grew 47 MB a minute and the daemon's memory with it.
