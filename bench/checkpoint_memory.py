@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+import duckdb
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ingest  # noqa: E402  (the workload)
 
@@ -37,7 +39,7 @@ MB = 1_000_000
 REQUESTS = [span_batch(parse_traces(ingest.make_requests(512, first=i)[0]))[0] for i in range(8)]
 
 
-def append(con: object, requests: int, first_batch: int) -> None:
+def append(con: duckdb.DuckDBPyConnection, requests: int, first_batch: int) -> None:
     """``requests`` commits of 512 spans, commits numbered from ``first_batch``."""
     for i in range(requests):
         batch: SpanBatch = REQUESTS[i % len(REQUESTS)]
@@ -47,11 +49,11 @@ def append(con: object, requests: int, first_batch: int) -> None:
         con.unregister("incoming")
 
 
-def checkpoint(con: object) -> tuple[float, float, float]:
+def checkpoint(con: duckdb.DuckDBPyConnection) -> tuple[float, float, float]:
     """(uncommitted table MB before, its peak during the checkpoint, seconds)."""
     poll, peak, done = con.cursor(), [0.0], threading.Event()
 
-    def table_memory(cur: object) -> float:
+    def table_memory(cur: duckdb.DuckDBPyConnection) -> float:
         rows = dict(cur.execute("SELECT tag, memory_usage_bytes FROM duckdb_memory()").fetchall())
         return rows.get("IN_MEMORY_TABLE", 0) / MB
 

@@ -186,6 +186,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait()
+            if trace:
+                trace.close()
         blocks = file_blocks(data / "bench.duckdb")
     report(rows, lag_end, current)
     print(f"  at the end: {blocks}")

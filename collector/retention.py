@@ -51,7 +51,7 @@ from .listing import iso_utc
 from .memory import INDEX_WARNING, duckdb_memory, index_eighths
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction
-from .store.transactions import batch_filter, conversation_traces, mapped_traces, registered_rows
+from .store.transactions import COMMIT_TRACES, batch_filter, conversation_traces, mapped_traces, registered_rows
 from .words import size_text
 
 log = logging.getLogger("tracejudge.retention")
@@ -238,10 +238,7 @@ class Retention(Stage):
         hi = min(upto, done + CHUNK_COMMITS)
         # The commits' traces, then those of them the map holds: a semi-join with the whole map would
         # hash every trace id it holds (tens of MB of DuckDB's memory at 250,000 traces).
-        traces = [t for (t,) in cur.execute(
-            "SELECT DISTINCT trace_id FROM span_records WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL "
-            "UNION SELECT DISTINCT trace_id FROM log_records WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL",
-            [done + 1, hi, done + 1, hi]).fetchall()]
+        traces = [t for (t,) in cur.execute(COMMIT_TRACES, [done + 1, hi, done + 1, hi]).fetchall() if t is not None]
         mapped = mapped_traces(cur, traces)
         with Transaction(cur), registered_rows(cur, "kept_traces", ("trace_id",), [(t,) for t in mapped]):
             n = {}

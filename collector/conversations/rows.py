@@ -30,7 +30,7 @@ import duckdb
 
 from ..ingest.batches import LOG_COLUMNS, SPAN_COLUMNS
 from ..store import Committed
-from ..store.transactions import Batches, batch_filter
+from ..store.transactions import COMMIT_TRACES, Batches, batch_filter
 from .keys import StoredRow
 
 # A group of commits is taken in, then the conversations the group before it touched (and it did not)
@@ -285,9 +285,8 @@ class RowCache:
         # With their traces' stored conversations: the daemon has run every write sent before, and the
         # stage keeps a conversation in memory until its writes are sent (``Conversations._flush``).
         lo, hi = min(c.batch_id for c in lights), max(c.batch_id for c in lights)
-        mapped = ("SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN ("
-                  "SELECT trace_id FROM span_records WHERE batch_id BETWEEN ? AND ? UNION "
-                  "SELECT trace_id FROM log_records WHERE batch_id BETWEEN ? AND ?)", [lo, hi, lo, hi])
+        mapped = (f"SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN ({COMMIT_TRACES})",
+                  [lo, hi, lo, hi])
         return query([*((sql, params) for sql, params, _ in _commit_queries(lights)), mapped])
 
     def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light], ahead: Any = None

@@ -212,6 +212,11 @@ def trace_place(cur: Any, trace_id: str) -> tuple[str | None, int | None]:
     return None, None
 
 
+# The distinct traces with rows in a range of commits (parameters: first, last, first, last).
+COMMIT_TRACES = ("SELECT trace_id FROM span_records WHERE batch_id BETWEEN ? AND ? "
+                 "UNION SELECT trace_id FROM log_records WHERE batch_id BETWEEN ? AND ?")
+
+
 def mapped_traces(cur: Any, traces: Sequence[str]) -> set[str]:
     """Those of these traces the trace map holds: keyed ones by key, archived ones by a join that hashes
     only the traces asked for (a semi-join with ``trace_map`` would hash every trace id it holds)."""
