@@ -66,6 +66,8 @@ def sample(api: str, count: bool = True) -> dict[str, float]:
                      r'tracejudge_stage_held\{stage="(\w+)",what="(\w+)"\}|'
                      r'(tracejudge_conversations_process_resident_memory_bytes)) (\S+)$', line)
         if not m:
+            if a := re.match(r'^tracejudge_allocator_bytes\{kind="(\w+)"\} (\S+)$', line):
+                out[f"alloc {a.group(1)}"] = float(a.group(2)) / MB
             continue
         value = float(m.group(6))
         if m.group(5):

@@ -96,10 +96,21 @@ def file_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in (path, Path(f"{path}.wal")) if p.exists())
 
 
-def duckdb_tags(api: str) -> dict[str, float]:
-    """DuckDB's memory (MB) by what holds it, from /metrics."""
-    return {k[len("duckdb "):]: v for k, v in memory.sample(api, count=False).items()
-            if k.startswith("duckdb ") and k != "duckdb total" and v >= 0.05}
+def duckdb_tags(api: str) -> tuple[dict[str, float], dict[str, float]]:
+    """DuckDB's memory (MB) by what holds it, and what the daemon's C allocators hold, from /metrics."""
+    m = memory.sample(api, count=False)
+    return ({k[len("duckdb "):]: v for k, v in m.items() if k.startswith("duckdb ") and k != "duckdb total"
+             and v >= 0.05}, {k[len("alloc "):]: v for k, v in m.items() if k.startswith("alloc ")})
+
+
+def rollup(pid: int) -> dict[str, float]:
+    """The daemon's proportional set split into anonymous memory and mapped files (its libraries), MB."""
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Pss_Anon", "Pss_File"):
+            out[key] = round(int(rest.split()[0]) / 1024, 1)
+    return out
 
 
 def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered: list[tuple[float, float]],
@@ -113,11 +124,13 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
         while (left := end - time.perf_counter()) > 0:
             time.sleep(min(PSS_EVERY, left))
             parts = ingest.pss_parts(pid)
-            tags = duckdb_tags(info["api"])
+            tags, allocs = duckdb_tags(info["api"])
             if trace:
                 trace.write(json.dumps({"t": round(time.perf_counter() - start, 1), "wall": time.strftime("%H:%M:%S"),
                                         "pss": {str(k): round(v, 1) for k, v in parts.items()},
-                                        "duckdb": {k: round(v, 1) for k, v in tags.items()}}) + "\n")
+                                        "duckdb": {k: round(v, 1) for k, v in tags.items()},
+                                        "allocators": {k: round(v, 1) for k, v in allocs.items()},
+                                        "daemon": rollup(pid)}) + "\n")
                 trace.flush()
             if sum(parts.values()) > peak_pss:  # where the peak is: the daemon's own share, or its processes'
                 peak_pss, peak_daemon = sum(parts.values()), parts.get(pid, 0.0)

@@ -52,7 +52,7 @@ from .forward import Forwarder
 from .forward.verdicts import VerdictEvents
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
 from .listen import address, split_endpoint, start_site
-from .memory import duckdb_memory, resident_bytes
+from .memory import allocators, duckdb_memory, resident_bytes
 from .metrics import Metrics
 from .retention import Retention
 from .review import queue as review_queue
@@ -96,7 +96,11 @@ def _memory_gauges(store: Store) -> list[str]:
     """Where the daemon's memory is: its resident set, and DuckDB's share of it by what holds it."""
     lines = ["# HELP process_resident_memory_bytes Resident memory of the daemon.",
              "# TYPE process_resident_memory_bytes gauge",
-             f"process_resident_memory_bytes {resident_bytes()}"]
+             f"process_resident_memory_bytes {resident_bytes()}",
+             "# HELP tracejudge_allocator_bytes What DuckDB's allocator holds: duckdb_allocated in use, "
+             "duckdb_resident kept resident (freed pages not yet returned included).",
+             "# TYPE tracejudge_allocator_bytes gauge"]
+    lines += [f'tracejudge_allocator_bytes{{kind="{kind}"}} {value}' for kind, value in allocators().items()]
     try:
         cur = store.cursor()
         try:

@@ -7,6 +7,10 @@ daemon's receivers among them), and no thread could end it. Each check
 therefore runs in a worker process, and one that runs past its criterion's
 ``timeout`` has its worker killed: the check records ``error``, never a verdict.
 
+The built-in checks that only walk the messages (``tool_called``, ``ended_by``,
+``max_user_turns``, with no ``applies_if`` pattern) cannot run long: they run in
+the caller's process, and a daemon that uses only those starts no worker.
+
 Lifecycle: ``pool()`` is shared by every run and event loop of the process.
 A worker is started (``python -c``, with the caller's ``sys.path``) when a
 check finds none idle, at most one per thread of the pool; it answers pickled
@@ -72,6 +76,14 @@ def decide(check: CodeCheck, criterion: CodeCriterion, conversation: Conversatio
         return None
     out = check.run(conversation, criterion.params)
     return out if isinstance(out, CheckResult) else CheckResult.model_validate(out)
+
+
+def in_process(check: CodeCheck, criterion: CodeCriterion) -> bool:
+    """Whether a check runs in the caller's process: a ``bounded`` one (one walk over the messages,
+    no pattern, no outside code) whose ``applies_if`` has no pattern. It takes microseconds, and a
+    worker would cost a process of about 25 MB and a round trip."""
+    return getattr(check, "bounded", False) is True and (
+        criterion.applies_if is None or not criterion.applies_if.has_patterns)
 
 
 def _answer(message: bytes) -> tuple[str, Any]:
@@ -306,11 +318,17 @@ def _stop_workers() -> None:
 
 
 async def run_check(check: CodeCheck, criterion: CodeCriterion, conversation: Conversation) -> CheckResult | None:
-    """``decide`` in a worker process, within ``criterion.timeout`` seconds.
+    """``decide`` in a worker process, within ``criterion.timeout`` seconds; here and now if it is
+    ``in_process``.
 
     Raises:
         CheckFailed: out of time, the check raised, or it could not be run; the message is the reason.
     """
+    if in_process(check, criterion):
+        try:
+            return decide(check, criterion, conversation)
+        except Exception as exc:  # noqa: BLE001 - a check that raises records error, as in a worker
+            raise CheckFailed("check_failed", f"{type(exc).__name__}: {exc}") from None
     try:
         message = pickle.dumps((check, criterion, conversation), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - pickling raises many kinds

@@ -38,6 +38,10 @@ class CodeCheck(Protocol):
     ``timeout`` (see ``_check_process``): the check and its parameters are sent
     there by pickle, so define them at the top level of an importable module.
     An exception it raises, or running out of time, becomes an ``error`` verdict.
+
+    A check may say ``bounded = True``: it only walks the conversation's messages once, with
+    no pattern and no outside code, so it cannot run long. Such a check, when its criterion's
+    ``applies_if`` has no pattern either, runs in the caller's process (see ``in_process``).
     """
 
     @property
@@ -94,6 +98,11 @@ class AppliesIf(CheckParams):
     def _compile(cls, v: Any) -> re.Pattern[str] | None:
         return None if v is None else _pattern(v)
 
+    @property
+    def has_patterns(self) -> bool:
+        """Whether a condition is a regex (which can backtrack for as long as it likes)."""
+        return self.user_matches is not None or self.bot_matches is not None
+
     def holds(self, conversation: Conversation) -> bool:
         """True when every condition given holds for the conversation."""
         msgs = conversation.messages
@@ -111,6 +120,8 @@ class AppliesIf(CheckParams):
 
 class ToolCalled:
     """Pass when the assistant called tool ``name`` with arguments that include ``args``."""
+
+    bounded = True
 
     class Params(CheckParams):
         name: str
@@ -131,6 +142,8 @@ class ToolCalled:
 
 class EndedByCheck:
     """Pass when the conversation ended in one of ``one_of`` (handover, bot_closed, ...)."""
+
+    bounded = True
 
     class Params(CheckParams):
         one_of: list[EndedBy] = Field(min_length=1)
@@ -185,6 +198,8 @@ class RegexCheck:
 
 class MaxUserTurns:
     """Pass when the user sent at most ``max`` messages."""
+
+    bounded = True
 
     class Params(CheckParams):
         max: int = Field(ge=0)

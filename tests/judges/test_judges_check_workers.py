@@ -1,18 +1,30 @@
-"""The code checks' worker processes: how many run at once, and that an idle one does not stay for good."""
+"""The code checks' worker processes: how many run at once, that an idle one does not stay for good, and which
+checks need none."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pydantic
 import pytest
 
 from collector.config import Config
-from judges import Conversation, Criterion, load_criteria, run_judges, set_check_workers
+from judges import (
+    CheckParams,
+    CheckResult,
+    CodeCheck,
+    CodeCriterion,
+    Conversation,
+    Criterion,
+    load_criteria,
+    run_judges,
+    set_check_workers,
+)
 
 from .conftest import chest_pain
-from .test_judges_check_limits import until
+from .test_judges_check_limits import register, until  # noqa: F401 - register is a fixture
 
 CHECKS_PY = """
 import os
@@ -81,3 +93,51 @@ def test_the_number_of_workers_is_checked() -> None:
     with pytest.raises(pydantic.ValidationError, match="check_workers"):
         Config.model_validate({"judges": {"check_workers": 0}})
     assert Config.model_validate({}).judges.check_workers == 1
+
+
+BOUNDED = """
+criteria:
+  - {id: escalated, version: 1, kind: code, check: tool_called, name: set_triage_level}
+  - {id: ended, version: 1, kind: code, check: ended_by, one_of: [goal_reached]}
+  - {id: short, version: 1, kind: code, check: max_user_turns, max: 1, applies_if: {tool_called: set_triage_level}}
+"""
+
+
+def children() -> set[int]:
+    return {int(c) for task in Path(f"/proc/{os.getpid()}/task").glob("*/children") for c in task.read_text().split()}
+
+
+def test_checks_that_only_walk_the_messages_start_no_worker(tmp_path: Path) -> None:
+    set_check_workers(1, idle_limit=600)  # a worker started would still be there at the end
+    (tmp_path / "criteria.yaml").write_text(BOUNDED, encoding="utf-8")
+    before = children()
+    run = run_judges(load_criteria(tmp_path / "criteria.yaml"), [chest_pain("a"), chest_pain("b", escalated=False)])
+    assert [(v.conversation_id, v.criterion_id, v.result) for v in run.verdicts] == [
+        ("a", "escalated", "pass"), ("a", "ended", "pass"), ("a", "short", "fail"),
+        ("b", "escalated", "fail"), ("b", "ended", "pass"), ("b", "short", "not_applicable")]
+    assert children() == before, "no worker process was started"
+
+    # The same check with a pattern in its applies_if goes to a worker, which stays idle for the next check.
+    (tmp_path / "criteria.yaml").write_text(BOUNDED.replace("{tool_called: set_triage_level}",
+                                                            '{user_matches: "arm"}'), encoding="utf-8")
+    run = run_judges(load_criteria(tmp_path / "criteria.yaml")[2:], [chest_pain("a")])
+    assert [v.result for v in run.verdicts] == ["fail"]
+    assert len(children() - before) == 1, "one worker, for the pattern"
+
+
+class Exploding:
+    """An outside check that says it is bounded: it runs in the caller's process, and what it raises is its error."""
+
+    bounded = True
+    Params = CheckParams
+
+    def run(self, conversation: Conversation, params: CheckParams) -> CheckResult:
+        raise ValueError(f"no luck in {os.getpid()}")
+
+
+def test_a_bounded_check_that_raises_records_error_in_the_callers_process(
+        register: Callable[[str, CodeCheck], None]) -> None:  # noqa: F811 - the fixture
+    register("exploding_for_tests", Exploding())
+    crit = CodeCriterion(id="boom", version=1, check="exploding_for_tests", params=CheckParams())
+    [v] = run_judges([crit], [chest_pain()]).verdicts
+    assert (v.result, v.error_reason) == ("error", f"check_failed: ValueError: no luck in {os.getpid()}")

@@ -233,6 +233,8 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
     memory = daemon.get("/api/status")[1]["duckdb_memory"]
     assert memory["limit_bytes"] == 128_000_000 and memory["used_bytes"] >= memory["index_bytes"] > 0, memory
     assert daemon.metric('tracejudge_duckdb_memory_bytes{tag="ART_INDEX"}') > 0
+    in_use = daemon.metric('tracejudge_allocator_bytes{kind="duckdb_allocated"}')
+    assert 0 < in_use <= daemon.metric('tracejudge_allocator_bytes{kind="duckdb_resident"}')
     text = run_cli("status", "--config", str(daemon.config_path))
     assert text.returncode == 0, text.stderr
     assert "spans" in text.stdout and "kept 14d" in text.stdout and "running at" in text.stdout, text.stdout
