@@ -10,10 +10,13 @@ their peaks so far), their proportional set (shared pages counted once, as a
 container's limit counts them; also every second, for the interval's peak, with the daemon's own share
 and its processes' at that peak), the DuckDB file with its WAL, the p99 latency of the requests answered
 in the interval, how far conversations lag (commits taken in
-but not yet current), rows deleted and what the stages hold; then it prints
+but not yet current), rows deleted, what the stages hold and the cores used by the daemon, by its
+processes and by this load generator (CPU time over the interval); then it prints
 them as a table against the first interval, checks the targets, and says how
 long after the last ack the conversations were current, and how much of the
 file is in use at the end (the rest is free blocks DuckDB writes into next).
+``--trace`` keeps every second's sample: the proportional sets, DuckDB's memory by tag, what its
+allocator holds (``tracejudge_allocator_bytes``) and the daemon's anonymous and file-backed shares.
 Run by hand:
 
     .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s]
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -113,10 +117,32 @@ def rollup(pid: int) -> dict[str, float]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used (all its threads), in seconds; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cores(pid: int, last: dict[int, float], seconds: float) -> dict[str, float]:
+    """Cores used since ``last`` (updated) by the daemon, its processes together, and this load generator."""
+    now = {p: cpu_seconds(p) for p in (pid, *ingest._children(pid), os.getpid())}
+    used = {p: max(0.0, t - last.get(p, 0.0)) / seconds for p, t in now.items()}
+    last.clear()
+    last.update(now)
+    return {"cores: daemon": used[pid], "cores: its processes": sum(u for p, u in used.items()
+                                                                     if p not in (pid, os.getpid())),
+            "cores: load": used[os.getpid()]}
+
+
 def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered: list[tuple[float, float]],
             rows: list[dict[str, float]], done: list[bool], trace: Any) -> None:
     seen = 0
     start = time.perf_counter()
+    cpu: dict[int, float] = {}
+    cores(pid, cpu, 1.0)
     while not done[0]:
         # The proportional set every second: its largest in the interval is the peak a container's limit sees.
         # DuckDB's memory by tag too: its largest in the interval, and what held it then.
@@ -148,6 +174,7 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
             "at peak: daemon": peak_daemon, "at peak: children": peak_pss - peak_daemon, "duckdb": m["duckdb total"],
             "duckdb index": m.get("duckdb ART_INDEX", 0.0), "outside duckdb": m["outside duckdb"],
             "stage process": m.get("stage process", 0.0), "duckdb peak": peak_duck,
+            **cores(pid, cpu, now - (rows[-1]["t"] + start if rows else start)),
             "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
             "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
             "lag commits": st["committed_batch"] - st["conversations_batch"],
@@ -224,12 +251,12 @@ def file_blocks(path: Path) -> str:
 
 
 def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
-    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb peak", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s",
+    keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb peak", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s", "cores: daemon", "cores: its processes", "cores: load",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
     print(f"\n{'interval end (s)':18}" + "".join(f"{r['t']:>12.0f}" for r in rows))
     for k in keys:
-        print(f"{k:18}" + "".join(f"{r[k]:>12,.0f}" for r in rows))
+        print(f"{k:18}" + "".join(f"{r[k]:>12,.{2 if k.startswith('cores') else 0}f}" for r in rows))
     print(f"{'vs interval 1':18}")
     for k in ("rss", "peak rss", "pss", "peak pss", "file", "p99 ms", "lag commits"):
         print(f"  {k:16}" + "".join(f"{(r[k] / first[k] if first[k] else 0):>12.2f}" for r in rows))
