@@ -1,8 +1,10 @@
 """Benchmark code checks: the runner's time-limited worker processes against the check run in-process.
 
-Every code check (its ``applies_if`` included) runs in a worker process under
-its criterion's ``timeout``, so that a pattern that backtracks or a function
-that never returns can be stopped without holding up the caller. This prints
+A code check with a pattern (a ``regex`` check, a regex in ``applies_if``) or
+outside code runs in a worker process under its criterion's ``timeout``, so
+that a pattern that backtracks or a function that never returns can be stopped
+without holding up the caller; one that only walks the messages (``short``
+here, a ``max_user_turns``) runs in the caller's process either way. This prints
 what that costs per verdict against the baseline measured in the same run: the
 same checks called in this process, as the runner did before (no limit, and
 the interpreter lock held for as long as a check ran).
