@@ -115,7 +115,7 @@ def test_checks_that_only_walk_the_messages_start_no_worker(tmp_path: Path) -> N
     assert [(v.conversation_id, v.criterion_id, v.result) for v in run.verdicts] == [
         ("a", "escalated", "pass"), ("a", "ended", "pass"), ("a", "short", "fail"),
         ("b", "escalated", "fail"), ("b", "ended", "pass"), ("b", "short", "not_applicable")]
-    assert children() == before, "no worker process was started"
+    assert not children() - before, "no worker process was started"
 
     # The same check with a pattern in its applies_if goes to a worker, which stays idle for the next check.
     (tmp_path / "criteria.yaml").write_text(BOUNDED.replace("{tool_called: set_triage_level}",
