@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import os
 import resource
 from typing import Any, Callable
@@ -97,13 +98,14 @@ def allocators() -> dict[str, int]:
 
 @functools.cache
 def _jemalloc_ctl() -> Any:
-    """DuckDB's jemalloc's ``mallctl``, found in the library the duckdb module loaded; None if absent."""
-    import _duckdb  # the compiled module: its symbols are DuckDB's
-
-    try:
-        return ctypes.CDLL(_duckdb.__file__).duckdb_je_mallctl
-    except (OSError, AttributeError):
-        return None
+    """DuckDB's jemalloc's ``mallctl``, found in the library the duckdb module loaded; None if absent
+    (a build without jemalloc, such as macOS's)."""
+    for name in ("_duckdb", "duckdb.duckdb"):  # the compiled module, named so from DuckDB 1.4 on, and before
+        try:
+            return ctypes.CDLL(importlib.import_module(name).__file__).duckdb_je_mallctl
+        except (ImportError, OSError, AttributeError, TypeError):
+            continue
+    return None
 
 
 def trimmer() -> Callable[[int], int] | None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from collector.memory import peak_resident_bytes, resident_bytes
+import duckdb
+
+from collector.memory import allocators, peak_resident_bytes, resident_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,3 +66,14 @@ def test_an_operators_malloc_arena_max_is_kept() -> None:
 
 def test_resident_set_is_read_from_the_kernel() -> None:
     assert 0 < resident_bytes() <= peak_resident_bytes()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="DuckDB's Linux builds link jemalloc")
+def test_duckdbs_allocator_is_read_and_follows_what_duckdb_holds() -> None:
+    before = allocators()["duckdb_allocated"]
+    con = duckdb.connect()
+    con.execute("CREATE TABLE t AS SELECT range AS i FROM range(2000000)")  # about 16 MB of table blocks
+    held = allocators()
+    assert held["duckdb_allocated"] - before > 10_000_000
+    assert held["duckdb_allocated"] <= held["duckdb_resident"]
+    con.close()
