@@ -22,6 +22,7 @@ from collector.conversations.assemble import (
     NO_GENAI_REASON,
     ParseMemo,
     build_transcript,
+    conversation_key,
     group_traces,
     merge_history,
 )
@@ -806,3 +807,53 @@ def test_tool_arguments_that_are_not_an_object_are_kept_as_text(dialect: str) ->
     judged = Conversation.model_validate(rec)  # what the evaluator reads: no longer refused
     assert [c.arguments for c in judged.messages[1].tool_calls] == ['["B-1", "B-2"]', "7", {"id": 1}]
     assert t.content_hash() == transcript_sha256(judged.messages)
+
+
+
+class _Watched(dict):  # type: ignore[type-arg]
+    """A row that records which of its columns were read."""
+
+    read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _Watched.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        _Watched.read.add(key)
+        return super().__getitem__(key)
+
+
+def test_the_stage_reads_only_the_columns_rows_are_read_back_with() -> None:
+    """Rows read back carry only ``rows.SPAN_COLUMNS`` / ``LOG_COLUMNS``: keys, chains, end rules and
+    transcripts of every fixture read no other column (one that did would see None in the stage)."""
+    from collector.config import EndRule
+    from collector.conversations.endings import ended_by_rule
+    from collector.conversations.keys import response_links
+    from collector.conversations.rows import LOG_COLUMNS, SPAN_COLUMNS
+    from collector.conversations.rows import TraceRows
+    from collector.conversations.tracemap import is_genai
+    from collector.ingest import batches
+
+    assert set(SPAN_COLUMNS) < set(batches.SPAN_COLUMNS) and set(LOG_COLUMNS) < set(batches.LOG_COLUMNS)
+    rules = [EndRule(attribute="app.conversation.end", equals=True, ended_by="bot_closed")]
+    span_reads: set[str] = set()
+    log_reads: set[str] = set()
+    for name in CASES:
+        case = load_case(name)
+        spans = [_Watched(r) for r in case.spans]
+        logs = [_Watched(r) for r in case.logs]
+        _Watched.read = set()
+        for tid, rows in by_trace(spans, logs).items():
+            conversation_key(rows)
+            response_links(rows)
+            ended_by_rule(rules, rows)
+            is_genai(TraceRows(spans=rows))
+        build_transcript(spans, [])
+        span_reads |= _Watched.read
+        _Watched.read = set()
+        is_genai(TraceRows(logs=logs))
+        build_transcript([], logs)
+        log_reads |= _Watched.read
+    assert span_reads - {"arrival"} <= set(SPAN_COLUMNS), span_reads - set(SPAN_COLUMNS)
+    assert log_reads - {"arrival"} <= set(LOG_COLUMNS), log_reads - set(LOG_COLUMNS)
