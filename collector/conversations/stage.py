@@ -509,6 +509,8 @@ class Conversations(Stage):
                 trace_batches[tid] = (conv.first_batch, trace_batches[tid][1])
             # Each touched trace's commits, as they are now (``_batches`` reads them back).
             self._writes.traces[tid] = (cid, *trace_batches[tid])
+            if old is None:  # not keyed: neither memory nor the table knew it (``Writes.flush``)
+                self._writes.new_traces.add(tid)
             b = trace_batches[tid][0]
             if b is not None and (conv.first_batch is not None or not conv.traces):  # None with traces: unknown
                 conv.first_batch = b if conv.first_batch is None else min(conv.first_batch, b)
@@ -611,6 +613,7 @@ class Conversations(Stage):
                                default=conv.first_batch)
         for t in self._unranged.intersection(conv.traces):  # stored by an older version: now they are known
             self._writes.traces[t] = (conv.id, *rows[t].batches())
+            self._writes.new_traces.discard(t)
         # Oldest first, as trace_ids promises: the same order live and in a reindex, whatever order
         # the traces' commits came in.
         conv.traces.sort(key=lambda t: (rows[t].start(), t))
@@ -679,6 +682,8 @@ class Conversations(Stage):
         self._writes.messages[conv.id] = message_rows(conv.id, tr, row.messages_batch)
         if conv.stored:
             self._writes.replace.add(conv.id)
+        else:
+            self._writes.new.add(conv.id)
         if conv.archived:  # back in live_conversations with this write, out of the archive with the same flush
             self._writes.unarchive.add(conv.id)
             conv.archived = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +25,13 @@ import duckdb
 import orjson
 
 from ..store import Transaction, insert_rows
-from ..store.transactions import by_keys, one
+from ..store.transactions import KEYS_PER_LOOKUP, by_keys, one
 from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS, TRACES_KEPT
 from .tracemap import Tracked
 from .transcript import Transcript
 
 _UTC = dt.timezone.utc
+log = logging.getLogger("tracejudge.conversations")
 
 
 def _json_text(value: Any) -> str:
@@ -157,11 +159,13 @@ class Writes:
 
     conversations: dict[str, ConversationRow] = field(default_factory=dict)
     messages: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
-    replace: set[str] = field(default_factory=set)  # conversations whose old messages go
+    replace: set[str] = field(default_factory=set)  # conversations whose stored messages go
+    new: set[str] = field(default_factory=set)  # of ``conversations``, those with no row stored
     deleted: set[str] = field(default_factory=set)
     unarchive: set[str] = field(default_factory=set)  # read back from the archive: their archived rows go
     # trace -> (its conversation, the first and last commits with its rows)
     traces: dict[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
+    new_traces: set[str] = field(default_factory=set)  # of ``traces``, those not keyed in ``trace_conversations``
     traces_kept: int = TRACES_KEPT  # keyed in ``trace_conversations``; older ones go to ``trace_archive``
 
     def __len__(self) -> int:
@@ -174,29 +178,58 @@ class Writes:
         self.messages.pop(cid, None)
 
     def flush(self, cur: duckdb.DuckDBPyConnection, mark: int) -> None:
-        """Write everything in one transaction, column-wise, with the batch mark; then start empty."""
+        """Write everything in one transaction, column-wise, with the batch mark; then start empty.
+
+        Keyed rows known to be new are inserted; the others replace their stored rows (``_write`` says
+        why not ``INSERT OR REPLACE``). Should one taken as new be stored after all, the transaction is
+        rolled back and written again with every row replacing, so what is written never depends on it.
+        """
         try:
-            with Transaction(cur):
-                gone = sorted(self.deleted | self.replace)
-                if gone:
-                    delete_messages(cur, gone, self.unarchive)
-                if self.deleted:
-                    cur.execute("DELETE FROM live_conversations WHERE conversation_id IN (SELECT unnest(?))",
-                                [sorted(self.deleted)])
-                if self.unarchive:
-                    cur.execute("DELETE FROM archived_conversations WHERE conversation_id IN (SELECT unnest(?))",
-                                [sorted(self.unarchive)])
-                insert_rows(cur, "INSERT OR REPLACE INTO trace_conversations", TRACE_MAP_COLUMNS,
-                            [(t, *where) for t, where in self.traces.items()])
-                archive_traces(cur, self.traces_kept)
-                insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
-                            [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
-                insert_rows(cur, "INSERT OR REPLACE INTO live_conversations", CONVERSATION_COLUMNS,
-                            [row.values() for cid, row in self.conversations.items() if cid not in self.deleted])
-                cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)", [str(mark)])
+            try:
+                self._write(cur, mark, trust_new=True)
+            except duckdb.ConstraintException as exc:
+                if id(cur) in Transaction._open:
+                    raise  # part of a caller's transaction, which the failure ended: it cannot be redone here
+                log.warning("a conversation or trace taken as new was stored already (%s); written again "
+                            "replacing every row", exc)
+                self._write(cur, mark, trust_new=False)
         finally:
             self.conversations, self.messages = {}, {}
-            self.replace, self.deleted, self.unarchive, self.traces = set(), set(), set(), {}
+            self.replace, self.new, self.deleted, self.unarchive = set(), set(), set(), set()
+            self.traces, self.new_traces = {}, set()
+
+    def _write(self, cur: duckdb.DuckDBPyConnection, mark: int, trust_new: bool) -> None:
+        """One transaction. A keyed row is replaced by deleting the stored one by key, then inserting:
+        DuckDB's ``INSERT OR REPLACE`` checked every row against the key at about five times the cost
+        of an insert (per row of trace map at 200,000 keys), and most rows the stage writes are new."""
+        conversations = [(cid, row) for cid, row in self.conversations.items() if cid not in self.deleted]
+        with Transaction(cur):
+            # Untrusted, a transcript written in full replaces any stored one as well.
+            gone = sorted(self.deleted | self.replace | (set() if trust_new else self.messages.keys()))
+            if gone:
+                delete_messages(cur, gone, self.unarchive)
+            stored = [cid for cid, _ in conversations if not trust_new or cid not in self.new]
+            delete_keys(cur, "live_conversations", "conversation_id", sorted(self.deleted) + stored)
+            if self.unarchive:
+                cur.execute("DELETE FROM archived_conversations WHERE conversation_id IN (SELECT unnest(?))",
+                            [sorted(self.unarchive)])
+            delete_keys(cur, "trace_conversations", "trace_id",
+                        [t for t in self.traces if not trust_new or t not in self.new_traces])
+            insert_rows(cur, "INSERT INTO trace_conversations", TRACE_MAP_COLUMNS,
+                        [(t, *where) for t, where in self.traces.items()])
+            archive_traces(cur, self.traces_kept)
+            insert_rows(cur, "INSERT INTO messages", MESSAGE_COLUMNS,
+                        [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
+            insert_rows(cur, "INSERT INTO live_conversations", CONVERSATION_COLUMNS, [row.values() for _, row in conversations])
+            cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)", [str(mark)])
+
+
+def delete_keys(cur: duckdb.DuckDBPyConnection, table: str, key: str, keys: Collection[str]) -> None:
+    """Delete the rows of these keys, looked up in the key's index (an IN list, as ``by_keys`` reads)."""
+    keys = list(keys)
+    for i in range(0, len(keys), KEYS_PER_LOOKUP):
+        chunk = keys[i:i + KEYS_PER_LOOKUP]
+        cur.execute(f"DELETE FROM {table} WHERE {key} IN ({', '.join('?' * len(chunk))})", chunk)
 
 
 MOVED_AT_ONCE = 50_000

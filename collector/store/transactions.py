@@ -133,8 +133,11 @@ def registered_rows(cur: Any, name: str, columns: Sequence[str], rows: Sequence[
         remote(name, columns, rows)
     try:
         yield name
-    finally:
-        cur.unregister(name)
+    except BaseException:
+        with contextlib.suppress(duckdb.Error):  # in a transaction the error aborted: its error is the news
+            cur.unregister(name)
+        raise
+    cur.unregister(name)
 
 
 def rows_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:

@@ -116,3 +116,39 @@ def test_the_oldest_transcripts_are_deleted_between_where_they_were_written_and_
     assert [c for (c,) in left] == ["c-2", "c-4", "c-5", "c-7"]
     assert [c for (c,) in after_early] == ["c-4", "c-5", "c-7"]
     assert [c for (c,) in after_both] == ["c-5", "c-7"]
+
+
+def test_rows_taken_as_new_that_are_stored_already_are_replaced_all_the_same(tmp_path: Path, caplog) -> None:
+    """New rows are inserted, not replaced (``Writes.flush``): one that is stored after all (a bug in
+    what the stage knows) rolls the transaction back and writes it again, every row replacing."""
+    db = tmp_path / "t.duckdb"
+    create_store(db)
+    conv = StoredConversation("c-1", text_messages([("hello", "hi")]))
+    row, messages = conv.rows()
+    first = ConversationRow(**dict(zip(CONVERSATION_COLUMNS, row)))
+
+    def write(row: ConversationRow, mark: int) -> None:
+        writes = Writes()
+        writes.conversations["c-1"] = row
+        writes.messages["c-1"] = [(*m[:-1], mark) for m in messages]
+        writes.new.add("c-1")  # wrong the second time
+        writes.traces["t-1"] = ("c-1", 1, mark)
+        writes.new_traces.add("t-1")
+        con = duckdb.connect(str(db))
+        try:
+            writes.flush(con, mark)
+        finally:
+            con.close()
+
+    write(first, 5)
+    assert "written again" not in caplog.text
+    write(dataclasses.replace(first, revision=2, messages_batch=7), 7)
+    assert "taken as new was stored already" in caplog.text
+    con = duckdb.connect(str(db))
+    try:
+        assert con.execute("SELECT revision FROM live_conversations").fetchall() == [(2,)]
+        assert con.execute("SELECT count(*), min(first_batch) FROM messages").fetchall() == [(len(messages), 7)]
+        assert con.execute("SELECT trace_id, last_batch FROM trace_conversations").fetchall() == [("t-1", 7)]
+        assert con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall() == [("7",)]
+    finally:
+        con.close()
