@@ -613,7 +613,6 @@ class Conversations(Stage):
                                default=conv.first_batch)
         for t in self._unranged.intersection(conv.traces):  # stored by an older version: now they are known
             self._writes.traces[t] = (conv.id, *rows[t].batches())
-            self._writes.new_traces.discard(t)
         # Oldest first, as trace_ids promises: the same order live and in a reindex, whatever order
         # the traces' commits came in.
         conv.traces.sort(key=lambda t: (rows[t].start(), t))

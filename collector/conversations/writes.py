@@ -25,7 +25,7 @@ import duckdb
 import orjson
 
 from ..store import Transaction, insert_rows
-from ..store.transactions import KEYS_PER_LOOKUP, by_keys, one
+from ..store.transactions import by_keys, one
 from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS, TRACES_KEPT
 from .tracemap import Tracked
 from .transcript import Transcript
@@ -188,7 +188,7 @@ class Writes:
             try:
                 self._write(cur, mark, trust_new=True)
             except duckdb.ConstraintException as exc:
-                if id(cur) in Transaction._open:
+                if Transaction.is_open(cur):
                     raise  # part of a caller's transaction, which the failure ended: it cannot be redone here
                 log.warning("a conversation or trace taken as new was stored already (%s); written again "
                             "replacing every row", exc)
@@ -199,9 +199,10 @@ class Writes:
             self.traces, self.new_traces = {}, set()
 
     def _write(self, cur: duckdb.DuckDBPyConnection, mark: int, trust_new: bool) -> None:
-        """One transaction. A keyed row is replaced by deleting the stored one by key, then inserting:
-        DuckDB's ``INSERT OR REPLACE`` checked every row against the key at about five times the cost
-        of an insert (per row of trace map at 200,000 keys), and most rows the stage writes are new."""
+        """One transaction. A keyed row is replaced by deleting the stored one by key (``by_keys``, in the
+        key's index), then inserting: DuckDB's ``INSERT OR REPLACE`` checked every row against the key
+        at about five times the cost of an insert (trace map at 200,000 keys), and most rows the stage
+        writes are new."""
         conversations = [(cid, row) for cid, row in self.conversations.items() if cid not in self.deleted]
         with Transaction(cur):
             # Untrusted, a transcript written in full replaces any stored one as well.
@@ -209,12 +210,12 @@ class Writes:
             if gone:
                 delete_messages(cur, gone, self.unarchive)
             stored = [cid for cid, _ in conversations if not trust_new or cid not in self.new]
-            delete_keys(cur, "live_conversations", "conversation_id", sorted(self.deleted) + stored)
+            by_keys(cur, "DELETE FROM live_conversations WHERE conversation_id IN {keys}", sorted(self.deleted) + stored)
             if self.unarchive:
                 cur.execute("DELETE FROM archived_conversations WHERE conversation_id IN (SELECT unnest(?))",
                             [sorted(self.unarchive)])
-            delete_keys(cur, "trace_conversations", "trace_id",
-                        [t for t in self.traces if not trust_new or t not in self.new_traces])
+            by_keys(cur, "DELETE FROM trace_conversations WHERE trace_id IN {keys}",
+                    [t for t in self.traces if not trust_new or t not in self.new_traces])
             insert_rows(cur, "INSERT INTO trace_conversations", TRACE_MAP_COLUMNS,
                         [(t, *where) for t, where in self.traces.items()])
             archive_traces(cur, self.traces_kept)
@@ -222,14 +223,6 @@ class Writes:
                         [m for cid, msgs in self.messages.items() if cid not in self.deleted for m in msgs])
             insert_rows(cur, "INSERT INTO live_conversations", CONVERSATION_COLUMNS, [row.values() for _, row in conversations])
             cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', ?)", [str(mark)])
-
-
-def delete_keys(cur: duckdb.DuckDBPyConnection, table: str, key: str, keys: Collection[str]) -> None:
-    """Delete the rows of these keys, looked up in the key's index (an IN list, as ``by_keys`` reads)."""
-    keys = list(keys)
-    for i in range(0, len(keys), KEYS_PER_LOOKUP):
-        chunk = keys[i:i + KEYS_PER_LOOKUP]
-        cur.execute(f"DELETE FROM {table} WHERE {key} IN ({', '.join('?' * len(chunk))})", chunk)
 
 
 MOVED_AT_ONCE = 50_000

@@ -55,6 +55,11 @@ class Transaction:
             self.outer = True
         return self.cur
 
+    @staticmethod
+    def is_open(cur: duckdb.DuckDBPyConnection) -> bool:
+        """Whether a ``Transaction`` is open on this cursor."""
+        return id(cur) in Transaction._open
+
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if not self.outer:
             return
