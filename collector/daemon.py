@@ -281,7 +281,8 @@ class Daemon:
                                                     on_stored=review_queue.item_opener(cfg),
                                                     no_provider=no_provider)
             evaluator.start()
-            parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
+            parts.retention = retention = Retention(store, cfg.storage.retention, metrics,
+                                                             stage_lag=convs.lag)
             retention.start()
             for make in self.extra_stages:
                 stage = make(store, cfg, metrics)
