@@ -281,8 +281,7 @@ class Daemon:
                                                     on_stored=review_queue.item_opener(cfg),
                                                     no_provider=no_provider)
             evaluator.start()
-            parts.retention = retention = Retention(store, cfg.storage.retention, metrics,
-                                                             stage_lag=convs.lag)
+            parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
             retention.start()
             for make in self.extra_stages:
                 stage = make(store, cfg, metrics)

@@ -22,10 +22,8 @@ something is due:
 
 Nothing the conversation stage has not taken in yet is touched: every delete is
 bounded by its stored batch mark. Each transaction waits for a pause in
-ingestion (``store.pacing``), and while the conversation stage is more than
-``STAGE_BEHIND`` commits behind it waits the same way: after a burst, a sweep
-of all that expired meanwhile took the cores the stage needed to catch up.
-Each deletes at most ``chunk`` conversations or ``CHUNK_COMMITS`` commits. Forwarding keeps its own copy of every request it has
+ingestion (``store.pacing``) and deletes at most ``chunk`` conversations or
+``CHUNK_COMMITS`` commits. Forwarding keeps its own copy of every request it has
 still to send (``collector.forward.queue``), so no delete here takes one from it.
 
 DuckDB marks deleted rows and, at its next checkpoint, frees row groups left
@@ -78,9 +76,6 @@ SHARE = 0.1
 SHARE_BEHIND = 0.5
 MAX_WAIT = 30.0
 POLL = 0.05
-# Commits the conversation stage may have still to take in before retention gives way to it: under a
-# steady 3,000 spans/s it is 1-4 behind; after a burst, hundreds.
-STAGE_BEHIND = 32
 
 _TABLES = ("span_records", "log_records")
 # The next conversations past a horizon (parameters: the horizon; the last one passed: arrival, arrival, id;
@@ -114,15 +109,13 @@ class Retention(Stage):
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics, *,
                  clock: Callable[[], float] = time.time, interval: float = INTERVAL, chunk: int = CHUNK,
-                 max_wait: float = MAX_WAIT, stage_lag: Callable[[], int] | None = None) -> None:
+                 max_wait: float = MAX_WAIT) -> None:
         super().__init__(store, metrics)
         self.settings = settings
         self.clock = clock
         self.interval = interval
         self.chunk = chunk
-        # ``stage_lag``: commits the conversation stage has still to take in (the daemon's StageProcess.lag).
-        behind = None if stage_lag is None else (lambda: stage_lag() > STAGE_BEHIND)
-        self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL, behind=behind)
+        self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL)
         self.m = RetentionMetrics(metrics)
         self.oldest: dict[str, dt.datetime | None] = {}
         self.sweeps = 0  # sweeps completed (tests wait on it through /api/status)

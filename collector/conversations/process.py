@@ -420,10 +420,6 @@ class StageProcess(Stage):
     def held(self) -> dict[str, int]:
         return dict(self._held)
 
-    def lag(self) -> int:
-        """Commits stored that the child had not taken in at its last report."""
-        return max(0, self.store.batch_id - int(self._status.get("conversations_batch", 0)))
-
     def process(self) -> dict[str, int]:
         """The child: its pid, resident memory now and at most, and how often it was started again."""
         pid = self._proc.pid if self._proc is not None else 0

@@ -9,9 +9,7 @@ runs in pieces, each when ingestion pauses; once the stage has waited
 until a pause comes.
 
 ``Store.pacing(...)`` gives each stage a ``Pacing`` of its own (its own waiting
-clock and share) over that one notion. A stage may also give way to another
-stage (``behind``): retention waits, the same way, while the conversation stage
-is behind, since conversations being current matters more than deleting early.
+clock and share) over that one notion.
 
 Lifecycle: one per stage, used by one thread (or one event loop) at a time.
 ``ready()`` (non-blocking), ``wait(stop)`` (blocking) or ``await turn(stop)``
@@ -35,8 +33,7 @@ class Pacing:
     """When a background stage's next piece of work may run (see the module docstring)."""
 
     def __init__(self, idle_seconds: Callable[[], float], *, idle_gap: float, share: float, max_wait: float,
-                 poll: float, piece: float = math.inf, clock: Callable[[], float] = time.monotonic,
-                 behind: Callable[[], bool] | None = None) -> None:
+                 poll: float, piece: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], not {share}")
         self._idle_seconds = idle_seconds
@@ -51,16 +48,13 @@ class Pacing:
         self.poll = poll
         """Seconds between two looks at ingestion while waiting."""
         self._clock = clock
-        self._behind = behind
-        """Whether another stage this work gives way to is behind: busy as ingestion is."""
         self._waiting_since: float | None = None  # since when work has waited for a pause
         self._next_turn = 0.0  # the earliest start of a piece that does not wait for a pause
         self._began: float | None = None  # when the current piece began
 
     def busy(self) -> bool:
-        """Whether ingestion is busy now (something to store, or the queue emptied under ``idle_gap`` ago),
-        or the stage this work gives way to is behind."""
-        return self._idle_seconds() < self.idle_gap or (self._behind is not None and self._behind())
+        """Whether ingestion is busy now (something to store, or the queue emptied under ``idle_gap`` ago)."""
+        return self._idle_seconds() < self.idle_gap
 
     def ready(self) -> bool:
         """Whether a piece may start now; if so it has begun (end it with ``done``)."""

@@ -235,11 +235,10 @@ class Store:
             return 0.0 if self._pending else time.monotonic() - self._emptied_at
 
     def pacing(self, *, idle_gap: float, share: float, max_wait: float, poll: float,
-               piece: float = math.inf, behind: Callable[[], bool] | None = None) -> Pacing:
-        """A pace of its own for one background stage, over this store's notion of busy ingestion (and
-        ``behind``: another stage it gives way to)."""
+               piece: float = math.inf) -> Pacing:
+        """A pace of its own for one background stage, over this store's notion of busy ingestion."""
         return Pacing(lambda: self.idle_seconds, idle_gap=idle_gap, share=share, max_wait=max_wait, piece=piece,
-                      poll=poll, behind=behind)
+                      poll=poll)
 
     @property
     def batch_id(self) -> int:

@@ -28,7 +28,7 @@ from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
 from collector.memory import INDEX_WARNING
 from collector.metrics import Metrics
-from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, STAGE_BEHIND, Retention
+from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
 from collector.store import Pacing, Store, Transaction
 
 from ..forward.test_forward import forwarded, sink, traces
@@ -358,41 +358,6 @@ def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(m
         stage.interval = 0.0  # a sweep slower than data expires: the next takes more of the time
         stage.sweep()
         assert stage.pacing.share == SHARE_BEHIND
-    finally:
-        stage.stop()
-        store.close()
-
-
-def test_a_sweep_waits_while_the_conversation_stage_is_behind(make_daemon: Any, tmp_path: Path) -> None:
-    """After a burst the stage catches up, and a sweep of everything that expired meanwhile would take the
-    cores it needs: retention gives way to it as to ingestion, and deletes once it has caught up."""
-    daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1)])
-    clock = [time.time() + 15 * DAY]
-    store = Store(daemon.duckdb)
-    store.open()
-    lag = [STAGE_BEHIND + 1]
-    asked = threading.Event()
-
-    def stage_lag() -> int:
-        asked.set()
-        return lag[0]
-
-    stage = Retention(store, Settings(spans="14d"), Metrics(), clock=lambda: clock[0], max_wait=3600,
-                      stage_lag=stage_lag)
-    stage.open()
-    deleted: list[dict[str, int]] = []
-    sweep = threading.Thread(target=lambda: deleted.append(stage.sweep()), daemon=True)
-    try:
-        sweep.start()
-        assert asked.wait(30)
-        # It waits in its first turn: no transaction has begun, and none can until the stage catches up.
-        assert sweep.is_alive()
-        assert one(store, "SELECT count(*) FROM span_records") > 0
-        lag[0] = STAGE_BEHIND  # caught up enough
-        sweep.join(30)
-        assert not sweep.is_alive()
-        assert deleted[0]["spans"] > 0
-        assert one(store, "SELECT count(*) FROM span_records") == 0
     finally:
         stage.stop()
         store.close()

@@ -21,22 +21,6 @@ class World:
         return Pacing(lambda: self.idle, clock=lambda: self.now, **args)
 
 
-def test_work_waits_while_the_stage_it_gives_way_to_is_behind_as_for_ingestion() -> None:
-    w = World()
-    w.idle = 0.5  # ingestion pauses, but the stage is behind
-    behind = [True]
-    p = Pacing(lambda: w.idle, clock=lambda: w.now, behind=lambda: behind[0], idle_gap=0.1, share=0.25,
-               max_wait=30.0, poll=0.01)
-    assert p.busy()
-    assert not p.ready()
-    w.now += 30  # behind all along: the share, as under ingestion that never pauses
-    assert p.ready()
-    p.done()
-    behind[0] = False  # it caught up: work goes at once
-    assert not p.busy()
-    assert p.ready()
-
-
 def test_work_runs_at_once_in_a_pause_of_ingestion() -> None:
     w = World()
     w.idle = 0.5
