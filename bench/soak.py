@@ -177,13 +177,13 @@ def sampler(info: dict[str, Any], pid: int, db: Path, interval: float, answered:
             **cores(pid, cpu, now - (rows[-1]["t"] + start if rows else start)),
             "file": file_bytes(db) / MB, "p99 ms": sorted(lat)[int(len(lat) * 0.99) - 1] * 1000 if lat else 0.0,
             "spans/s": len(lat) * ingest.SPANS_PER_REQUEST / interval,
-            "lag commits": st["committed_batch"] - st["conversations_batch"],
+            "lag commits": st["committed_batch"] - st["conversations_batch"], "commits": st["committed_batch"],
             "deleted spans": deleted.get("spans", 0), "deleted convs": deleted.get("conversations", 0),
         })
         r = rows[-1]
         print(f"  {r['t']:5.0f}s  {r['spans stored']:>10,.0f} stored  RSS {r['rss']:4.0f} MB (peak {r['peak rss']:.0f})"
               f"  file {r['file']:5.0f} MB  p99 {r['p99 ms']:4.0f} ms  {r['spans/s']:>7,.0f} spans/s"
-              f"  lag {r['lag commits']:.0f} commits  deleted {r['deleted spans']:,.0f}", flush=True)
+              f"  lag {r['lag commits']:.0f} of {r['commits']:.0f} commits  deleted {r['deleted spans']:,.0f}", flush=True)
         print("         DuckDB's peak " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(
             duck_tags.items(), key=lambda kv: -kv[1])) + " MB", flush=True)
 
