@@ -330,6 +330,8 @@ class Conversations(Section):
     """A conversation with no new data for this long (daemon clock) has ended."""
     end_rules: list[EndRule] = []
     """Attribute values that end a conversation at once (a handover, the bot closing it)."""
+    lag_warning: Duration = Field(60.0, gt=0)
+    """The log warns once conversations fall this far behind ingestion, and says when they catch up."""
 
 
 class JudgeProvider(Section):

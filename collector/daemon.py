@@ -120,9 +120,18 @@ def _memory_gauges(store: Store) -> list[str]:
 
 
 def _process_gauges(convs: StageProcess) -> list[str]:
-    """The conversation stage's process: its memory is the daemon's too."""
+    """The conversation stage's process (its memory is the daemon's too) and how far behind it is."""
     child = convs.process()
-    return ["# HELP tracejudge_conversations_process_resident_memory_bytes Resident memory of the conversation "
+    commits, seconds = convs.lag()
+    return ["# HELP tracejudge_conversations_lag_commits Commits stored that the conversation stage has not taken "
+            "in yet.",
+            "# TYPE tracejudge_conversations_lag_commits gauge",
+            f"tracejudge_conversations_lag_commits {commits}",
+            "# HELP tracejudge_conversations_lag_seconds How long ago the oldest commit the conversation stage has "
+            "not taken in yet arrived (0: conversations are current).",
+            "# TYPE tracejudge_conversations_lag_seconds gauge",
+            f"tracejudge_conversations_lag_seconds {seconds:.3f}",
+            "# HELP tracejudge_conversations_process_resident_memory_bytes Resident memory of the conversation "
             "stage's process (count it with the daemon's).",
             "# TYPE tracejudge_conversations_process_resident_memory_bytes gauge",
             f"tracejudge_conversations_process_resident_memory_bytes {child['rss_bytes']}",

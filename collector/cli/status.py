@@ -23,8 +23,11 @@ def render(body: dict[str, Any]) -> str:
     if body.get("daemon"):
         stages = ", ".join(f"{name} {state}" for name, state in body.get("stages", {}).items())
         lines.append(["daemon", f"running at {body['daemon']}; stages: {stages}"])
+        behind = body.get("conversations_lag_commits") or 0
+        lag = (f" ({plural(behind, 'commit')} behind; the oldest arrived "
+               f"{body.get('conversations_lag_seconds', 0):.0f} s ago)" if behind else "")
         lines.append(["ingest", f"{plural(body['queue_depth'], 'row')} waiting; commit {body['committed_batch']} "
-                                f"stored, conversations current up to commit {body['conversations_batch']}"])
+                                f"stored, conversations current up to commit {body['conversations_batch']}{lag}"])
     else:
         lines.append(["daemon", f"not running; conversations current up to commit {body['conversations_batch']}"])
     lines.append(["DuckDB file", f"{storage['path']}: {size_text(storage['file_bytes'])}"

@@ -23,7 +23,10 @@ once every answer is read, see ``RemoteCursor.post``. The child gets:
   here, on the served cursor, between two of the child's cycles.
 
 It sends back its status, what it holds and its counters (for /api/status and /metrics), and the
-answers to waits and swaps.
+answers to waits and swaps. From its status this side knows how far conversations are behind
+ingestion (``lag``: commits not taken in yet, and how long ago the oldest arrived), and warns once
+they are ``conversations.lag_warning`` behind: until the stage catches up, conversations end and are
+judged late.
 
 A child that dies (killed, out of memory) has the transaction it had open rolled back; it is
 started again after a backoff and catches up from the stored batch mark, as a new start does, so
@@ -62,6 +65,7 @@ from ..config import Conversations as Settings
 from ..memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
 from ..metrics import Metrics
 from ..store import Committed, Pacing, register, rows_table
+from ..words import duration_text, plural
 from .rows import Light
 from .tables import ensure_tables
 
@@ -77,6 +81,9 @@ COLLECT_EVERY = 25  # reports between two garbage collections and trims of the c
 STOP_TIMEOUT = 4.0  # seconds a stopping child has to write what it rebuilt before it is killed
 NICE = 10
 _COUNTERS = ("conversations_ended", "conversations_reopened", "stage_errors")
+ARRIVALS = 4096  # arrivals kept for the lag in seconds (one a second at first; see Arrivals)
+LAG_CHECK = 1.0  # seconds without a report from the child after which the lag is checked anyway
+CAUGHT_UP = 0.25  # of lag_warning: the lag back under it, the log says conversations caught up
 
 
 class ChildDied(Exception):
@@ -349,6 +356,44 @@ def _error_text(exc: BaseException | None) -> str | None:
 # ---------------------------------------------------------------- the daemon's side
 
 
+class Arrivals:
+    """When the commits the stage has not taken in yet arrived, for how long conversations are behind.
+
+    One commit is kept per ``width`` seconds of arrivals, and those after it stand for it: the
+    arrival read for a commit is at most ``width`` early. Past ``most`` kept, every other one goes and
+    the width doubles, so a backlog of days costs a few hundred KB (the arrival read is then at most
+    the gap between two kept commits early). Caught up, it starts again at the first width.
+    """
+
+    def __init__(self, most: int = ARRIVALS, width: float = 1.0) -> None:
+        self._most = most
+        self._first_width = self._width = width
+        self._kept: collections.deque[tuple[int, float]] = collections.deque()  # (batch, arrival), oldest first
+        self._lock = threading.Lock()  # added to by the writer's thread, read by the API's
+
+    def add(self, batch: int, at: float) -> None:
+        with self._lock:
+            if self._kept and at - self._kept[-1][1] < self._width:
+                return
+            self._kept.append((batch, at))
+            if len(self._kept) > self._most:
+                self._kept = collections.deque(itertools.islice(self._kept, 0, None, 2))
+                self._width *= 2
+
+    def arrival(self, batch: int) -> float | None:
+        """When commit ``batch`` arrived, or a little before (see above); None if it came before any kept.
+        Commits before it are let go."""
+        with self._lock:
+            while len(self._kept) > 1 and self._kept[1][0] <= batch:
+                self._kept.popleft()
+            if len(self._kept) == 1:
+                self._width = self._first_width
+            return self._kept[0][1] if self._kept and self._kept[0][0] <= batch else None
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
 class StageProcess(Stage):
     """The daemon's conversation stage, run in a child process (see the module docstring)."""
 
@@ -373,6 +418,10 @@ class StageProcess(Stage):
         self._swaps: dict[int, tuple[Callable[[duckdb.DuckDBPyConnection], object],
                                      concurrent.futures.Future[None]]] = {}
         self._registered: dict[str, Any] = {}
+        self._arrivals = Arrivals()
+        self._started_at = 0.0
+        self._reported = False  # a child has reported how far it is
+        self._lag_warned = False
         self._proc: Any = None
         self._control: Connection | None = None
         self._lock = threading.Lock()
@@ -386,6 +435,7 @@ class StageProcess(Stage):
         """Create the stage's tables here (an error in them stops the start-up), then start the child;
         it opens its stage and catches up while the daemon starts."""
         self.cur = self.store.cursor()
+        self._started_at = self.store.clock()
         ensure_tables(self.cur)
         self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
         self._thread = threading.Thread(target=self._supervise, name="tracejudge-conversations", daemon=True)
@@ -415,10 +465,37 @@ class StageProcess(Stage):
         return self._child_stopped or self._stopped
 
     def status(self) -> dict[str, Any]:
-        return {**self._status, "conversations_process": self.process()}
+        commits, seconds = self.lag()
+        return {**self._status, "conversations_lag_commits": commits, "conversations_lag_seconds": round(seconds, 1),
+                "conversations_process": self.process()}
 
     def held(self) -> dict[str, int]:
         return dict(self._held)
+
+    def lag(self) -> tuple[int, float]:
+        """How far conversations are behind ingestion: commits stored that the child had not taken in at
+        its last report, and seconds since the oldest of them arrived (for commits stored before this
+        daemon started, since it started: at least that). Nothing until a child has reported."""
+        done = int(self._status.get("conversations_batch", 0))
+        commits = max(0, self.store.batch_id - done)
+        if not commits or not self._reported:
+            return 0, 0.0
+        oldest = self._arrivals.arrival(done + 1)
+        return commits, max(0.0, self.store.clock() - (self._started_at if oldest is None else oldest))
+
+    def _check_lag(self) -> None:
+        """Warn once conversations are ``lag_warning`` behind; say when they are back under a quarter of it."""
+        commits, seconds = self.lag()
+        warn_at = self.settings.lag_warning
+        if not self._lag_warned and seconds >= warn_at:
+            self._lag_warned = True
+            log.warning("conversations are %s behind ingestion (%s not taken in yet): they end and are judged "
+                        "late until the conversation stage catches up; if this lasts, data arrives faster than "
+                        "it rebuilds (tracejudge_conversations_lag_seconds on /metrics follows it)",
+                        duration_text(round(seconds)), plural(commits, "commit"))
+        elif self._lag_warned and seconds < warn_at * CAUGHT_UP:
+            self._lag_warned = False
+            log.warning("conversations caught up with ingestion (%s behind now)", duration_text(round(seconds)))
 
     def process(self) -> dict[str, int]:
         """The child: its pid, resident memory now and at most, and how often it was started again."""
@@ -432,6 +509,7 @@ class StageProcess(Stage):
         """From the writer's thread: queue the commit for the child, never blocking on it. Its rows go
         along while few commits wait to be sent; beyond that only which commit it was (the child reads
         its rows back), so a slow child never makes the daemon hold every span."""
+        self._arrivals.add(committed.batch_id, committed.received_at)
         if self._room.acquire(blocking=False):
             self._outgoing.put(("commit", committed))
         else:
@@ -608,6 +686,9 @@ class StageProcess(Stage):
     def _read_control(self, control: Connection, ended: threading.Event) -> None:
         while True:
             try:
+                if not control.poll(LAG_CHECK):  # a child that stopped reporting is behind all the same
+                    self._check_lag()
+                    continue
                 msg = control.recv()
             except (EOFError, OSError):
                 return
@@ -616,9 +697,11 @@ class StageProcess(Stage):
                 log.error("the conversation stage could not start in its process (%s: %s)", msg[2], msg[3])
             elif kind == "status":
                 self._status, self._held, self._child_stopped = msg[1], msg[2], msg[3]
+                self._reported = True
                 self._add_counters(msg[4])
                 self._rss = msg[5]
                 self._peak_rss = max(self._peak_rss, msg[6])
+                self._check_lag()
             elif kind == "idle":
                 event, result = self._waits.get(msg[1], (None, None))
                 if event is not None and result is not None:

@@ -12,7 +12,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ..support.daemon import wait_conversations
+from collector.conversations.process import Arrivals
+
+from ..support.daemon import run_cli, wait_conversations
 from ..support.online import persona, send, wait_status
 
 
@@ -52,3 +54,54 @@ def test_a_killed_stage_process_starts_again_and_catches_up(make_daemon: Any) ->
     assert daemon.stop() == 0
     assert _gone(pid), "the stage's process outlived the daemon"
     assert "stopped cleanly" in daemon.output()
+
+
+def test_a_stage_that_falls_behind_shows_its_lag_and_the_log_warns_until_it_catches_up(make_daemon: Any) -> None:
+    """Data arriving faster than the stage rebuilds it (here: its process stopped) must be visible to the
+    operator: conversations end and are judged late. /api/status, /metrics and `tracejudge status` say
+    how far behind they are, and the log warns once past conversations.lag_warning, then says when
+    they caught up."""
+    daemon = make_daemon(conversations={"idle_timeout": "1h", "lag_warning": "1s"})
+    send(daemon.grpc, [persona(0)])
+    pid = wait_conversations(daemon)["conversations_process"]["pid"]
+    assert daemon.metric("tracejudge_conversations_lag_commits") == 0
+    assert daemon.metric("tracejudge_conversations_lag_seconds") == 0
+    os.kill(pid, signal.SIGSTOP)  # it takes nothing in, while the daemon goes on storing
+    try:
+        send(daemon.grpc, [persona(i) for i in range(1, 4)])
+        status = wait_status(daemon, lambda s: s["conversations_lag_seconds"] >= 1, what="a lag of a second")
+        assert status["conversations_lag_commits"] >= 1
+        assert "behind; the oldest arrived" in run_cli("status", "--config", str(daemon.config_path)).stdout
+        daemon.wait_output("behind ingestion (")
+        assert daemon.metric("tracejudge_conversations_lag_commits") >= 1
+        assert daemon.metric("tracejudge_conversations_lag_seconds") >= 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_conversations(daemon)
+    daemon.wait_output("conversations caught up with ingestion")
+    status = daemon.get("/api/status")[1]
+    assert (status["conversations_lag_commits"], status["conversations_lag_seconds"]) == (0, 0)
+    assert len(daemon.get("/api/conversations?limit=10")[1]["conversations"]) == 4
+    assert daemon.output().count("behind ingestion (") == 1  # once, not at every check
+
+
+def test_arrivals_give_when_the_oldest_commit_not_taken_in_arrived_in_bounded_memory() -> None:
+    arrivals = Arrivals(most=8, width=1.0)
+    for batch in range(1, 5):  # four commits within a second: the first stands for them
+        arrivals.add(batch, 100.0 + batch / 10)
+    assert len(arrivals) == 1
+    assert arrivals.arrival(3) == 100.1  # at most a width early
+    assert arrivals.arrival(0) is None  # stored before any kept (before the daemon started)
+    for batch in range(5, 105):  # a backlog: one commit a second
+        arrivals.add(batch, 100.0 + batch)
+        assert len(arrivals) <= 8
+    arrival = arrivals.arrival(60)
+    assert arrival is not None and 160.0 - 2 * 16 <= arrival <= 160.0  # early by at most the gap now kept
+    last = arrivals.arrival(104)
+    assert last is not None and 204.0 - 2 * 16 <= last <= 204.0
+    # Caught up: one commit kept, and the width back to a second.
+    arrivals.add(105, 300.0)
+    arrivals.add(106, 300.5)
+    assert arrivals.arrival(106) == 300.0
+    arrivals.add(107, 302.0)
+    assert arrivals.arrival(107) == 302.0
