@@ -13,8 +13,10 @@ in the interval, how far conversations lag (commits taken in
 but not yet current), rows deleted, what the stages hold and the cores used by the daemon, by its
 processes and by this load generator (CPU time over the interval); then it prints
 them as a table against the first interval, checks the targets, and says how
-long after the last ack the conversations were current, and how much of the
-file is in use at the end (the rest is free blocks DuckDB writes into next).
+long after the last ack the conversations were current, how much of the
+file is in use at the end (the rest is free blocks DuckDB writes into next), and
+the CPU each span cost the daemon, its processes and the load generator over the
+run: the most spans/s the machine's cores sustain with all the stages keeping up.
 ``--trace`` keeps every second's sample: the proportional sets, DuckDB's memory by tag, what its
 allocator holds (``tracejudge_allocator_bytes``) and the daemon's anonymous and file-backed shares.
 Run by hand:
@@ -229,7 +231,7 @@ def main() -> None:
             if trace:
                 trace.close()
         blocks = file_blocks(data / "bench.duckdb")
-    report(rows, lag_end, current)
+    report(rows, lag_end, current, args.spans // ingest.SPANS_PER_REQUEST * ingest.SPANS_PER_REQUEST)
     print(f"  at the end: {blocks}")
 
 
@@ -250,7 +252,7 @@ def file_blocks(path: Path) -> str:
             f"{free * size / MB:.0f} MB free (reused by later writes); rows: {rows}")
 
 
-def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None:
+def report(rows: list[dict[str, float]], lag_end: float, current: float, spans: int) -> None:
     keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb peak", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s", "cores: daemon", "cores: its processes", "cores: load",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
@@ -276,6 +278,15 @@ def report(rows: list[dict[str, float]], lag_end: float, current: float) -> None
         print(f"  file growth per interval over the second half: {statistics.mean(growth) if growth else 0:.1f} MB")
     print(f"  conversations current {current:.1f} s after the last ack (<= 10 s at 10,000 spans/s); "
           f"every one ended and judged {lag_end:.1f} s after it")
+    # What the machine can sustain: every span costs the daemon (ingest, serving the stage, judging,
+    # retention), its processes (rebuilding) and the load generator this much CPU over the whole run.
+    starts = [0.0] + [r["t"] for r in rows[:-1]]
+    per_span = {who: sum(r[f"cores: {who}"] * (r["t"] - t0) for r, t0 in zip(rows, starts)) / spans * 1e6
+                for who in ("daemon", "its processes", "load")}
+    total = sum(per_span.values())
+    print("  CPU per span over the run: " + ", ".join(f"{who} {us:.0f} µs" for who, us in per_span.items())
+          + f"; {total:.0f} µs in all, so {os.cpu_count()} cores sustain at most {os.cpu_count() * 1e6 / total:,.0f} "
+          "spans/s with none idle")
 
 
 if __name__ == "__main__":
