@@ -214,3 +214,14 @@ def test_sizes_read_in_duckdbs_units() -> None:
     assert min("256MB", "128MB", key=size_bytes) == "128MB" and min("100MiB", "128MB", key=size_bytes) == "100MiB"
     with pytest.raises(ValueError, match="not a size"):
         size_bytes("lots")
+
+
+@pytest.mark.parametrize("value, problem", [("1 minute", "conversations.lag_warning: '1 minute' is not a duration"),
+                                            ("0s", "conversations.lag_warning:")])
+def test_a_bad_lag_warning_names_the_key(value: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config({"conversations": {"lag_warning": value}}, Path("."), "t", environ={})
+    (got,) = err.value.problems
+    assert problem in got, got
+    cfg, _ = validate_config({"conversations": {"lag_warning": "2m"}}, Path("."), "t", environ={})
+    assert cfg.conversations.lag_warning == 120
