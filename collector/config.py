@@ -42,6 +42,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .words import is_size, size_bytes
 
 SECTIONS = (
     "receivers", "storage", "conversations", "api", "sampling",
@@ -144,23 +145,10 @@ def _resolve_path(value: Any, info: ValidationInfo) -> Path:
 ConfigPath = Annotated[Path, BeforeValidator(_resolve_path)]
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$")
-_UNITS = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
-          "TB": 1000**4, "TiB": 1024**4}
-
-
 def _check_size(value: Any) -> str:
-    if not _SIZE.match(str(value)):
+    if not is_size(str(value)):
         raise ValueError(f"{value!r} is not a size; write it like 512MB or 2GiB")
     return str(value).strip()
-
-
-def size_bytes(value: str) -> int:
-    """A checked size (``MemorySize``) in bytes, with DuckDB's units: KB is 1000 bytes, KiB 1024."""
-    m = _SIZE.match(value)
-    if m is None:
-        raise ValueError(f"{value!r} is not a size")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 MemorySize = Annotated[str, AfterValidator(_check_size)]
@@ -515,16 +503,11 @@ class Scenarios(Section):
     redact: ScenarioRedaction = ScenarioRedaction()
 
 
-_SIZE_UNIT = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
-              "TB": 1000**4, "TiB": 1024**4}
-
-
 def parse_size(value: Any) -> int:
     """``512MB`` / ``1GiB`` -> bytes."""
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$", str(value))
-    if isinstance(value, bool) or not m:
+    if isinstance(value, bool) or not is_size(str(value)):
         raise ValueError(f"{value!r} is not a size; write it like 512MB or 1GiB")
-    return int(float(m.group(1)) * _SIZE_UNIT[m.group(2)])
+    return size_bytes(str(value))
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]

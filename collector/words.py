@@ -1,6 +1,12 @@
-"""How counts and rates are written for people, in the CLI's output and the daemon's log."""
+"""How counts, rates and sizes are written for people, in the CLI's output, the daemon's log and its config."""
 
 from __future__ import annotations
+
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$")
+_UNITS = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
+          "TB": 1000**4, "TiB": 1024**4}
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -29,3 +35,16 @@ def size_text(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def is_size(value: str) -> bool:
+    """Whether ``value`` is a size as the config writes it (512MB, 2GiB)."""
+    return _SIZE.match(value) is not None
+
+
+def size_bytes(value: str) -> int:
+    """A size as the config writes it, in bytes, with DuckDB's units: KB is 1000 bytes, KiB 1024."""
+    m = _SIZE.match(value)
+    if m is None:
+        raise ValueError(f"{value!r} is not a size")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
