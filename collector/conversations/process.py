@@ -18,7 +18,8 @@ made conversations current after the last ack 1.4x sooner (``bench/soak.py``); a
 once every answer is read, see ``RemoteCursor.post``. The child gets:
 
 - each commit with its rows, as the stage in the daemon's process had them; while several wait
-  to be sent, only which commit each was (``Light``), whose rows it reads back by commit range;
+  to be sent, or while the child's stage is behind (it would drop them), only which commit each was
+  (``Light``), whose rows it reads back by commit range;
 - ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by a function that runs
   here, on the served cursor, between two of the child's cycles.
 
@@ -304,7 +305,7 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
             counters = {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}
             try:
                 send("status", stage.status(), stage.held(), stage.stopped, counters, resident_bytes(),
-                     peak_resident_bytes())
+                     peak_resident_bytes(), stage.takes_rows())
             except (OSError, EOFError):
                 return
             if done.wait(STATUS_EVERY):
@@ -343,7 +344,7 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
         done.set()
         try:
             send("status", stage.status(), stage.held(), stage.stopped,
-                 {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}, resident_bytes(), 0)
+                 {c: dict(getattr(metrics, c)._values) for c in _COUNTERS}, resident_bytes(), 0, False)
             send("stopped")
         except (OSError, EOFError):
             pass
@@ -413,6 +414,9 @@ class StageProcess(Stage):
         self._counted: dict[str, dict[tuple[str, ...], float]] = {}  # the current child's counters, as added
         self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._room = threading.BoundedSemaphore(WHOLE_COMMITS)  # commits queued with their rows
+        # Whether the child's stage took commits with their rows at its last report: one that is behind
+        # drops them (``Conversations.takes_rows``), so sending them would only cost both processes.
+        self._takes_rows = True
         self._tokens = itertools.count(1)
         self._waits: dict[int, tuple[threading.Event, list[bool]]] = {}
         self._swaps: dict[int, tuple[Callable[[duckdb.DuckDBPyConnection], object],
@@ -510,7 +514,7 @@ class StageProcess(Stage):
         along while few commits wait to be sent; beyond that only which commit it was (the child reads
         its rows back), so a slow child never makes the daemon hold every span."""
         self._arrivals.add(committed.batch_id, committed.received_at)
-        if self._room.acquire(blocking=False):
+        if self._takes_rows and self._room.acquire(blocking=False):
             self._outgoing.put(("commit", committed))
         else:
             self._outgoing.put(("commit", Light.of(committed)))
@@ -701,6 +705,7 @@ class StageProcess(Stage):
                 self._add_counters(msg[4])
                 self._rss = msg[5]
                 self._peak_rss = max(self._peak_rss, msg[6])
+                self._takes_rows = msg[7]
                 self._check_lag()
             elif kind == "idle":
                 event, result = self._waits.get(msg[1], (None, None))

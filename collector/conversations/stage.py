@@ -176,12 +176,14 @@ class Conversations(Stage):
         range), so a lagging stage cannot hold every span in memory; so is one the daemon sent light
         (the stage in its own process).
         """
-        if isinstance(committed, Light):
-            self._queue.put(committed)
-        elif not self._waiting and not self._behind and self._queue.qsize() < self.max_queued_commits:
+        if isinstance(committed, Light) or self.takes_rows():
             self._queue.put(committed)
         else:
             self._queue.put(Light.of(committed))
+
+    def takes_rows(self) -> bool:
+        """Whether a commit handed over now would keep its rows (``on_commit``)."""
+        return not self._waiting and not self._behind and self._queue.qsize() < self.max_queued_commits
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until everything queued so far is processed (tests)."""
