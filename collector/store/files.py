@@ -13,7 +13,6 @@ from pathlib import Path
 import duckdb
 
 from ..errors import DatabaseLocked, UserError
-from ..words import size_bytes
 
 ATTACHED = "tracejudge"
 # Rows per row group. A checkpoint rewrites the row group that commits are still
@@ -27,21 +26,6 @@ ROW_GROUP_SIZE = 8192
 # space is still reused. None is worse: rows deleted among kept ones (retention's, the stage's rewritten
 # messages) stay, and in the retention soak the file grew 47 MB a minute and the daemon's memory with it.
 VACUUM_TASKS = 1
-# WAL bytes between two automatic checkpoints: half the memory limit, within DuckDB's default of 16 MiB
-# and 64 MiB. Each checkpoint compresses and writes again the row group commits are still filling; at
-# 16 MiB that came every second or two at 10,000 spans/s. At 64 MiB (about half the default 128MB limit) the daemon
-# took 7% less CPU per span and conversations were current a sixth sooner (medians of 6-7 runs each,
-# bench/soak.py). The rows a checkpoint has not written yet stay in DuckDB's memory: at 128 and 256 MiB
-# they outgrew the 128MB limit and p99 rose to 0.7-1.2 s, and with a 16MB limit 64 MiB made commits
-# fail. The WAL a restart replays is at most this size.
-CHECKPOINT_MOST = 64 * 2**20
-CHECKPOINT_LEAST = 16 * 2**20
-
-
-def checkpoint_threshold(memory_limit: str) -> int:
-    """The WAL bytes between two checkpoints under ``memory_limit`` (a size as the config writes it)."""
-    return max(CHECKPOINT_LEAST, min(CHECKPOINT_MOST, size_bytes(memory_limit) // 2))
-
 
 # What DuckDB's messages about a file it cannot read mean, in the user's words, and
 # whether its own words add anything (a block's location does; a repeated path does not).
@@ -99,7 +83,6 @@ def connect(path: Path, read_only: bool = False, memory_limit: str | None = None
     config: dict[str, str | bool | int | float | list[str]] = {"max_vacuum_tasks": VACUUM_TASKS}
     if memory_limit:
         config["memory_limit"] = memory_limit
-        config["checkpoint_threshold"] = f"{checkpoint_threshold(memory_limit)}B"
     try:
         if row_group_size is None:
             return duckdb.connect(str(path), read_only=read_only, config=config)

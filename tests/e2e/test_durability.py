@@ -218,14 +218,9 @@ def _readyz_refusal(daemon: Any) -> str:
     return str(body["error"]["message"])
 
 
-@pytest.mark.parametrize("limit", ["32MB", "128MB"])
-def test_disk_full_refuses_retryably_then_recovers_once_space_is_freed(make_daemon: Any, limit: str) -> None:
-    """Whichever write meets the full disk, the daemon refuses retryably and recovers once it can write.
-
-    At a 32MB memory limit the WAL is checkpointed at 16 MiB (``checkpoint_threshold``), within the
-    file's 20 MB: a checkpoint meets the full disk and invalidates the file, which the daemon attaches
-    again. At the default 128MB the WAL grows to 61 MiB first: a commit's WAL write meets it."""
-    daemon = make_daemon(storage={"memory_limit": limit})
+def test_disk_full_refuses_retryably_then_recovers_once_space_is_freed(make_daemon: Any) -> None:
+    """A checkpoint that cannot write invalidates the file: the daemon attaches it again once it can."""
+    daemon = make_daemon()
     acked: set[tuple[str, str]] = set()
     seed = 1
     while _size(daemon.duckdb) < 20_000_000:  # a file larger than the WAL that a checkpoint writes out
@@ -256,8 +251,7 @@ def test_disk_full_refuses_retryably_then_recovers_once_space_is_freed(make_daem
     assert post(daemon.http, "/v1/traces", body)[0] == 200
     acked.update(ids)
     assert daemon.get("/readyz")[1]["status"] == "ready"
-    invalidated = "again after DuckDB invalidated it" in daemon.output()
-    assert invalidated == (limit == "32MB"), daemon.output()
+    assert "attached" in daemon.output() and "again after DuckDB invalidated it" in daemon.output()
     daemon.kill9()  # what was acknowledged is in the WAL or the file: a restart replays it
     daemon.start()
     assert daemon.stop() == 0

@@ -284,22 +284,6 @@ def test_a_store_of_many_spans_holds_no_index_of_them_in_duckdbs_memory(tmp_path
         store.close()
 
 
-@pytest.mark.parametrize(("limit", "threshold"), [("16MB", 16 * 2**20), ("128MB", 64_000_000),
-                                                  ("1GiB", 64 * 2**20)])
-def test_the_wal_is_checkpointed_at_half_the_memory_limit_within_16_and_64_mib(
-        tmp_path: Path, limit: str, threshold: int) -> None:
-    """Rows not checkpointed yet stay in DuckDB's memory: a threshold past the limit made commits fail."""
-    store = Store(tmp_path / "t.duckdb", memory_limit=limit)
-    store.open()
-    try:
-        row = one(store.cursor().execute("SELECT current_setting('checkpoint_threshold')"))
-        assert row is not None
-        setting = row[0]
-        assert setting == f"{threshold / 2**20:.1f} MiB"
-    finally:
-        store.close()
-
-
 def test_a_file_whose_span_and_log_tables_have_keys_is_rebuilt_without_them(tmp_path: Path) -> None:
     """Files written before ``recent_keys``: the tables are rebuilt once, in the order stored, and a
     retry of their newest records still stores nothing."""
