@@ -244,6 +244,7 @@ def archive_traces(cur: duckdb.DuckDBPyConnection, kept: int) -> None:
     step = min(count[0] - kept, MOVED_AT_ONCE)
     cutoff = one(cur.execute("SELECT coalesce(last_batch, 0) FROM trace_conversations "
                              "ORDER BY last_batch NULLS FIRST LIMIT 1 OFFSET ?", [step - 1]))
+    assert cutoff is not None, "the count says the row at this offset exists"
     moved = "last_batch IS NULL OR last_batch <= ?"
     columns = ", ".join(TRACE_MAP_COLUMNS)
     cur.execute(f"DELETE FROM trace_archive WHERE trace_id IN (SELECT trace_id FROM trace_conversations WHERE {moved})",
