@@ -22,6 +22,9 @@ allocator holds (``tracejudge_allocator_bytes``) and the daemon's anonymous and 
 Run by hand:
 
     .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s]
+                                   [--retention off] [--sampling 0]
+
+``--retention off`` and ``--sampling 0`` leave out deleting and judging, to see what each costs per span.
 """
 
 from __future__ import annotations
@@ -195,7 +198,8 @@ def main() -> None:
     ap.add_argument("--spans", type=int, default=3_000_000)
     ap.add_argument("--rate", type=float, default=10_000)
     ap.add_argument("--interval", type=float, default=30)
-    ap.add_argument("--retention", default="90s")
+    ap.add_argument("--retention", default="90s", help="spans kept (conversations twice that), or off")
+    ap.add_argument("--sampling", type=float, default=0.1, help="share of conversations judged [0.1]")
     ap.add_argument("--trace", type=Path, help="Write every second's proportional sets and DuckDB memory by tag "
                                                  "here, as JSON lines (to line up with the daemon's log).")
     args = ap.parse_args()
@@ -204,10 +208,13 @@ def main() -> None:
         data = Path(tmp)
         (data / "criteria.yaml").write_text(memory.CRITERIA)
         keep = args.retention
-        conv_keep = f"{2 * int(keep[:-1])}{keep[-1]}"
-        extra = ("conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
+        extra = (f"conversations: {{idle_timeout: 2s}}\nsampling: {{rate: {args.sampling}}}\n"
                  f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
-        ingest.STORAGE_EXTRA += f", retention: {{spans: {keep}, conversations: {conv_keep}}}"
+        kept = "no retention"
+        if keep != "off":
+            conv_keep = f"{2 * int(keep[:-1])}{keep[-1]}"
+            ingest.STORAGE_EXTRA += f", retention: {{spans: {keep}, conversations: {conv_keep}}}"
+            kept = f"retention {keep} of spans, {conv_keep} of conversations"
         proc, info = ingest.start_daemon(data, extra)
         answered: list[tuple[float, float]] = []
         rows: list[dict[str, float]] = []
@@ -215,8 +222,8 @@ def main() -> None:
         trace = args.trace.open("w") if args.trace else None
         watch = threading.Thread(target=sampler, args=(info, proc.pid, data / "bench.duckdb", args.interval,
                                                        answered, rows, done, trace), daemon=True)
-        print(f"{args.spans:,} spans at {args.rate:,.0f} spans/s; retention {keep} of spans, {conv_keep} of "
-              "conversations", flush=True)
+        print(f"{args.spans:,} spans at {args.rate:,.0f} spans/s; {kept}; {args.sampling:.0%} of conversations "
+              "judged", flush=True)
         try:
             watch.start()
             last_ack = asyncio.run(paced(info["grpc"], args.spans, args.rate, answered))
