@@ -2,7 +2,7 @@
 
 Sends ``bench/ingest.py``'s workload (four-turn conversations, 512 spans per
 request) over OTLP/gRPC at a paced rate, to a daemon that ends conversations
-after 2 s idle, samples 10% of them for a code check that always fails (so the
+after 2 s idle, samples 10% of them (``--sampling``) for a code check that always fails (so the
 evaluator and the review queue work) and keeps ``--retention`` of spans (twice
 that of conversations). Every ``--interval`` seconds it samples the resident
 set of the daemon and of its conversation stage's process (and the sum of
@@ -21,8 +21,8 @@ run: the most spans/s the machine's cores sustain with all the stages keeping up
 allocator holds (``tracejudge_allocator_bytes``) and the daemon's anonymous and file-backed shares.
 Run by hand:
 
-    .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s]
-                                   [--retention off] [--sampling 0]
+    .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s|off]
+                                   [--sampling 0.1]
 
 ``--retention off`` and ``--sampling 0`` leave out deleting and judging, to see what each costs per span.
 """
