@@ -42,7 +42,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .words import is_size, size_bytes
+from .words import is_size, masked_url, size_bytes
 
 SECTIONS = (
     "receivers", "storage", "conversations", "api", "sampling",
@@ -529,6 +529,23 @@ class ExporterQueue(Section):
     drop_oldest: the oldest queued requests are dropped (counted) to make room."""
 
 
+class ExporterRedaction(Section):
+    mode: Literal["none", "content"] = "none"
+    """content: every string that leaves (attribute values at any depth, span and event names, status and
+    exception messages, log bodies, verdict explanations) passes through the redaction module, but for the
+    structural attributes of the README's list and ``keep_attributes``; none: requests leave as they came."""
+    keep_attributes: list[str] = []
+    """Attribute keys (``*`` ends a prefix) whose values leave as they are, beside the built-in list."""
+    patterns: dict[str, Regex] = {}
+    """Extra values to mask: name -> regular expression (placeholder ``<NAME_n>``)."""
+    timeout: Duration = Field(30.0, gt=0)
+    """How long the rewrite of one request may take; a request not redacted in time is held back, never sent."""
+
+
+def _redact_shorthand(value: Any) -> Any:
+    return {"mode": value} if isinstance(value, str) else value
+
+
 class Exporter(Section):
     type: Literal["opik", "langsmith", "langwatch", "otlphttp"]
     """Which backend: its auth header and conventions (see the README's Forwarding)."""
@@ -549,9 +566,8 @@ class Exporter(Section):
     gen_ai.evaluation.result events). Default: traces and logs for langwatch and otlphttp, traces for
     opik and langsmith (no evidence they read evaluation events)."""
     queue: ExporterQueue = ExporterQueue()
-    redact: Literal["none", "content"] = "none"
-    """content: message content (prompts, completions, log bodies) passed through the redaction module
-    before it leaves; ids and everything else unchanged."""
+    redact: Annotated[ExporterRedaction, BeforeValidator(_redact_shorthand)] = ExporterRedaction()
+    """``none`` or ``content`` (shorthand for ``mode``), or the mapping below."""
     timeout: Duration = Field(10.0, gt=0)
     """How long one send may take before it is retried."""
 
@@ -560,11 +576,11 @@ class Exporter(Section):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        url = urlsplit(value)
+        url, shown = urlsplit(value), masked_url(value)
         if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL")
+            raise ValueError(f"{shown!r} is not an http(s) URL")
         if not url.path.rstrip("/").endswith("/v1/traces"):
-            raise ValueError(f"{value!r} is not a traces URL: it ends in /v1/traces (logs go to /v1/logs)")
+            raise ValueError(f"{shown!r} is not a traces URL: it ends in /v1/traces (logs go to /v1/logs)")
         return value
 
     @model_validator(mode="after")

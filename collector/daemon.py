@@ -158,6 +158,7 @@ class Parts:
         self.gserver: grpc.aio.Server | None = None
         self.http_runner: web.AppRunner | None = None
         self.forwarder: Forwarder | None = None
+        self.intake: Intake | None = None
 
 
 @dataclass(frozen=True)
@@ -313,8 +314,9 @@ class Daemon:
                 parts.extra.append(events)
                 events.start()
         rcv = cfg.receivers.otlp
-        intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB), rcv.auth.bearer_token,
-                        forward=parts.forwarder, retry_after=cfg.storage.retry_after)
+        parts.intake = intake = Intake(store, metrics, int(rcv.max_request_size_mib * MiB),
+                                       rcv.auth.bearer_token, forward=parts.forwarder,
+                                       retry_after=cfg.storage.retry_after)
         parts.reindexer = reindexer = Runner(store, cfg.conversations, convs)
         parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention, *parts.extra),
                               evaluator=evaluator,
@@ -376,6 +378,8 @@ class Daemon:
         # after their commit; one the gRPC grace cuts off is committed all the same.
         await _each(*([parts.gserver.stop(grace=GRPC_GRACE)] if parts.gserver is not None else []),
                     *([parts.http_runner.cleanup()] if parts.http_runner is not None else []))
+        if parts.intake is not None:  # requests whose clients gave up: committed, and queued to be forwarded
+            await _each(parts.intake.drain())
         await _each(*([asyncio.to_thread(parts.evaluator.stop)] if parts.evaluator is not None else []),
                     *([asyncio.to_thread(parts.retention.stop)] if parts.retention is not None else []),
                     *(asyncio.to_thread(stage.stop) for stage in parts.extra),

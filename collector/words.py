@@ -1,8 +1,9 @@
-"""How counts, rates and sizes are written for people, in the CLI's output, the daemon's log and its config."""
+"""How counts, rates, sizes and URLs are written for people, in the CLI's output, the daemon's log and its config."""
 
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit, urlunsplit
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$")
 _UNITS = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
@@ -48,3 +49,15 @@ def size_bytes(value: str) -> int:
     if m is None:
         raise ValueError(f"{value!r} is not a size")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def masked_url(url: str) -> str:
+    """``url`` fit to print: the user and password, every query value (a bare one whole) and the fragment
+    replaced by ``***``: any of them can hold a secret."""
+    u = urlsplit(url)
+    netloc = u.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = "&".join(f"{k}=***" if sep else "***" for k, sep, _ in (p.partition("=") for p in u.query.split("&"))
+                     ) if u.query else ""
+    return urlunsplit((u.scheme, netloc, u.path, query, "***" if u.fragment else ""))

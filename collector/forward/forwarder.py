@@ -22,7 +22,7 @@ from typing import Any
 from ..config import Config
 from ..metrics import Counter, Metrics
 from .queue import ForwardStore
-from .send import Sender, state_of
+from .send import Counters, ExporterStopped, Sender, state_of
 
 log = logging.getLogger("tracejudge.forward")
 
@@ -40,14 +40,19 @@ class Forwarder:
         self.dropped = Counter("tracejudge_forward_dropped_total",
                                "Requests dropped, by exporter and reason (http_400..., queue_full).",
                                ("exporter", "reason"))
-        metrics.add_instruments(self.sent, self.retried, self.dropped)
+        self.held = Counter("tracejudge_forward_held_total",
+                            "Requests held back, never sent: their rewrite (redaction) timed out, failed or died; "
+                            "by exporter and reason.", ("exporter", "reason"))
+        metrics.add_instruments(self.sent, self.retried, self.dropped, self.held)
         metrics.add_collector(self._gauges)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.store = ForwardStore(config.forward_dir, [(name, exp.sends, exp.queue.max_size)
                                                        for name, exp in config.exporters.items()])
+        counters = Counters(self.sent, self.retried, self.dropped, self.held)
+        key = self.store.secret() if any(e.redact.mode == "content" for e in config.exporters.values()) else b""
         self.senders = [Sender(name, exp, self.store.queues[name], thread_from=config.conversations.id_attributes,
-                               sent=self.sent, retried=self.retried, dropped=self.dropped)
+                               key=key, counters=counters)
                         for name, exp in config.exporters.items()]
         for name, exp in config.exporters.items():
             self.dropped.declare(exporter=name, reason="queue_full")
@@ -68,6 +73,9 @@ class Forwarder:
             await s.run()
         except asyncio.CancelledError:
             raise
+        except ExporterStopped as exc:
+            s.status.state = "stopped"
+            log.error("exporter %s stopped: %s; its queue is kept on disk and sent after a restart", s.name, exc)
         except Exception:
             s.status.state = "stopped"
             log.exception("exporter %s stopped; its queue is kept on disk and sent after a restart", s.name)

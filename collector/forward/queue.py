@@ -246,6 +246,26 @@ class ForwardStore:
                 keep.append(n)
         self._segments = keep
 
+    def secret(self) -> bytes:
+        """This folder's random key (made at the first call, kept in ``pseudonym.key``): what keys pseudonyms,
+        so that the same id gets the same one across requests and restarts."""
+        path = self.folder / "pseudonym.key"
+        if path.exists():
+            key = path.read_bytes()
+            if len(key) != 32:
+                raise OSError(f"{path} is not a 32-byte key: remove it to make a new one "
+                              "(conversation ids that are personal data then get new pseudonyms)")
+            return key
+        key, tmp = os.urandom(32), path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # whole or not there, whenever a crash comes
+        return key
+
     def close(self) -> None:
         """Commit what is waiting, then close the files."""
         with self._wake:
@@ -362,6 +382,20 @@ class ExporterQueue:
             head = self._heads(1)
             self._oldest = head[0][3] if head else None
             store._collect()
+
+    def hold(self, item: Item, reason: str) -> Path:
+        """Keep the front request in ``held/<exporter>/`` (never to be sent), then move past it; the file."""
+        folder = self.store.folder / "held" / self.name
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{item.seq:012d}.{item.signal}.{reason}.pb"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, item.body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.remove([item])
+        return path
 
     def drop_oldest(self, room: int) -> int:
         """Skip the oldest requests until ``room`` more bytes fit; how many were dropped."""

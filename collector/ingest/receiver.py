@@ -93,6 +93,7 @@ class Intake:
         self.forward = forward
         """Queues each committed request for the exporters before it is answered (``collector.forward``)."""
         self.retry_after = retry_after
+        self._committing: set[asyncio.Future[Outcome]] = set()
 
     def authorized(self, header: str | None) -> bool:
         return bearer_ok(header, self.token)
@@ -134,24 +135,42 @@ class Intake:
         received.inc(len(batch) + rejected)
         if rejected:
             refused.inc(rejected, reason="invalid")
+        # Shielded: a client that gives up (a cancelled gRPC call, a closed connection) does not stop what
+        # follows its commit, so whatever is stored is also queued for the exporters.
+        task = asyncio.ensure_future(self._commit(signal, batch, request.SerializeToString() if json_body else body,
+                                                  transport))
+        self._committing.add(task)
+        task.add_done_callback(self._committing.discard)
+        outcome = await asyncio.shield(task)
+        if outcome.kind != "ok":
+            return outcome
+        message = f"{rejected} rejected: {reason}" if rejected else ""
+        return Outcome("ok", response=_response(signal, rejected, message))
+
+    async def _commit(self, signal: str, batch: Any, body: bytes, transport: str) -> Outcome:
+        """Store ``batch``, then queue ``body`` (protobuf) for the exporters; the outcome to answer."""
         try:
             await asyncio.wrap_future(self.consumer.submit(
-                batch if signal == "traces" else None, batch if signal == "logs" else None))  # type: ignore[arg-type]
+                batch if signal == "traces" else None, batch if signal == "logs" else None))
         except StoreUnavailable as exc:
             return self.refuse(transport, signal, Outcome("unavailable", str(exc), reason=exc.reason,
                                                              retry_after=exc.retry_after),
                                items=len(batch))
         if self.forward is not None:
             try:
-                await self.forward.accept(signal, request.SerializeToString() if json_body else body)
+                await self.forward.accept(signal, body)
             except Exception as exc:  # committed, not queued: the client's retry is stored once and queued
                 log.error("a committed request could not be queued for forwarding: %s", exc)
                 return self.refuse(transport, signal, Outcome(
                     "unavailable", f"the forward queue cannot be written: {exc}", reason="storage_error",
                     retry_after=self.retry_after), items=len(batch))
         self.metrics.requests.inc(transport=transport, signal=signal, outcome="ok")
-        message = f"{rejected} rejected: {reason}" if rejected else ""
-        return Outcome("ok", response=_response(signal, rejected, message))
+        return Outcome("ok")
+
+    async def drain(self) -> None:
+        """Wait for the commits of requests whose clients went away (after the listeners stopped)."""
+        while self._committing:
+            await asyncio.gather(*list(self._committing), return_exceptions=True)
 
 
 # ------------------------------------------------------------------ gRPC

@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from collector.config import DEFAULT_ID_ATTRIBUTES, validate_config
 from collector.errors import ConfigError
-from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite, rewrite_all
+from collector.forward.rewrite import THREAD_ATTRIBUTE, Redaction, rewrite, rewrite_all
 
 from ..support.daemon import DaemonProcess, base_config, pool_workers, wait_until
 from ..support.wire import add_attributes, post, span_request_bytes
@@ -205,7 +205,7 @@ def test_kill9_while_requests_are_queued_loses_nothing_acknowledged(tmp_path: Pa
             # Nothing was delivered before the kill: after it, each request once, in order.
             assert b"".join(s.delivered("/v1/traces")) == b"".join(sent)
             assert b"".join(s.delivered("/ls/otel/v1/traces")) == rewrite_all(
-                "traces", sent, DEFAULT_ID_ATTRIBUTES, False)
+                "traces", sent, DEFAULT_ID_ATTRIBUTES, None)
             # The requests tried before the kill are counted as sent again (duplicates, had a try got through).
             assert 1 <= forwarded(daemon, "raw")["resent_after_restart"] <= len(sent)
             assert daemon.stop() == 0
@@ -282,7 +282,7 @@ def test_rewrite_redacts_content_and_leaves_ids_alone() -> None:
     req = ExportTraceServiceRequest.FromString(traces(1, n=1))
     span = req.resource_spans[0].scope_spans[0].spans[0]
     add_attributes(span.attributes, {"gen_ai.output.messages": "Call Anna Rossi on +44 20 7946 0958, anna@example.com"})
-    out = ExportTraceServiceRequest.FromString(rewrite("traces", req.SerializeToString(), redact=True))
+    out = ExportTraceServiceRequest.FromString(rewrite("traces", req.SerializeToString(), redact=Redaction()))
     got = {kv.key: kv.value.string_value for kv in out.resource_spans[0].scope_spans[0].spans[0].attributes}
     assert "+44 20 7946 0958" not in got["gen_ai.output.messages"] and "<PHONE_1>" in got["gen_ai.output.messages"]
     assert "<EMAIL_1>" in got["gen_ai.output.messages"]

@@ -8,14 +8,13 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite_all
-from collector.forward.send import Connection, Rewriter
+from collector.forward.send import Answer, Connection, Rewriter, RewriteFailed
 
 from ..support.daemon import pool_workers
 from .test_forward import traces
@@ -74,8 +73,8 @@ def test_a_kept_alive_connection_the_backend_closed_is_made_again_without_a_fail
     with backend(answer_once_then_close) as (port, received):
         http = Connection(timeout=30)
         url = f"http://127.0.0.1:{port}/v1/traces"
-        assert http.post(url, b"first", {}) == (200, None)
-        assert http.post(url, b"second", {}) == (200, None)
+        assert http.post(url, b"first", {}) == Answer(200, None, None)
+        assert http.post(url, b"second", {}) == Answer(200, None, None)
         http.close()
     assert received == [b"first", b"second"] and len(connections) == 2
 
@@ -116,19 +115,20 @@ def children() -> list[int]:
 def test_the_rewrite_process_sends_what_the_rewrite_gives_and_is_started_again_after_it_dies() -> None:
     bodies = [traces(1), traces(2)]
     keys = ("gen_ai.conversation.id",)
-    rewriter = Rewriter("ls", keys, redact=False)
+    rewriter = Rewriter("ls", keys, None, 30.0)
     try:
         before = set(children())
         out = rewriter("traces", bodies)
-        assert out == rewrite_all("traces", bodies, keys, False)
+        assert out == rewrite_all("traces", bodies, keys, None)
         request = ExportTraceServiceRequest.FromString(out)
         assert len(request.resource_spans) == 2 and all(
             any(kv.key == THREAD_ATTRIBUTE for kv in sp.attributes)
             for rs in request.resource_spans for ss in rs.scope_spans for sp in ss.spans)
         child, = set(children()) - before
         os.kill(child, signal.SIGKILL)  # as the kernel's OOM killer would
-        with pytest.raises(BrokenProcessPool):
+        with pytest.raises(RewriteFailed, match="died") as failed:
             rewriter("traces", bodies)
+        assert failed.value.reason == "died"
         assert rewriter("traces", bodies) == out
     finally:
         rewriter.close()
@@ -136,7 +136,7 @@ def test_the_rewrite_process_sends_what_the_rewrite_gives_and_is_started_again_a
 
 
 def test_an_exporter_that_changes_nothing_starts_no_process() -> None:
-    rewriter = Rewriter("raw", (), redact=False)
+    rewriter = Rewriter("raw", (), None, 30.0)
     before = set(children())
     assert rewriter("traces", [b"a", b"b"]) == b"ab"
     assert set(children()) == before
