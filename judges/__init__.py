@@ -36,6 +36,7 @@ from ._errors import (
     ProviderSetupError,
 )
 from ._evidence import Located, TextRange, locate_evidence, verify_evidence
+from ._jsonl import escape_line_breaks, json_line, split_json_lines
 from ._prompt import FRAME, JudgeRequest
 from ._providers import (
     AnthropicProvider,
@@ -115,6 +116,8 @@ __all__ = [
     "arun_judges",
     "calibrate",
     "compare_reruns",
+    "escape_line_breaks",
+    "json_line",
     "load_criteria",
     "locate_evidence",
     "make_provider",
@@ -126,6 +129,7 @@ __all__ = [
     "render_transcript",
     "run_judges",
     "set_check_workers",
+    "split_json_lines",
     "summarize",
     "tool_call_text",
     "transcript_sha256",

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 
 from pydantic import ValidationError
 
+from ._jsonl import json_line, split_json_lines
 from ._verdict import Verdict
 
 
@@ -76,7 +77,7 @@ class DiskCache(MemoryCache):
         self.path = Path(path)
         self._lock = threading.Lock()
         if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+            for line in split_json_lines(self.path.read_text(encoding="utf-8")):
                 try:
                     row = json.loads(line)
                     key = CacheKey(*row["key"])
@@ -89,8 +90,8 @@ class DiskCache(MemoryCache):
         if verdict.result == "error" or self._data.get(key) == verdict:
             return
         self._data[key] = verdict
-        line = json.dumps({"key": list(key), "verdict": verdict.model_dump(mode="json")}, ensure_ascii=False)
+        line = json_line({"key": list(key), "verdict": verdict.model_dump(mode="json")})
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8") as f:
-                f.write(line + "\n")
+                f.write(line)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._errors import ConversationError
+from ._jsonl import escape_line_breaks, split_json_lines
 
 SCHEMA = "conversation/v1"
 
@@ -127,8 +128,8 @@ class Conversation(_Record):
         return sum(1 for m in self.messages if m.role == "user")
 
     def to_json(self) -> str:
-        """One conversation/v1 JSON line (no trailing newline)."""
-        return self.model_dump_json(by_alias=True, exclude_none=True)
+        """One conversation/v1 JSON line (no trailing newline; U+2028, U+2029 and U+0085 escaped)."""
+        return escape_line_breaks(self.model_dump_json(by_alias=True, exclude_none=True))
 
 
 # Tags the judge frame uses; in content they are defused (``<`` -> ``‹``) so the
@@ -296,7 +297,7 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     """Read a conversation/v1 JSONL file.
 
     Args:
-        path: the file; blank lines are skipped.
+        path: the file; lines end in ``\n`` (or ``\r\n``), blank lines are skipped.
 
     Returns:
         The conversations in file order.
@@ -309,11 +310,11 @@ def read_conversations(path: str | Path) -> list[Conversation]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConversationError(f"{path}: cannot read: {exc.strerror}") from None
-    return list(parse_conversations(text.splitlines(), source=str(path)))
+    return list(parse_conversations(split_json_lines(text), source=str(path)))
 
 
 def parse_conversations(lines: Iterable[str], source: str = "<input>") -> Iterator[Conversation]:
-    """Parse conversation/v1 JSON lines (see ``read_conversations``)."""
+    """Parse conversation/v1 JSON lines (see ``read_conversations``), split on ``\n`` only (``split_json_lines``)."""
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

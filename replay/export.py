@@ -25,6 +25,8 @@ from typing import BinaryIO
 
 import orjson
 
+from judges import escape_line_breaks
+
 from collector.errors import UserError
 
 STDOUT = "-"
@@ -48,7 +50,7 @@ def redaction() -> Callable[[Iterable[bytes]], Iterator[bytes]]:
 
     def redacted(lines: Iterable[bytes]) -> Iterator[bytes]:
         for line in lines:
-            yield orjson.dumps(Redactor().record(orjson.loads(line))) + b"\n"
+            yield escape_line_breaks(orjson.dumps(Redactor().record(orjson.loads(line)))) + b"\n"
 
     return redacted
 

@@ -44,7 +44,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from judges import JudgeRequest, Message, Provider, ProviderError, locate_evidence, render_transcript
+from judges import (JudgeRequest, Message, Provider, ProviderError, json_line, locate_evidence, render_transcript,
+                    split_json_lines)
 
 from collector.evals.criterion_text import describe_criterion, expectations
 from collector.redact import Redactor
@@ -426,7 +427,7 @@ class ScenarioWriter:
         except FileNotFoundError:
             return set()
         ids = set()
-        for line in text.splitlines():
+        for line in split_json_lines(text):
             with contextlib.suppress(ValueError, TypeError, KeyError):
                 ids.add(json.loads(line)["id"])
         return ids
@@ -463,7 +464,7 @@ class ScenarioWriter:
             _atomic_write(files[0], scenario.to_yaml())
             _atomic_write(files[1], fix)
             with open(self.out_dir / CASES, "a", encoding="utf-8") as f:  # last: the ledger line
-                f.write(json.dumps(scenario.case(), ensure_ascii=False) + "\n")
+                f.write(json_line(scenario.case()))
                 f.flush()
                 os.fsync(f.fileno())
         log.info("scenario %s written (%s)", sid, draft.drafted_by or "deterministic draft")

@@ -36,6 +36,8 @@ from typing import Any
 import duckdb
 import orjson
 
+from judges import escape_line_breaks
+
 from ..conversations.record import (STORED_COLUMNS, message_select, stored_conversation, stored_message,
                                     stored_record, stored_select, stored_transcripts)
 from ..store.transactions import one
@@ -218,7 +220,7 @@ class Walk:
         if self.evals and row[_N + 1] is not None:
             sampling = {"probability": row[_N + 1], "rule": row[_N + 2] or ""}
         transcript, facts = stored_conversation(row, messages)
-        return orjson.dumps(stored_record(row[0], transcript, facts, sampling=sampling)) + b"\n"
+        return escape_line_breaks(orjson.dumps(stored_record(row[0], transcript, facts, sampling=sampling))) + b"\n"
 
     def _by_id_page(self) -> tuple[list[bytes], str | None]:
         where, params = _where(self.f, self._after)

@@ -29,6 +29,7 @@ from judges import (
     RateStats,
     Summary,
     Verdict,
+    escape_line_breaks,
     load_criteria,
     read_conversations,
     run_judges,
@@ -226,7 +227,7 @@ def judge(
     if out is not None:
         with out.open("w", encoding="utf-8") as f:
             for v in run.verdicts:
-                f.write(v.model_dump_json() + "\n")
+                f.write(escape_line_breaks(v.model_dump_json()) + "\n")
     summary = summarize(run.verdicts, criteria=criteria, conversations=convs, not_run=run.not_run)
     if as_json:
         summary_json = summary.model_dump(mode="json", by_alias=True)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from judges import Conversation, Criterion, Provider, compare_reruns, run_judges
+from judges import Conversation, Criterion, Provider, compare_reruns, json_line, run_judges, split_json_lines
 
 from ..errors import UserError
 
@@ -61,7 +61,7 @@ def write_set(path: Path, items: Sequence[dict[str, Any]], *, force: bool) -> No
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for item in items:
-            f.write(json.dumps(item, ensure_ascii=False) + "\n")
+            f.write(json_line(item))
     os.replace(tmp, path)  # a reader never sees half a set
 
 
@@ -88,7 +88,7 @@ def read_set(path: Path) -> list[Frozen]:
                         "make one with `tracejudge calibrate --freeze NAME`")
     out: list[Frozen] = []
     seen: set[tuple[str, str]] = set()
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(split_json_lines(path.read_text(encoding="utf-8")), 1):
         if not line.strip():
             continue
         try:
