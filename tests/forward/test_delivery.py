@@ -5,6 +5,8 @@ real OTLP in, backends on loopback."""
 from __future__ import annotations
 
 import base64
+import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from ..support.daemon import DaemonProcess, base_config, wait_until
+from ..support.daemon import DaemonProcess, base_config, pool_workers, wait_until
 from ..support.wire import add_attributes
 from .test_forward import forwarded, send, sink, traces
 from .test_send import backend, read_request
@@ -187,3 +189,27 @@ def test_a_request_whose_client_gave_up_during_its_commit_is_forwarded_too(tmp_p
         finally:
             daemon.end()
 
+
+
+def test_a_stop_during_a_stuck_rewrite_does_not_wait_for_it_and_the_request_stays_queued(tmp_path: Path) -> None:
+    with sink() as s:
+        cfg = base_config(tmp_path, exporters={"lw": {"type": "langwatch", "endpoint": f"{s.base}/api/otel/v1/traces",
+                                                      "api_key": "k", "redact": {"mode": "content", "timeout": "1h"}}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        try:
+            assert send(daemon, traces(1)) == 200
+            wait_until(lambda: s.delivered(), "the first request, through the rewrite process")
+            assert daemon.proc is not None
+            stage = daemon.get("/api/status")[1]["conversations_process"]["pid"]
+            rewriter, = (pid for pid in pool_workers(daemon.proc.pid) if pid != stage)
+            os.kill(rewriter, signal.SIGSTOP)  # a rewrite that never ends, whatever the machine's speed
+            assert send(daemon, traces(2)) == 200
+            wait_until(lambda: forwarded(daemon, "lw")["state"] == "sending", "the second rewrite under way")
+            assert daemon.stop() == 0  # within the helper's bound: the rewrite is not waited for
+            assert len(s.received) == 1
+            daemon.start()  # the request stayed queued: sent now, once
+            wait_until(lambda: forwarded(daemon, "lw")["queued_requests"] == 0, "the queue emptied")
+            assert len(s.delivered()) == 2 and forwarded(daemon, "lw")["held"] == 0
+            assert daemon.stop() == 0
+        finally:
+            daemon.end()
