@@ -60,6 +60,8 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 """Queued requests sent together, at most (LangWatch takes bodies up to 10 MiB)."""
 BACKOFF_FIRST, BACKOFF_MAX, RETRY_AFTER_MAX = 0.5, 30.0, 300.0
 MAX_REDIRECTS = 5
+START_LIMIT = 120.0
+"""Seconds a rewrite process may take to start (its imports) before it counts as dead."""
 FOLLOWED = (301, 302, 307, 308)
 """Redirects followed, with the same POST, within the backend's origin (scheme, host and port)."""
 
@@ -222,6 +224,7 @@ def _rewrite_process(conn: Connection_, thread_from: tuple[str, ...], redact: Re
         os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    conn.send(("ready", None))  # imports done: the caller's limit is for rewriting only
     while True:
         try:
             signal, bodies = conn.recv()
@@ -251,7 +254,10 @@ class Rewriter:
         self.name, self.thread_from, self.redact, self.limit = name, tuple(thread_from), redact, limit
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection_ | None = None
+        self._ready = False  # the process said it is ready (only the sender's thread reads and sets it)
         self._lock = threading.Lock()  # calls on the sender's thread, ``close`` from the loop's
+        self.stopping = False
+        """Set at shutdown: a rewrite cut then is no death to log."""
 
     def __call__(self, signal: str, bodies: list[bytes]) -> bytes:
         """The body to send, from the queued ``bodies`` of ``signal`` (on the sender's thread).
@@ -261,8 +267,8 @@ class Rewriter:
         """
         if not self.thread_from and self.redact is None:
             return b"".join(bodies)
-        conn = self._start()
         try:
+            conn = self._start()
             conn.send((signal, bodies))
             if not conn.poll(self.limit):
                 self.close()
@@ -270,7 +276,8 @@ class Rewriter:
                                                "stopped, and the request was not sent")
             kind, out = conn.recv()
         except (EOFError, OSError):
-            log.error("exporter %s: the rewrite process died; a new one is started", self.name)
+            if not self.stopping:
+                log.error("exporter %s: the rewrite process died; a new one is started", self.name)
             self.close()
             raise RewriteFailed("died", "the rewrite process died") from None
         if kind != "ok":
@@ -287,8 +294,13 @@ class Rewriter:
                                          name=f"tracejudge-rewrite-{self.name}", daemon=True)
                 self._proc.start()
                 theirs.close()
-                self._conn = mine
-            return self._conn
+                self._conn, self._ready = mine, False
+            conn = self._conn
+        if not self._ready:  # outside the lock: ``close`` must be able to cut the wait
+            if not conn.poll(START_LIMIT) or conn.recv()[0] != "ready":
+                raise EOFError("the rewrite process did not start")
+            self._ready = True
+        return conn
 
     def close(self) -> None:
         """Stop the process now (a rewrite under way is cut: its caller gets ``RewriteFailed``)."""
@@ -355,6 +367,7 @@ class Sender:
     def close(self) -> None:
         """After ``run`` was cancelled: cut an exchange or a rewrite under way and wait for the thread."""
         self._http.close()
+        self._rewrite.stopping = True
         self._rewrite.close()
         self._pool.shutdown(wait=True)
         self._rewrite.close()  # one the thread started while it was being cut
