@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from collector.names import reviewer_key
+from collector.names import clean_name, reviewer_key
 
 from ..support.api_http import Reply, assert_error, call, origin, post_form, post_json
 from ..support.daemon import DaemonProcess, base_config, clean_env, run_cli, wait_until
@@ -261,6 +261,22 @@ def test_typed_names_that_normalise_alike_hold_one_claim_and_one_label(
     assert again.status == 200 and again.json()["labels"] == 1, again.body  # replaced, not a second person's
     mine = call(daemon.api, "GET", f"/api/calibration/items/{task}?reviewer=EVE").json()["your_label"]
     assert mine["label"] == "fail"
+
+
+@pytest.mark.parametrize("written", [
+    "Eve", " eve ", "EVE", "\uff25\uff56\uff45",  # fullwidth (NFKC)
+    *(f"e{c}ve" for c in "\u200b\u200c\u200d\u2060\ufeff\u00ad\u180e\u034f\u3164\ufe0f\x1b"),
+], ids=lambda w: w.encode("unicode_escape").decode())
+def test_a_name_is_one_reviewer_however_it_is_written(written: str) -> None:
+    assert reviewer_key(written) == "eve"
+    assert clean_name(written) in ("Eve", "eve", "EVE")
+
+
+def test_names_keep_their_letters_and_one_space_between_words() -> None:
+    assert clean_name("  Dr.\u00a0Ana\t\u200b Ruiz\n") == "Dr. Ana Ruiz"
+    assert reviewer_key("Dr. Ana  Ruiz") == reviewer_key("dr. ana ruiz") != reviewer_key("dr. ana ruíz")
+    assert reviewer_key("Straße") == reviewer_key("STRASSE")  # case folding, not lower()
+    assert reviewer_key("\u200b \u00ad") == ""  # nothing visible: no name
 
 
 # --------------------------------------------------------------- what the daemon says at start-up
