@@ -14,6 +14,12 @@ def same_secret(given: str | None, secret: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), secret.encode())
 
 
+def bearer(header: str | None) -> str | None:
+    """The token an ``Authorization: Bearer <token>`` header carries, or None."""
+    scheme, _, secret = (header or "").strip().partition(" ")
+    return secret.strip() if scheme == "Bearer" and secret.strip() else None
+
+
 def bearer_ok(header: str | None, token: str | None) -> bool:
     """Whether an ``Authorization`` header carries ``Bearer <token>``; always, when no token is set."""
     if not token:

@@ -40,8 +40,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from .auth import same_secret
 from .errors import ConfigError
+from .names import clean_name, reviewer_key
 from .words import is_size, masked_url, size_bytes
 
 SECTIONS = (
@@ -447,11 +450,26 @@ class SamplingSettings(Section):
     budget: SamplingBudget = SamplingBudget()
 
 
+def _check_reviewer_name(value: str) -> str:
+    name = clean_name(value)
+    if not name:
+        raise ValueError("a reviewer's name needs a visible character")
+    return name
+
+
+def _problem_at(loc: tuple[str | int, ...], value: Any, message: str) -> InitErrorDetails:
+    """A problem at a key path below the validator raising it (``ValidationError.from_exception_data``)."""
+    return InitErrorDetails(type=PydanticCustomError("invalid", "{message}", {"message": message}), loc=loc,
+                            input=value)
+
+
 class Reviewer(Section):
-    name: str = Field(min_length=1)
-    """Who decides with this token: the name every decision and label made with it carries."""
+    name: Annotated[str, AfterValidator(_check_reviewer_name)]
+    """Who decides with this token: the name every decision and label made with it carries (kept without
+    invisible characters or extra spaces)."""
     token: str = Field(min_length=8)
-    """What the reviewer types into the sign-in page (``${env:...}`` keeps it out of the file)."""
+    """What the reviewer signs in with on the page, and sends to the JSON API as ``Authorization: Bearer
+    <token>`` (``${env:...}`` keeps it out of the file)."""
 
 
 class Review(Section):
@@ -465,9 +483,10 @@ class Review(Section):
     """An item stays pending until this many different reviewers have decided it; each decides before
     seeing the others' decisions, and the majority decides (a tie: unclear)."""
     reviewers: list[Reviewer] = []
-    """Named reviewer tokens: when set, the review pages need a token (one of these, or
-    ``api.auth.bearer_token``), and a decision made with a reviewer's token carries that reviewer's name
-    rather than a typed one. The JSON API still takes only ``api.auth.bearer_token``."""
+    """A token per reviewer: when set, every action that records a reviewer (a claim or an assignment, a
+    decision, a blind label, a label import; on the page or the JSON API) records the reviewer of the token
+    it is made with, never a typed name, and the review pages need a token (one of these, or
+    ``api.auth.bearer_token``). Empty: the name typed is recorded, and nothing checks it."""
     lock_timeout: Duration = Field(900.0, gt=0)
     """A reviewer's claim on an item (or an assignment) holds this long; meanwhile another reviewer's
     decision on it is refused."""
@@ -475,12 +494,30 @@ class Review(Section):
     """A criterion whose false-pass rate (people said fail, the judge pass) may be above this, by its 95%
     interval, is marked not calibrated."""
 
+    @field_validator("reviewers")
+    @classmethod
+    def _distinct_reviewers(cls, reviewers: list[Reviewer]) -> list[Reviewer]:
+        tokens = [r.token for r in reviewers]
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("two reviewers have the same token")  # never echoed: it is a secret
+        seen: dict[str, int] = {}
+        problems = []
+        for n, r in enumerate(reviewers):
+            first = seen.setdefault(reviewer_key(r.name), n)
+            if first != n:
+                problems.append(_problem_at((n, "name"), r.name, (
+                    f"the same reviewer as review.reviewers[{first}].name ({reviewers[first].name!r}): names are "
+                    "compared in NFKC, case-folded, without invisible characters or extra spaces")))
+        if problems:
+            raise ValidationError.from_exception_data("reviewers", problems)
+        return reviewers
+
     @model_validator(mode="after")
-    def _distinct_reviewers(self) -> "Review":
-        for what in ("name", "token"):
-            values = [getattr(r, what) for r in self.reviewers]
-            if len(set(values)) != len(values):
-                raise ValueError(f"review.reviewers: two reviewers have the same {what}")
+    def _enough_reviewers(self) -> "Review":
+        if self.reviewers and len(self.reviewers) < self.reviewers_per_item:
+            raise ValidationError.from_exception_data("review", [_problem_at(
+                ("reviewers_per_item",), self.reviewers_per_item,
+                f"review.reviewers names {len(self.reviewers)}: no item could ever be decided")])
         return self
 
 
@@ -635,6 +672,17 @@ class Config(BaseModel):
     unbuilt: dict[str, Any] = {}
 
     @model_validator(mode="after")
+    def _reviewer_tokens_are_not_the_api_token(self) -> "Config":
+        # The API token names nobody: a reviewer signing in with it could not record a decision.
+        api = self.api.auth.bearer_token
+        same = [n for n, r in enumerate(self.review.reviewers) if api and same_secret(r.token, api)]
+        if same:
+            raise ValidationError.from_exception_data("Config", [_problem_at(
+                ("review", "reviewers", n, "token"), None, "the same as api.auth.bearer_token: give each reviewer "
+                "a token of their own (the API token names no reviewer)") for n in same])
+        return self
+
+    @model_validator(mode="after")
     def _retention_outlasts_idle(self) -> "Config":
         idle = self.conversations.idle_timeout
         for what in ("spans", "conversations"):
@@ -758,12 +806,17 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
+_SECRETS = ("token", "api_key")
+"""Keys whose values an error never repeats."""
+
+
 def _problem(err: Any) -> str:
     where = _loc(err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
-    elif err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], (dict, list)):
+    elif (err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], (dict, list))
+          and not str(err["loc"][-1]).endswith(_SECRETS)):
         msg = f"{msg} (got {err['input']!r})"
     return f"{where}: {msg}"
 

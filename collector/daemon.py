@@ -348,6 +348,7 @@ class Daemon:
         self._banner(grpc_addr, http_addr, api_url)
         self._judging(criteria, provider, no_provider)
         self._retention()
+        self._reviewers()
         open_to = [lst.endpoint for lst in (rcv.protocols.grpc, rcv.protocols.http)
                    if lst is not None and not is_loopback(split_endpoint(lst.endpoint)[0])]
         if open_to and not rcv.auth.bearer_token:
@@ -424,6 +425,26 @@ class Daemon:
         log.info("retention: spans kept %s, conversations kept %s%s",
                  duration_text(keep.spans), duration_text(keep.conversations),
                  ", reviewed ones as long as their review items" if keep.keep_reviewed else "")
+
+    def _reviewers(self) -> None:
+        """Say whose names decisions and labels carry, and warn where nothing checks them."""
+        review, token = self.config.review, self.config.api.auth.bearer_token
+        if review.reviewers:
+            log.info("review: %s, each with a token of their own (review.reviewers): every claim, decision and "
+                     "label carries the reviewer of the token it is made with, never a typed name",
+                     plural(len(review.reviewers), "reviewer"))
+            return
+        risks = (["whoever holds api.auth.bearer_token can decide as anyone"] if token else []) + (
+            [f"one person can settle an item alone by typing review.reviewers_per_item ({review.reviewers_per_item}) "
+             "names"] if review.reviewers_per_item > 1 else [])
+        if risks:
+            log.warning("review.reviewers is not set, so decisions and labels carry the name each caller types and "
+                        "nothing checks it: %s. Give each reviewer a token of their own in review.reviewers",
+                        "; ".join(risks))
+        else:
+            log.info("review: decisions and labels carry the name typed (review.reviewers is not set): fit for the "
+                     "people of this machine (the API listens on loopback, without a token); give each reviewer a "
+                     "token in review.reviewers for names that hold")
 
     def _judging(self, criteria: list[Criterion], provider: Provider | None, no_provider: str | None) -> None:
         sampling = self.config.sampling

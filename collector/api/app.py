@@ -12,7 +12,7 @@ import datetime as dt
 import json
 import logging
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
@@ -33,8 +33,10 @@ from ..forward import Forwarder
 from ..listing import MAX_LIMIT, iso_utc, parse_since
 from ..memory import duckdb_memory
 from ..metrics import Metrics
+from ..names import clean_name
 from ..review import calibration
 from ..review import page as review_page
+from ..review.identity import Identity
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..store import Store
@@ -45,6 +47,7 @@ from .errors import APIError, error_middleware
 from .guards import REVIEWER, HostCheck, host_check, html_response, origin_check, token_check
 
 log = logging.getLogger("tracejudge.api")
+T = TypeVar("T")
 
 _HEX_TRACE = re.compile(r"^[0-9a-fA-F]{32}$")
 
@@ -58,6 +61,7 @@ class API:
                  review_settings: config.Review | None = None, seed: int = 0) -> None:
         self.store = store
         self.review_settings = review_settings or config.Review()
+        self.identity = Identity(self.review_settings.reviewers)
         self.seed = seed
         """``sampling.seed``: the calibration sample a labels export tops up is drawn with it."""
         self.forwarder = forwarder
@@ -69,7 +73,7 @@ class API:
         self.ready = False
         self.app = web.Application(middlewares=[
             error_middleware, host_check(HostCheck(settings.endpoint, settings.allowed_hosts)), origin_check,
-            token_check(settings.auth.bearer_token or None, self.review_settings.reviewers)])
+            token_check(settings.auth.bearer_token or None, self.identity)])
         r = self.app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -119,6 +123,15 @@ class API:
                            {"problems": [{"row": n, "message": m} for n, m in exc.problems]}) from None
         except review.ReviewError as exc:
             raise APIError(exc.status, exc.code, str(exc)) from None
+
+    def recorder(self, request: web.Request, typed: Any, what: str = "reviewer") -> str:
+        """The reviewer a JSON API action records (``identity.Identity.recorder``); ``typed`` is the body's
+        ``what``, a string or left out."""
+        return _identified(lambda: self.identity.recorder(request.get(REVIEWER), _text(typed, what)))
+
+    def viewer(self, request: web.Request) -> str | None:
+        """Whose own decisions and labels a JSON API read shows (``?reviewer=``, or the token's reviewer)."""
+        return _identified(lambda: self.identity.viewer(request.get(REVIEWER), request.query.get("reviewer")))
 
     async def _on_cursor(self, fn: Callable[[Any], Any]) -> Any:
 
@@ -399,18 +412,21 @@ class API:
 
     async def review_claim(self, request: web.Request) -> web.Response:
         """``{"reviewer": "..."}`` claims the item for ``review.lock_timeout``; ``"assigned_by"`` makes it an
-        assignment of ``reviewer``, taken from whoever held it."""
+        assignment of ``reviewer``, taken from whoever held it. With reviewer tokens, the claimant (or the one
+        who assigns) is the token's reviewer."""
         body = await _json_object(request, {"reviewer", "assigned_by"})
-        reviewer, by = body.get("reviewer"), body.get("assigned_by")
-        if not isinstance(reviewer, str) or not isinstance(by, (str, type(None))):
-            raise APIError(400, "bad_request", "reviewer must be a string (assigned_by too, if given)")
+        if body.get("assigned_by") is None:
+            reviewer, by = self.recorder(request, body.get("reviewer")), None
+        else:
+            by = self.recorder(request, body.get("assigned_by"), "assigned_by")
+            reviewer = _identified(lambda: self.identity.assignee(_text(body.get("reviewer"), "reviewer")))
         item_id, timeout = request.match_info["item_id"], self.review_settings.lock_timeout
         item = await self.read(lambda cur: review.claim(cur, item_id, reviewer, timeout, assigned_by=by))
         return web.json_response(item, dumps=_dumps)
 
     async def review_item(self, request: web.Request) -> web.Response:
         item_id = request.match_info["item_id"]
-        viewer, n = request.query.get("reviewer") or None, self.review_settings.reviewers_per_item
+        viewer, n = self.viewer(request), self.review_settings.reviewers_per_item
         return web.json_response(await self.read(lambda cur: review.review_item(
             cur, item_id, viewer=viewer, reviewers_per_item=n)), dumps=_dumps)
 
@@ -419,9 +435,10 @@ class API:
         body = await _json_object(request, {"decision", "reviewer", "note", "force"})
         if not isinstance(body.get("force", False), bool):
             raise APIError(400, "bad_request", "force must be true or false")
-        decision, reviewer, note = body.get("decision"), body.get("reviewer"), body.get("note")
-        if not isinstance(decision, str) or not isinstance(reviewer, str) or not isinstance(note, (str, type(None))):
-            raise APIError(400, "bad_request", "decision and reviewer must be strings (note too, if given)")
+        decision, note = body.get("decision"), body.get("note")
+        if not isinstance(decision, str) or not isinstance(note, (str, type(None))):
+            raise APIError(400, "bad_request", "decision must be a string (note too, if given)")
+        reviewer = self.recorder(request, body.get("reviewer"))
         item_id = request.match_info["item_id"]
         n = self.review_settings.reviewers_per_item
         item = await self.read(lambda cur: review.decide(cur, item_id, decision, reviewer, note,
@@ -440,22 +457,24 @@ class API:
     async def calibration_items(self, request: web.Request) -> web.Response:
         q = request.query
         limit = _int(q, "limit", 100)
+        viewer = self.viewer(request)
         found = await self.read(lambda cur: calibration.items(
             cur, criterion=q.get("criterion") or None, state=q.get("state") or "unlabelled",
-            reviewer=q.get("reviewer") or None, limit=limit))
+            reviewer=viewer, limit=limit))
         return web.json_response({"items": found}, dumps=_dumps)
 
     async def calibration_item(self, request: web.Request) -> web.Response:
-        item_id, reviewer = request.match_info["item_id"], request.query.get("reviewer") or None
+        item_id, reviewer = request.match_info["item_id"], self.viewer(request)
         return web.json_response(await self.read(lambda cur: calibration.item(cur, item_id, reviewer)),
                                  dumps=_dumps)
 
     async def calibration_label(self, request: web.Request) -> web.Response:
         """``{"label": "pass" | "fail" | "not_applicable", "reviewer": "...", "note": "..."}``."""
         body = await _json_object(request, {"label", "reviewer", "note"})
-        label, reviewer, note = body.get("label"), body.get("reviewer"), body.get("note")
-        if not isinstance(label, str) or not isinstance(reviewer, str) or not isinstance(note, (str, type(None))):
-            raise APIError(400, "bad_request", "label and reviewer must be strings (note too, if given)")
+        label, note = body.get("label"), body.get("note")
+        if not isinstance(label, str) or not isinstance(note, (str, type(None))):
+            raise APIError(400, "bad_request", "label must be a string (note too, if given)")
+        reviewer = self.recorder(request, body.get("reviewer"))
         item_id = request.match_info["item_id"]
         found = await self.read(lambda cur: calibration.label(cur, item_id, label, reviewer, note, source="api"))
         return web.json_response(found, dumps=_dumps)
@@ -474,12 +493,14 @@ class API:
         """``{"rows": [{item_id, conversation_id, criterion_id, label, reviewer, note}, ...], "reviewer": "..."}``:
         all stored, or none and every problem with its row's index."""
         body = await _json_object(request, {"rows", "reviewer"})
-        rows, reviewer = body.get("rows"), body.get("reviewer")
+        rows, reviewer = body.get("rows"), _text(body.get("reviewer"), "reviewer")
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise APIError(400, "bad_request", "rows must be a list of objects")
-        if not isinstance(reviewer, (str, type(None))):
-            raise APIError(400, "bad_request", "reviewer must be a string")
-        counts = await self.read(lambda cur: calibration.import_rows(cur, rows, reviewer=reviewer))
+        me = request.get(REVIEWER)
+        # Without a reviewer's token the whole import is refused; a row naming another reviewer is that row's problem.
+        self.recorder(request, reviewer)
+        counts = await self.read(lambda cur: calibration.import_rows(
+            cur, rows, reviewer=reviewer, who=lambda name: self.identity.recorder(me, name)))
         return web.json_response(counts)
 
     async def calibration_set(self, request: web.Request) -> web.Response:
@@ -508,11 +529,28 @@ class API:
             items, filters=filters, criteria=self._criterion_ids(), services=services, progress=progress,
             message=f"Saved #{q.get('item', '')}: {saved}. The queue is done for these filters." if saved else None))
 
+    def looking(self, request: web.Request) -> dict[str, Any]:
+        """Who looks at a page, as its templates take it: ``reviewer`` (the reviewer of the token signed in
+        with; without reviewer tokens, the name remembered in the cookie), ``signed_in`` (that name is the
+        token's, not to be retyped), ``token_needed`` (reviewers have tokens and this one, the API token,
+        names nobody: nothing can be decided or labelled with it)."""
+        if self.identity.checked:
+            name = request.get(REVIEWER)
+            return {"reviewer": name or "", "signed_in": name is not None, "token_needed": name is None}
+        return {"reviewer": unquote(request.cookies.get(REVIEWER_COOKIE, "")), "signed_in": False,
+                "token_needed": False}
+
+    def remember(self, response: web.StreamResponse, request: web.Request, typed: str) -> None:
+        """Remember a typed name for the next item: nobody retypes it on every one (a token names them)."""
+        if not self.identity.checked:
+            response.set_cookie(REVIEWER_COOKIE, quote(clean_name(typed), safe=""), httponly=True,
+                                samesite="Strict", path="/", max_age=365 * 86400, secure=request.secure)
+
     async def review_item_page(self, request: web.Request) -> web.Response:
-        item_id, viewer, n = request.match_info["item_id"], _reviewer(request), self.review_settings.reviewers_per_item
+        item_id, who, n = request.match_info["item_id"], self.looking(request), self.review_settings.reviewers_per_item
         try:
             detail, queue = await self._on_cursor(lambda cur: (
-                review.review_item(cur, item_id, viewer=viewer or None, reviewers_per_item=n),
+                review.review_item(cur, item_id, viewer=who["reviewer"] or None, reviewers_per_item=n),
                 review.list_reviews(cur, limit=1000)))
         except review.ReviewError as exc:
             return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
@@ -520,15 +558,14 @@ class API:
         saved = q.get("saved")
         message = f"Saved #{q.get('item', '')}: {saved}" if saved else (
             f"Skipped #{q.get('skipped')}" if q.get("skipped") else None)
-        return html_response(review_page.render_item(
-            detail, reviewer=viewer, signed_in=REVIEWER in request, message=message,
-            **_neighbours(queue, detail["item"]["id"])))
+        return html_response(review_page.render_item(detail, message=message, **who,
+                                                     **_neighbours(queue, detail["item"]["id"])))
 
     async def review_form(self, request: web.Request) -> web.Response:
         form = await request.post()
         item_id = request.match_info["item_id"]
         decision = str(form.get("decision", ""))
-        reviewer = request.get(REVIEWER) or str(form.get("reviewer", "")).strip()  # a reviewer token names them
+        typed = str(form.get("reviewer", ""))
         note = str(form.get("note", "")).strip() or None
         n = self.review_settings.reviewers_per_item
 
@@ -537,61 +574,68 @@ class API:
             after = _neighbours(review.list_reviews(cur, limit=1000), _int_or(item_id))["next_url"] or "/review"
             if decision == "skip":
                 return {"id": item_id, "state": "skipped"}, after
+            reviewer = self.identity.recorder(request.get(REVIEWER), typed)
             return review.decide(cur, item_id, decision, reviewer, note, force=form.get("force") == "1",
                                  reviewers_per_item=n), after
 
         try:
             item, after = await self._on_cursor(decide)
         except review.ReviewError as exc:
+            who = self.looking(request)
+            if not who["signed_in"]:  # the page shows the name it was sent with
+                who["reviewer"] = typed
             try:
                 detail, queue = await self._on_cursor(lambda cur: (
-                    review.review_item(cur, item_id, viewer=reviewer or None, reviewers_per_item=n),
+                    review.review_item(cur, item_id, viewer=who["reviewer"] or None, reviewers_per_item=n),
                     review.list_reviews(cur, limit=1000)))
             except review.ReviewError:
                 return html_response(review_page.render_message("Review item", str(exc)), status=exc.status)
-            return html_response(review_page.render_item(detail, reviewer=reviewer, error=str(exc),
+            return html_response(review_page.render_item(detail, error=str(exc), **who,
                                                          **_neighbours(queue, detail["item"]["id"])),
                                  status=exc.status)
         if item["state"] == "skipped":
             raise web.HTTPSeeOther(_with_query(after, {"skipped": item_id}))
         response = web.HTTPSeeOther(_with_query(after, {"saved": item["state"], "item": item["id"]}))
-        # Remembered for the next item: nobody retypes their name on every one.
-        response.set_cookie(REVIEWER_COOKIE, quote(reviewer, safe=""), httponly=True, samesite="Strict",
-                            path="/", max_age=365 * 86400, secure=request.secure)
+        self.remember(response, request, typed)
         raise response
 
     # ------------------------------------------------------------ blind labelling and calibration (HTML)
 
     async def label_first(self, request: web.Request) -> web.Response:
         """The first task the remembered reviewer has not labelled."""
-        who = _reviewer(request) or None
+        who = self.looking(request)["reviewer"] or None
         tasks = await self._on_cursor(lambda cur: calibration.items(cur, reviewer=who, limit=1))
         if not tasks:
             return html_response(review_page.render_message("Blind labelling", "No blind task is waiting for you."))
         raise web.HTTPSeeOther(f"/review/label/{tasks[0]['id']}")
 
-    async def label_page(self, request: web.Request, error: str | None = None, status: int = 200) -> web.Response:
-        item_id, who = request.match_info["item_id"], _reviewer(request)
+    async def label_page(self, request: web.Request, error: str | None = None, status: int = 200,
+                         typed: str | None = None) -> web.Response:
+        item_id, who = request.match_info["item_id"], self.looking(request)
+        if typed is not None and not who["signed_in"]:  # a refused form shows the name it was sent with
+            who["reviewer"] = typed
         try:
             detail, waiting = await self._on_cursor(lambda cur: (
-                calibration.item(cur, item_id, who or None), calibration.items(cur, reviewer=who or None, limit=1000)))
+                calibration.item(cur, item_id, who["reviewer"] or None),
+                calibration.items(cur, reviewer=who["reviewer"] or None, limit=1000)))
         except review.ReviewError as exc:
             return html_response(review_page.render_message("Blind labelling", str(exc)), status=exc.status)
         others = [t["id"] for t in waiting if str(t["id"]) != item_id]
         q = request.query
         message = f"Saved #{q.get('item')}: {q.get('saved')}" if q.get("saved") else None
         return html_response(review_page.render_label_task(
-            detail, reviewer=who, message=message, error=error, position=f"{len(waiting)} waiting for you",
-            next_url=f"/review/label/{others[0]}" if others else None), status=status)
+            detail, message=message, error=error, position=f"{len(waiting)} waiting for you",
+            next_url=f"/review/label/{others[0]}" if others else None, **who), status=status)
 
     async def label_form(self, request: web.Request) -> web.Response:
         form = await request.post()
         item_id = request.match_info["item_id"]
         label = str(form.get("label", ""))
-        reviewer = request.get(REVIEWER) or str(form.get("reviewer", "")).strip()
+        typed = str(form.get("reviewer", ""))
         note = str(form.get("note", "")).strip() or None
 
         def store(cur: Any) -> str | None:
+            reviewer = self.identity.recorder(request.get(REVIEWER), typed)
             calibration.label(cur, item_id, label, reviewer, note, source="page")
             after = [t["id"] for t in calibration.items(cur, reviewer=reviewer, limit=1)]
             return f"/review/label/{after[0]}" if after else None
@@ -599,15 +643,14 @@ class API:
         try:
             after = await self._on_cursor(store)
         except review.ReviewError as exc:
-            return await self.label_page(request, error=str(exc), status=exc.status)
+            return await self.label_page(request, error=str(exc), status=exc.status, typed=typed)
         target = _with_query(after or "/calibration", {"saved": label, "item": item_id})
         response = web.HTTPSeeOther(target)
-        response.set_cookie(REVIEWER_COOKIE, quote(reviewer, safe=""), httponly=True, samesite="Strict",
-                            path="/", max_age=365 * 86400, secure=request.secure)
+        self.remember(response, request, typed)
         raise response
 
     async def calibration_page(self, request: web.Request) -> web.Response:
-        limit, who = self.review_settings.max_false_pass, _reviewer(request) or None
+        limit, who = self.review_settings.max_false_pass, self.looking(request)["reviewer"] or None
         report, waiting = await self._on_cursor(lambda cur: (
             calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT)))
         return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting)))
@@ -625,13 +668,19 @@ REVIEWER_COOKIE = "tracejudge_reviewer"
 _SCRIPT = (Path(review_page.__file__).parent / "static" / "review.js").read_bytes()
 
 
-def _remembered(request: web.Request) -> str:
-    return unquote(request.cookies.get(REVIEWER_COOKIE, ""))
+def _text(value: Any, what: str) -> str | None:
+    """A body's string field, or None when left out (400 for anything else)."""
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, "bad_request", f"{what} must be a string")
+    return value
 
 
-def _reviewer(request: web.Request) -> str:
-    """Who is looking: the reviewer a reviewer token signed in, else the name remembered in the cookie."""
-    return str(request.get(REVIEWER) or _remembered(request))
+def _identified(fn: Callable[[], T]) -> T:
+    """``fn()``, an ``identity`` refusal answered in the API's error shape."""
+    try:
+        return fn()
+    except review.ReviewError as exc:
+        raise APIError(exc.status, exc.code, str(exc)) from None
 
 
 def _int_or(text: str) -> Any:

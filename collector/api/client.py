@@ -28,6 +28,7 @@ from ..listing import parse_since
 from ..retention import oldest_rows, storage_status
 from ..review import calibration
 from ..review import queue as review
+from ..review.identity import Identity
 from ..review import stats as review_stats
 from ..runtime import running_daemon
 from ..store import connect
@@ -56,7 +57,7 @@ class Client(Protocol):
 
     def review_item(self, item_id: str) -> dict[str, Any]: ...
 
-    def decide(self, item_id: str, decision: str, reviewer: str, note: str | None,
+    def decide(self, item_id: str, decision: str, reviewer: str | None, note: str | None,
                force: bool) -> dict[str, Any]: ...
 
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
@@ -92,7 +93,8 @@ def _query(**params: Any) -> str:
 
 
 class APIClient:
-    """Talks to a running daemon's JSON API."""
+    """Talks to a running daemon's JSON API with ``token``: the API token, or a reviewer's (``review.reviewers``),
+    which also names who the decisions and labels sent with it are recorded for."""
 
     def __init__(self, base: str, token: str | None) -> None:
         self.base = base.rstrip("/")
@@ -129,7 +131,7 @@ class APIClient:
             err = json.loads(exc.read())["error"]
         except (ValueError, KeyError, TypeError):
             err = {"code": str(exc.code), "message": exc.reason}
-        if exc.code in (400, 404, 409):  # the request was wrong: the daemon's words are the message
+        if exc.code in (400, 403, 404, 409):  # the request was wrong: the daemon's words are the message
             return UserError(err["message"])
         return UserError(f"the daemon at {self.base} answered {exc.code}: {err['message']}")
 
@@ -158,7 +160,8 @@ class APIClient:
                                               missing_ok=False)
         return detail
 
-    def decide(self, item_id: str, decision: str, reviewer: str, note: str | None, force: bool) -> dict[str, Any]:
+    def decide(self, item_id: str, decision: str, reviewer: str | None, note: str | None,
+               force: bool) -> dict[str, Any]:
         item: dict[str, Any] = self.request(
             f"/api/review/{urllib.parse.quote(item_id, safe='')}/decision",
             {"decision": decision, "reviewer": reviewer, "note": note, "force": force}, missing_ok=False)
@@ -281,12 +284,22 @@ def _since(text: str | None) -> dt.datetime | None:
 
 
 class FileClient:
-    """Opens the DuckDB file when no daemon runs: read-only, read-write only for decisions."""
+    """Opens the DuckDB file when no daemon runs: read-only, read-write only for decisions.
 
-    def __init__(self, path: Path, retention: Retention | None = None, review_settings: Review | None = None) -> None:
+    Decisions and labels are recorded as the daemon records them (``review.identity``): with reviewer tokens,
+    for the reviewer of ``reviewer_token``.
+    """
+
+    def __init__(self, path: Path, retention: Retention | None = None, review_settings: Review | None = None,
+                 reviewer_token: str | None = None) -> None:
         self.path = path
         self.retention = retention or Retention()
         self.review_settings = review_settings or Review()
+        self.identity = Identity(self.review_settings.reviewers)
+        self.signed_in = self.identity.of_token(reviewer_token)
+        if reviewer_token and self.signed_in is None:
+            raise UserError("the reviewer token given (--token or $TRACEJUDGE_REVIEWER_TOKEN) is not the token of "
+                            "any reviewer in review.reviewers")
         self.con = connect(path, read_only=True)
         self._writer: "duckdb.DuckDBPyConnection | None" = None  # opened by the first import, in place of con
         self.tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
@@ -320,11 +333,13 @@ class FileClient:
             raise review.ReviewNotFound(f"no review item {item_id!r}")
         return review.review_item(self.con, item_id, reviewers_per_item=self.review_settings.reviewers_per_item)
 
-    def decide(self, item_id: str, decision: str, reviewer: str, note: str | None, force: bool) -> dict[str, Any]:
+    def decide(self, item_id: str, decision: str, reviewer: str | None, note: str | None,
+               force: bool) -> dict[str, Any]:
+        who = self.identity.recorder(self.signed_in, reviewer)
         if not self._evals():
             raise review.ReviewNotFound(f"no review item {item_id!r}")
         n = self.review_settings.reviewers_per_item
-        return self._writing(lambda con: review.decide(con, item_id, decision, reviewer, note, force=force,
+        return self._writing(lambda con: review.decide(con, item_id, decision, who, note, force=force,
                                                        reviewers_per_item=n))
 
     def _writing(self, fn: Callable[["duckdb.DuckDBPyConnection"], T]) -> T:
@@ -350,10 +365,12 @@ class FileClient:
         return self._writing(lambda con: calibration.export_rows(con, criterion, sample=sample, seed=seed))
 
     def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]:
+        self.identity.recorder(self.signed_in, reviewer)  # as a whole: no reviewer's token, or another's name
         if not self._evals():
             raise calibration.LabelImportError([(n, "no calibration item: nothing was judged in this file")
                                                 for n in range(len(rows))])
-        return self._writing(lambda con: calibration.import_rows(con, rows, reviewer=reviewer))
+        return self._writing(lambda con: calibration.import_rows(
+            con, rows, reviewer=reviewer, who=lambda name: self.identity.recorder(self.signed_in, name)))
 
     def calibration_set(self, *, criterion: str | None) -> dict[str, Any]:
         if not self._evals() or "calibration_labels" not in self.tables:
@@ -415,8 +432,11 @@ class FileClient:
         self._writer = None
 
 
-def client(cfg: Config, db: Path | None = None) -> Client:
+def client(cfg: Config, db: Path | None = None, reviewer_token: str | None = None) -> Client:
     """The daemon's API when one serves this config's database (or ``db``, given by ``--db``), else the file.
+
+    ``reviewer_token`` (a reviewer's own, ``review.reviewers``) is sent in place of the API token, and names
+    who the decisions and labels made through the client are recorded for.
 
     Raises:
         UserError: neither is there; the message names the file looked for and how to read another.
@@ -429,12 +449,12 @@ def client(cfg: Config, db: Path | None = None) -> Client:
         runtime = cfg.runtime_file
     info = running_daemon(runtime)
     if info is not None:
-        return APIClient(info.api, cfg.api.auth.bearer_token)
+        return APIClient(info.api, reviewer_token or cfg.api.auth.bearer_token)
     if db is not None:
-        return FileClient(db, cfg.storage.retention, cfg.review)
+        return FileClient(db, cfg.storage.retention, cfg.review, reviewer_token)
     if not cfg.storage.duckdb.path.exists():
         raise UserError(_nothing_found(cfg))
-    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention, cfg.review)
+    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention, cfg.review, reviewer_token)
 
 
 def _nothing_found(cfg: Config) -> str:

@@ -24,7 +24,11 @@ Each request passes, in order:
    /readyz needs ``Authorization: Bearer <token>``; a browser opens the review
    page once as ``/review?token=<token>``, or types the token into the
    sign-in page (``POST /review/sign-in``); either sets an HttpOnly,
-   SameSite=Strict cookie in place of the header.
+   SameSite=Strict cookie in place of the header. With ``review.reviewers``,
+   each reviewer's own token opens the pages and the review stage's JSON API
+   (/api/review..., /api/calibration...) the same ways, and names the reviewer
+   every claim, decision and label of the request records
+   (``review.identity``); the pages then need a token even with no API token.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from .. import config
-from ..auth import bearer_ok, same_secret
+from ..auth import bearer, same_secret
 from ..review import page as review_page
+from ..review.identity import Identity
 from .errors import APIError, Handler
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -119,44 +124,50 @@ def _signed_in(request: web.Request, token: str, after: str) -> web.HTTPSeeOther
 
 
 REVIEWER = "reviewer"
-"""The request key naming the reviewer a reviewer token signed in (``review.reviewers``)."""
+"""The request key naming the reviewer whose token the request carries (``review.reviewers``)."""
+REVIEW_API = ("/api/review", "/api/calibration")
+"""The JSON API of the review stage: a reviewer's token opens it, as it opens the pages."""
 
 
-def token_check(token: str | None, reviewers: Sequence[config.Reviewer] = ()) -> Any:
-    """The token check (see the module docstring); with ``reviewers``, a reviewer's own token opens the pages
-    too, and the request carries that reviewer's name (``request[REVIEWER]``)."""
-    names = [(r.token, r.name) for r in reviewers]
+def _reviews(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in REVIEW_API)
+
+
+def token_check(token: str | None, identity: Identity) -> Any:
+    """The token check (see the module docstring); with reviewer tokens (``review.reviewers``), a reviewer's
+    own token opens the pages and the review stage's JSON API (``REVIEW_API``), as a cookie or a bearer
+    header, and the request carries that reviewer's name (``request[REVIEWER]``)."""
 
     def who(secret: str | None) -> tuple[bool, str | None]:
         """Whether ``secret`` opens the pages, and the reviewer it names."""
         if token and same_secret(secret, token):
             return True, None
-        for candidate, name in names:
-            if same_secret(secret, candidate):
-                return True, name
-        return False, None
+        name = identity.of_token(secret)
+        return name is not None, name
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (not token and not names) or request.path in OPEN_PATHS:
+        if (not token and not identity.checked) or request.path in OPEN_PATHS:
             return await handler(request)
         page = request.path in PAGES or request.path.startswith("/review/")
-        if token and bearer_ok(request.headers.get("Authorization"), token):
-            return await handler(request)
-        if not page:
-            if not token:  # reviewer tokens guard the pages; with no api token the JSON API stays open
+        header = request.headers.get("Authorization")
+        if header is not None:
+            ok, name = who(bearer(header))
+            if ok and (name is None or page or _reviews(request.path) or not token):
+                if name is not None:
+                    request[REVIEWER] = name
                 return await handler(request)
-            raise APIError(401, "unauthorized", "missing or wrong bearer token (api.auth.bearer_token)")
-        ok, name = who(request.cookies.get(COOKIE))
-        if ok:
-            if name is not None:
-                request[REVIEWER] = name
-            return await handler(request)
-        secret = request.query.get("token")
-        if who(secret)[0]:
-            # Once from a link; the token then lives in a cookie, not in the address bar.
-            raise _signed_in(request, str(secret), request.path)
-        if request.path == SIGN_IN and request.method == "POST":
+        if not page:
+            if not token and header is None:
+                # Loopback without an API token: the JSON API is open to read; what records a reviewer asks
+                # for a reviewer's token (``review.identity``).
+                return await handler(request)
+            raise APIError(401, "unauthorized", "missing or wrong bearer token: api.auth.bearer_token opens the "
+                                                "API; a reviewer's token (review.reviewers) opens /api/review and "
+                                                "/api/calibration")
+        if request.path == SIGN_IN:  # also when signed in already: to sign in with another token
+            if request.method != "POST":
+                return html_response(review_page.render_sign_in(), status=200 if who(_cookie(request))[0] else 401)
             form = await request.post()
             after = str(form.get("next") or "/review")
             after = after if after.startswith("/review") and not after.startswith("//") else "/review"
@@ -165,11 +176,24 @@ def token_check(token: str | None, reviewers: Sequence[config.Reviewer] = ()) ->
                 raise _signed_in(request, typed, after)
             return html_response(review_page.render_sign_in(
                 error="That token is not the daemon's: check it and try again.", next_url=after), status=401)
+        ok, name = who(_cookie(request))
+        if ok:
+            if name is not None:
+                request[REVIEWER] = name
+            return await handler(request)
+        secret = request.query.get("token")
+        if who(secret)[0]:
+            # Once from a link; the token then lives in a cookie, not in the address bar.
+            raise _signed_in(request, str(secret), request.path)
         # Returned, not raised: error_middleware turns a raised HTTPException into JSON.
-        after = request.path_qs if request.method == "GET" and request.path != SIGN_IN else "/review"
+        after = request.path_qs if request.method == "GET" else "/review"
         return html_response(review_page.render_sign_in(next_url=after), status=401)
 
     return check
+
+
+def _cookie(request: web.Request) -> str | None:
+    return request.cookies.get(COOKIE)
 
 
 def html_response(text: str, status: int = 200) -> web.Response:

@@ -35,6 +35,15 @@ def db_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def reviewer_token_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--token``: a reviewer's own token (``review.reviewers``), sent in place of the API token."""
+    return click.option(
+        "--token", "reviewer_token", envvar="TRACEJUDGE_REVIEWER_TOKEN", show_envvar=True, default=None,
+        help="Your own reviewer token (review.reviewers): what you record carries the reviewer it names, and it "
+             "opens the daemon's review API in place of api.auth.bearer_token.",
+    )(fn)
+
+
 def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--json``: print machine-readable JSON instead of text."""
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(fn)
@@ -71,11 +80,22 @@ def table(rows: list[list[str]], align: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def ask(config_path: Path | None, fn: Callable[["Client"], T], db: Path | None = None) -> T:
-    """``fn`` on the daemon's API when one serves this config (or the file ``db``), else on the DuckDB file."""
+def ask(config_path: Path | None, fn: Callable[["Client"], T], db: Path | None = None, *,
+        reviewer_token: str | None = None, records: bool = False) -> T:
+    """``fn`` on the daemon's API when one serves this config (or the file ``db``), else on the DuckDB file;
+    as the reviewer of ``reviewer_token`` when given (``reviewer_token_option``).
+
+    Raises:
+        UserError: ``fn`` ``records`` decisions or labels, ``review.reviewers`` is set and no token was given
+            (they carry the token's reviewer, never a name typed).
+    """
     from ..api.client import client  # not at import time: `tracejudge judge` never loads DuckDB
 
-    c = client(load(config_path), db)
+    cfg = load(config_path)
+    if records and cfg.review.reviewers and not reviewer_token:
+        raise UserError("review.reviewers is set: decisions and labels carry the reviewer of the token they are "
+                        "made with: give your own with --token or $TRACEJUDGE_REVIEWER_TOKEN")
+    c = client(cfg, db, reviewer_token)
     try:
         return fn(c)
     finally:

@@ -18,7 +18,7 @@ from ..evals.setup import load_configured_criteria
 from ..review import regression
 from ..review.calibration import LabelImportError
 from ..words import plural
-from .common import ask, config_option, json_option, load, table
+from .common import ask, config_option, json_option, load, reviewer_token_option, table
 from .judge import cli_provider, provider_options
 
 COLUMNS = ("item_id", "conversation_id", "criterion_id", "criterion", "transcript", "label", "reviewer", "note")
@@ -76,16 +76,19 @@ def export_cmd(config_path: Path | None, criterion: str, sample: int | None, out
 @config_option
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--reviewer", help="Who labelled, for rows whose reviewer column is empty.")
-def import_cmd(config_path: Path | None, path: Path, reviewer: str | None) -> None:
+@reviewer_token_option
+def import_cmd(config_path: Path | None, path: Path, reviewer: str | None, reviewer_token: str | None) -> None:
     """Read the labels of a CSV written by `labels export`; every row is checked before any is stored.
 
     A row whose label is empty is left out (unlabelled is not agreement).
-    Importing the same file again changes nothing.
+    Importing the same file again changes nothing. With review.reviewers, the
+    labels are the reviewer's of --token: a row naming someone else is a problem.
     """
     rows, problems = _read(path)
     if not problems:
         try:
-            counts = ask(config_path, lambda c: c.import_labels(rows, reviewer))
+            counts = ask(config_path, lambda c: c.import_labels(rows, reviewer), reviewer_token=reviewer_token,
+                         records=True)
         except LabelImportError as exc:
             problems = [(n + 2, m) for n, m in exc.problems]  # the header is line 1
     if problems:

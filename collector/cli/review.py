@@ -12,7 +12,7 @@ import click
 from ..listing import MAX_LIMIT
 from ..review.page import locate_quotes, mark_ranges
 from ..review.queue import REVIEW_STATES
-from .common import ask, config_option, json_option, table
+from .common import ask, config_option, json_option, reviewer_token_option, table
 from .conversations import render
 
 
@@ -115,9 +115,10 @@ def show_cmd(item_id: str, config_path: Path | None, as_json: bool) -> None:
     click.echo(json.dumps(detail, ensure_ascii=False, indent=2) if as_json else render_item(detail))
 
 
-def _decide(decision: str, item_id: str, config_path: Path | None, reviewer: str, note: str | None, force: bool,
-            as_json: bool) -> None:
-    item = ask(config_path, lambda c: c.decide(item_id, decision, reviewer, note, force))
+def _decide(decision: str, item_id: str, config_path: Path | None, reviewer: str | None, note: str | None,
+            force: bool, as_json: bool, reviewer_token: str | None) -> None:
+    item = ask(config_path, lambda c: c.decide(item_id, decision, reviewer, note, force),
+               reviewer_token=reviewer_token, records=True)
     if as_json:
         click.echo(json.dumps(item, ensure_ascii=False, indent=2))
     else:
@@ -129,14 +130,16 @@ def _decision_command(decision: str, help_text: str) -> click.Command:
     @click.argument("item_id")
     @config_option
     @json_option
-    @click.option("--reviewer", required=True, envvar="TRACEJUDGE_REVIEWER", show_envvar=True,
-                  help="Who decides (kept with the decision).")
+    @click.option("--reviewer", envvar="TRACEJUDGE_REVIEWER", show_envvar=True,
+                  help="Who decides (kept with the decision); with review.reviewers, --token names them instead "
+                       "(a --reviewer given must be the token's).")
+    @reviewer_token_option
     @click.option("--note", help="Why, in your words.")
     @click.option("--force", is_flag=True, help="Decide an item decided already; the earlier decision stays "
                                                 "in its history.")
-    def cmd(item_id: str, config_path: Path | None, as_json: bool, reviewer: str, note: str | None,
-            force: bool) -> None:
-        _decide(decision, item_id, config_path, reviewer, note, force, as_json)
+    def cmd(item_id: str, config_path: Path | None, as_json: bool, reviewer: str | None, reviewer_token: str | None,
+            note: str | None, force: bool) -> None:
+        _decide(decision, item_id, config_path, reviewer, note, force, as_json, reviewer_token)
 
     return click.command(decision, help=help_text)(cmd)
 

@@ -14,7 +14,8 @@ label beside the verdict for ``judges.calibrate``.
 The same tasks go to spreadsheets: ``export_rows`` (topping the items up to a
 sample size) and ``import_rows``, which checks every row before it stores any.
 ``frozen_items`` gives the labelled items with their transcripts for a judge
-regression set (``review.regression``).
+regression set (``review.regression``). A person has one label per item,
+however their name is written (``names.reviewer_key``).
 
 Errors: ``ReviewNotFound`` (no such item), ``ReviewInputError`` (a bad label or
 no reviewer), ``LabelImportError`` (every problem of an import, by row).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import duckdb
@@ -35,8 +36,9 @@ from ..conversations.record import conversation_record
 from ..evals.sampling import unit_hash
 from ..evals.verdicts import where_clause
 from ..listing import iso_utc
+from ..names import clean_name, reviewer_key, spellings
 from ..store.transactions import Transaction, one, utc_now
-from .errors import ReviewInputError, ReviewNotFound
+from .errors import ReviewError, ReviewInputError, ReviewNotFound
 from .regression import KEY
 
 SCHEMA = """
@@ -120,21 +122,28 @@ def items(cur: duckdb.DuckDBPyConnection, *, criterion: str | None = None, state
     if state not in ("unlabelled", "labelled", "all"):
         raise ReviewInputError(f"state must be unlabelled, labelled or all, got {state!r}")
     where, params = _of_criterion(criterion)
-    mine = "l.reviewer = ?" if reviewer else "true"
+    names = _spelled(cur, reviewer) if reviewer else []
+    mine = "list_contains(?, l.reviewer)" if reviewer else "true"
     if state != "all":
         where.append(("NOT " if state == "unlabelled" else "")
                      + f"EXISTS (SELECT 1 FROM calibration_labels l WHERE l.item_id = i.id AND {mine})")
-        params += [reviewer] if reviewer else []
+        params += [names] if reviewer else []
     if state == "unlabelled":  # a task whose conversation retention deleted cannot be labelled any more
         where.append("EXISTS (SELECT 1 FROM conversations c WHERE c.conversation_id = i.conversation_id)")
     rows = cur.execute(
         f"SELECT {', '.join('i.' + c for c in _ITEM)}, "
         "(SELECT count(*) FROM calibration_labels l WHERE l.item_id = i.id), "
-        "(SELECT any_value(label) FROM calibration_labels l WHERE l.item_id = i.id AND l.reviewer = ?) "
+        "(SELECT any_value(label) FROM calibration_labels l WHERE l.item_id = i.id AND list_contains(?, l.reviewer)) "
         f"FROM calibration_items i {where_clause(where)} ORDER BY i.created_at, i.id LIMIT ?",
-        [reviewer, *params, limit]).fetchall()
+        [names, *params, limit]).fetchall()
     return [{**{k: iso_utc(v) for k, v in zip(_ITEM, r)}, "labels": int(r[4]),
              **({"your_label": r[5]} if reviewer else {})} for r in rows]
+
+
+def _spelled(cur: duckdb.DuckDBPyConnection, reviewer: str) -> list[str]:
+    """Every spelling ``reviewer``'s labels are stored under."""
+    return spellings((r for (r,) in cur.execute("SELECT DISTINCT reviewer FROM calibration_labels").fetchall()),
+                     reviewer)
 
 
 def _item_id(item_id: int | str) -> int:
@@ -163,8 +172,8 @@ def item(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str | Non
     found = _one(cur, _item_id(item_id))
     mine = None
     if reviewer:
-        row = one(cur.execute("SELECT label, note, labelled_at FROM calibration_labels WHERE item_id = ? AND reviewer = ?",
-                          [found["id"], reviewer]))
+        row = one(cur.execute("SELECT label, note, labelled_at FROM calibration_labels WHERE item_id = ? "
+                              "AND list_contains(?, reviewer)", [found["id"], _spelled(cur, reviewer)]))
         mine = {"label": row[0], "note": row[1], "labelled_at": iso_utc(row[2])} if row else None
     return {"item": found, "criterion": _criterion(cur, found["criterion_id"]),
             "conversation": conversation_record(cur, found["conversation_id"]), "your_label": mine}
@@ -181,20 +190,21 @@ def _one(cur: duckdb.DuckDBPyConnection, item_id: int) -> dict[str, Any]:
 def _check(label: str, reviewer: str) -> tuple[str, str]:
     if label not in LABELS:
         raise ReviewInputError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
-    if not reviewer or not reviewer.strip():
+    if not clean_name(reviewer or ""):
         raise ReviewInputError("a reviewer is required")
-    return label, reviewer.strip()
+    return label, clean_name(reviewer)
 
 
 def _upsert(cur: duckdb.DuckDBPyConnection, item_id: int, label: str, reviewer: str, note: str | None,
             source: str, at: dt.datetime) -> str:
-    """Store one label; ``added``, ``changed`` or ``unchanged`` (the same label and note again)."""
-    row = one(cur.execute("SELECT label, note FROM calibration_labels WHERE item_id = ? AND reviewer = ?",
-                      [item_id, reviewer]))
-    if row is not None and (row[0], row[1] or None) == (label, note or None):
+    """Store one label; ``added``, ``changed`` or ``unchanged`` (the same label and note again). A label the
+    same person gave under another spelling of their name is the one replaced, and keeps that spelling."""
+    row = next((r for r in cur.execute("SELECT reviewer, label, note FROM calibration_labels WHERE item_id = ?",
+                                       [item_id]).fetchall() if reviewer_key(r[0]) == reviewer_key(reviewer)), None)
+    if row is not None and (row[1], row[2] or None) == (label, note or None):
         return "unchanged"
     cur.execute("INSERT OR REPLACE INTO calibration_labels VALUES (?, ?, ?, ?, ?, ?)",
-                [item_id, reviewer, label, note or None, source, at])
+                [item_id, reviewer if row is None else row[0], label, note or None, source, at])
     return "added" if row is None else "changed"
 
 
@@ -248,11 +258,13 @@ def export_rows(cur: duckdb.DuckDBPyConnection, criterion: str, *, sample: int |
 
 
 def import_rows(cur: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], *, reviewer: str | None = None,
-                now: dt.datetime | None = None) -> dict[str, int]:
+                who: Callable[[str], str] = clean_name, now: dt.datetime | None = None) -> dict[str, int]:
     """Store the labels of spreadsheet rows (``export_rows``' columns), all or none.
 
     A row without a label is left out (counted ``missing``: unlabelled is not agreement). ``reviewer`` is
-    used where a row names none. Importing the same rows again changes nothing.
+    used where a row names none. ``who`` gives the reviewer a row's labels are recorded for, from the name
+    it has (``identity.Identity.recorder``: with reviewer tokens, the token's reviewer); a ``ReviewError``
+    it raises is that row's problem. Importing the same rows again changes nothing.
 
     Returns:
         ``{"added", "changed", "unchanged", "missing"}``.
@@ -285,18 +297,22 @@ def import_rows(cur: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]
         if value not in LABELS:
             problems.append((n, f"label {row.get('label')!r} is not one of {', '.join(LABELS)} (or empty)"))
             continue
-        who = str(row.get("reviewer") or "").strip() or (reviewer or "").strip()
-        if not who:
+        try:
+            name = clean_name(who(clean_name(str(row.get("reviewer") or "")) or clean_name(reviewer or "")))
+        except ReviewError as exc:
+            problems.append((n, str(exc)))
+            continue
+        if not name:
             problems.append((n, "no reviewer: fill the reviewer column, or give --reviewer"))
             continue
         note = str(row.get("note") or "").strip() or None
-        todo.append((item_id, value, who, note))
+        todo.append((item_id, value, name, note))
     if problems:
         raise LabelImportError(problems)
     at = utc_now(now)
     with Transaction(cur):
-        for item_id, value, who, note in todo:
-            counts[_upsert(cur, item_id, value, who, note, "import", at)] += 1
+        for item_id, value, name, note in todo:
+            counts[_upsert(cur, item_id, value, name, note, "import", at)] += 1
     return counts
 
 

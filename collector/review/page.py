@@ -340,8 +340,25 @@ DECISIONS = (("confirm", "c", "Confirm: a real failure"), ("reject", "r", "Rejec
              ("unclear", "u", "Criterion unclear"), ("skip", "s", "Skip for now"))
 
 
+def _token_needed(what: str) -> str:
+    """In place of a form, when reviewers have tokens and the one signed in with (the API token) names nobody."""
+    return (f'<p class="box warn" id="decide">Signed in with the API token, which names no reviewer: {_e(what)} '
+            'carry the reviewer of the token they are made with. <a href="/review/sign-in">Sign in with your own '
+            'reviewer token</a>.</p>')
+
+
+def _name_field(reviewer: str, signed_in: bool, what: str) -> str:
+    """The reviewer's name: shown, not editable, when their own token names them."""
+    if signed_in:
+        return ('<label for="reviewer">Your name</label><input type="text" id="reviewer" name="reviewer" readonly '
+                f'dir="auto" value="{_e(reviewer)}"><p class="muted">Signed in with your own token: {_e(what)} '
+                'carry this name.</p>')
+    return ('<label for="reviewer">Your name</label><input type="text" id="reviewer" name="reviewer" required '
+            f'autocomplete="name" dir="auto" value="{_e(reviewer)}">')
+
+
 def _decision_form(item: Mapping[str, Any], action: str, reviewer: str, signed_in: bool = False,
-                   waiting: str = "") -> str:
+                   waiting: str = "", token_needed: bool = False) -> str:
     state = str(item.get("state"))
     decided = state != "pending"
     notice = ""
@@ -354,18 +371,15 @@ def _decision_form(item: Mapping[str, Any], action: str, reviewer: str, signed_i
         notice += (f'<p class="box">Claimed by <span dir="auto">{_e(item["claimed_by"])}</span> until '
                    f'{when(item.get("claimed_until"))}: only they can decide it until then.</p>')
     notice += f'<p class="box">{_e(waiting)}</p>' if waiting else ""
+    if token_needed:
+        return notice + _token_needed("decisions")
     force = ('<input type="hidden" name="force" value="1">' if decided else "")
-    name = ('<input type="text" id="reviewer" name="reviewer" readonly dir="auto" '
-            f'value="{_e(reviewer)}"><p class="muted">Signed in with your own token: decisions carry this name.</p>'
-            if signed_in else
-            '<input type="text" id="reviewer" name="reviewer" required autocomplete="name" dir="auto" '
-            f'value="{_e(reviewer)}">')
     buttons = "".join(f'<button class="{value}" type="submit" name="decision" value="{value}" '
                       f'accesskey="{key}">{_e(text)} <kbd>{key}</kbd></button>' for value, key, text in DECISIONS)
     return (f'<form method="post" action="{_e(action)}" id="decide">{notice}'
             '<label for="note">Note <span class="muted">(optional: why) <kbd>n</kbd></span></label>'
             '<textarea id="note" name="note" dir="auto"></textarea>'
-            f'<label for="reviewer">Your name</label>{name}{force}'
+            f'{_name_field(reviewer, signed_in, "decisions")}{force}'
             f'<div class="actions">{buttons}</div></form>')
 
 
@@ -388,7 +402,7 @@ def _waiting(detail: Mapping[str, Any]) -> str:
 def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str | None = None,
                 reviewer: str = "", message: str | None = None, error: str | None = None,
                 next_url: str | None = None, prev_url: str | None = None, position: str = "",
-                signed_in: bool = False) -> str:
+                signed_in: bool = False, token_needed: bool = False) -> str:
     """The page of one review item: the decision beside the transcript, with the criterion, the judge's
     reasoning and its quotes (each linking to its message) above the form.
 
@@ -402,6 +416,7 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
         next_url, prev_url: the neighbouring items in the queue (``j`` / ``k``).
         position: where this item is in the queue (``"3 of 12 pending"``).
         signed_in: ``reviewer`` is the name of the reviewer token in use (not to be retyped).
+        token_needed: reviewers have tokens and the one in use names nobody: no form, a way to sign in.
 
     Returns:
         A complete HTML document.
@@ -496,7 +511,7 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
         history_html = f"<h2>History</h2><ol>{rows}</ol>"
 
     panel = (f'<aside class="panel">{head}{warn_html}{criterion_html}{evidence_html}'
-             f'{_decision_form(item, action, reviewer, signed_in, _waiting(detail))}{reasoning_html}'
+             f'{_decision_form(item, action, reviewer, signed_in, _waiting(detail), token_needed)}{reasoning_html}'
              f'{_help()}</aside>')
     body = (top + nav + f'<div class="layout">{panel}<section class="chat">{transcript_html}{history_html}'
             '</section></div>')
@@ -509,10 +524,11 @@ LABEL_CHOICES = (("pass", "p", "Pass"), ("fail", "f", "Fail"), ("not_applicable"
 
 
 def render_label_task(detail: Mapping[str, Any], *, reviewer: str = "", message: str | None = None,
-                      error: str | None = None, next_url: str | None = None, position: str = "") -> str:
+                      error: str | None = None, next_url: str | None = None, position: str = "",
+                      signed_in: bool = False, token_needed: bool = False) -> str:
     """A blind labelling task (``calibration.item``): the criterion and the conversation, never the verdict,
     and a form posting ``label`` (pass | fail | not_applicable), ``reviewer`` and ``note`` to
-    ``/review/label/{id}``."""
+    ``/review/label/{id}``. ``signed_in`` and ``token_needed`` as for ``render_item``."""
     item = detail.get("item") or {}
     crit = detail.get("criterion") or {}
     conv = detail.get("conversation")
@@ -527,11 +543,11 @@ def render_label_task(detail: Mapping[str, Any], *, reviewer: str = "", message:
                       for v, k, t in LABEL_CHOICES)
     already = (f'<p class="box">You labelled it <strong>{_e(mine.get("label"))}</strong>; labelling again '
                "replaces it.</p>" if mine.get("label") else "")
-    form = (f'<form method="post" action="/review/label/{_e(quote(str(item.get("id")), safe=""))}" id="decide">'
+    form = (_token_needed("labels") if token_needed else
+            f'<form method="post" action="/review/label/{_e(quote(str(item.get("id")), safe=""))}" id="decide">'
             f'{already}<label for="note">Note <span class="muted">(optional) <kbd>n</kbd></span></label>'
-            '<textarea id="note" name="note" dir="auto"></textarea><label for="reviewer">Your name</label>'
-            f'<input type="text" id="reviewer" name="reviewer" required autocomplete="name" dir="auto" '
-            f'value="{_e(reviewer)}"><div class="actions">{buttons}</div></form>')
+            '<textarea id="note" name="note" dir="auto"></textarea>'
+            f'{_name_field(reviewer, signed_in, "labels")}<div class="actions">{buttons}</div></form>')
     text = crit.get("text")
     panel = (f'<aside class="panel"><h1>Label #{_e(item.get("id"))}: <span dir="auto">{_e(crit.get("id"))}</span></h1>'
              '<p class="muted">A blind task: the judge\'s verdict is not shown. Read the conversation and say '

@@ -4,7 +4,9 @@ The evals stage stores verdicts; ``open_items`` (called with the ids it stored,
 in its transaction) opens an item for each one that needs a reviewer: every
 verdict whose result is in ``review.queue_results``, and every flagged fail.
 This module lists, shows and decides them. Decisions are history: each one is
-a row of ``review_history`` with the state it replaced.
+a row of ``review_history`` with the state it replaced. Reviewers are compared
+by ``names.reviewer_key`` (``Eve`` and ``eve`` are one) and kept as
+``names.clean_name`` spells them; who may act as whom is ``identity``'s.
 
 Errors: ``errors.ReviewError`` and its kinds (not found, conflict, bad input).
 """
@@ -25,6 +27,7 @@ from .errors import ReviewConflict, ReviewInputError, ReviewNotFound
 from .errors import ReviewError as ReviewError  # re-exported: the API catches it here
 from ..evals.verdicts import VERDICT_COLUMNS, verdict_dict, where_clause
 from ..listing import iso_utc
+from ..names import clean_name, reviewer_key, spellings
 from ..store.transactions import Transaction, one, utc_now
 
 SCHEMA = """
@@ -151,7 +154,8 @@ def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criteri
         raise ReviewInputError(f"severity must be one of {', '.join(SEVERITY_ORDER)}, got {severity!r}")
     if order not in ("severity", "age"):
         raise ReviewInputError(f"order must be severity or age, got {order!r}")
-    where, params = [], []
+    where: list[str] = []
+    params: list[Any] = []
     for clause, value in (("r.state = ?", None if state == "all" else state), ("r.criterion_id = ?", criterion),
                           ("c.severity = ?", severity), ("conv.service = ?", service),
                           ("v.flagged = ?", flagged), ("r.created_at >= ?", since)):
@@ -159,8 +163,9 @@ def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criteri
             where.append(clause)
             params.append(value)
     if assignee is not None:
-        where.append("k.reviewer = ? AND k.until > ?")
-        params += [assignee, utc_now(now)]
+        held = [r for (r,) in cur.execute("SELECT DISTINCT reviewer FROM review_claims").fetchall()]
+        where.append("list_contains(?, k.reviewer) AND k.until > ?")
+        params += [spellings(held, assignee), utc_now(now)]
     return _items(cur, where, params, limit, order=order, now=now)
 
 
@@ -190,8 +195,12 @@ def progress(cur: duckdb.DuckDBPyConnection, *, now: dt.datetime | None = None) 
     """``{"pending", "done_today", "by_reviewer": {name: decisions today}}``, today being the UTC day."""
     day = utc_now(now).replace(hour=0, minute=0, second=0, microsecond=0)
     pending = one(cur.execute("SELECT count(*) FROM review_items WHERE state = 'pending'"))
-    by = dict(cur.execute("SELECT reviewer, count(*) FROM review_history WHERE decided_at >= ? GROUP BY 1 "
-                          "ORDER BY 2 DESC, 1", [day]).fetchall())
+    counts: dict[str, tuple[str, int]] = {}  # by reviewer_key: the spelling first decided with today, the count
+    for name, n in cur.execute("SELECT reviewer, count(*) FROM review_history WHERE decided_at >= ? GROUP BY 1 "
+                               "ORDER BY min(id)", [day]).fetchall():
+        first, m = counts.get(reviewer_key(name), (name, 0))
+        counts[reviewer_key(name)] = (first, m + int(n))
+    by = dict(sorted(counts.values(), key=lambda c: (-c[1], c[0])))
     return {"pending": int(pending[0]) if pending else 0, "done_today": sum(by.values()), "by_reviewer": by}
 
 
@@ -206,35 +215,44 @@ def claim(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str, tim
         ReviewInputError: no reviewer.
         ReviewConflict: someone else holds it (and this is not an assignment), or it is decided.
     """
-    if not reviewer or not reviewer.strip():
-        raise ReviewInputError("a reviewer is required")
-    reviewer, at = reviewer.strip(), utc_now(now)
+    reviewer, at = _reviewer(reviewer), utc_now(now)
     with _DECIDING, Transaction(cur):
         item = _item(cur, item_id)
         if item["state"] != "pending":
             raise ReviewConflict(f"review item {item['id']} was already {item['state']}: nothing to claim")
         held = _holder(cur, item["id"], at)
-        if held is not None and held != reviewer and assigned_by is None:
+        if held is not None and reviewer_key(held) != reviewer_key(reviewer) and assigned_by is None:
             raise ReviewConflict(f"review item {item['id']} is claimed by {held}")
         cur.execute("INSERT OR REPLACE INTO review_claims VALUES (?, ?, ?, ?)",
-                    [item["id"], reviewer, assigned_by, at + dt.timedelta(seconds=timeout)])
+                    [item["id"], reviewer, clean_name(assigned_by) if assigned_by is not None else None,
+                     at + dt.timedelta(seconds=timeout)])
     return _items(cur, ["r.id = ?"], [item["id"]], 1, now=now)[0]
 
 
-def release(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str) -> None:
-    """Let go of one's claim (someone else's stays)."""
-    cur.execute("DELETE FROM review_claims WHERE item_id = ? AND reviewer = ?", [_item_id(item_id), reviewer.strip()])
+def _reviewer(name: str | None) -> str:
+    """``name`` as kept (``names.clean_name``).
+
+    Raises:
+        ReviewInputError: no name, or one of invisible characters only.
+    """
+    kept = clean_name(name or "")
+    if not kept:
+        raise ReviewInputError("a reviewer is required")
+    return kept
 
 
-def _votes(cur: duckdb.DuckDBPyConnection, item_id: int) -> dict[str, str]:
-    """Each reviewer's decision of a pending item (the decisions made since it was last pending)."""
-    return dict(cur.execute("SELECT reviewer, state FROM review_history WHERE item_id = ? AND previous_state = "
-                            "'pending' AND id > coalesce((SELECT max(id) FROM review_history WHERE item_id = ? "
-                            "AND previous_state <> 'pending'), 0) ORDER BY id", [item_id, item_id]).fetchall())
+def _votes(cur: duckdb.DuckDBPyConnection, item_id: int) -> dict[str, tuple[str, str]]:
+    """Each reviewer's decision of a pending item (the decisions made since it was last pending), by
+    ``reviewer_key``: the name as written with it, and the state."""
+    rows = cur.execute("SELECT reviewer, state FROM review_history WHERE item_id = ? AND previous_state = "
+                       "'pending' AND id > coalesce((SELECT max(id) FROM review_history WHERE item_id = ? "
+                       "AND previous_state <> 'pending'), 0) ORDER BY id", [item_id, item_id]).fetchall()
+    return {reviewer_key(name): (name, state) for name, state in rows}
 
 
-def _majority(votes: dict[str, str]) -> str:
-    counts = sorted(((list(votes.values()).count(v), v) for v in set(votes.values())), reverse=True)
+def _majority(votes: dict[str, tuple[str, str]]) -> str:
+    states = [state for _, state in votes.values()]
+    counts = sorted(((states.count(v), v) for v in set(states)), reverse=True)
     return "unclear" if len(counts) > 1 and counts[0][0] == counts[1][0] else counts[0][1]
 
 
@@ -296,7 +314,7 @@ def review_item(cur: duckdb.DuckDBPyConnection, item_id: int | str, *, viewer: s
     history = review_history(cur, item["id"])
     votes = _votes(cur, item["id"]) if item["state"] == "pending" else {}
     if reviewers_per_item > 1 and item["state"] == "pending":  # blind to the others until one's own is in
-        history = [h for h in history if viewer is not None and h["reviewer"] == viewer.strip()]
+        history = [h for h in history if viewer is not None and reviewer_key(h["reviewer"]) == reviewer_key(viewer)]
     crit = one(cur.execute("SELECT text, criterion_group, severity FROM criteria WHERE criterion_id = ? "
                        "AND criterion_version = ?", [verdict["criterion_id"], verdict["criterion_version"]]
                        ))
@@ -344,9 +362,7 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
     """
     if decision not in _DECIDED:
         raise ReviewInputError(f"decision must be confirm, reject or unclear, got {decision!r}")
-    if not reviewer or not reviewer.strip():
-        raise ReviewInputError("a reviewer is required")
-    reviewer = reviewer.strip()
+    reviewer = _reviewer(reviewer)
     state = _DECIDED[decision]
     at = utc_now(now)
     # One decision at a time in this process: two at once on one item would meet in DuckDB as a
@@ -356,7 +372,7 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
             with Transaction(cur):
                 item = _item(cur, item_id)
                 held = _holder(cur, item["id"], at)
-                if held is not None and held != reviewer:
+                if held is not None and reviewer_key(held) != reviewer_key(reviewer):
                     raise ReviewConflict(f"review item {item['id']} is claimed by {held}; it is theirs to decide "
                                          "until the claim runs out (review.lock_timeout)")
                 if item["state"] != "pending" and not force:
@@ -364,17 +380,18 @@ def decide(cur: duckdb.DuckDBPyConnection, item_id: int | str, decision: str, re
                                          f"{item['reviewer']}; decide again with force (--force; \"force\": true "
                                          "in the API)")
                 votes = _votes(cur, item["id"]) if item["state"] == "pending" else {}
-                if reviewer in votes and not force:
-                    raise ReviewConflict(f"you ({reviewer}) decided review item {item['id']} already: it waits for "
-                                         f"{reviewers_per_item - len(votes)} more reviewer(s)")
+                if reviewer_key(reviewer) in votes and not force:
+                    raise ReviewConflict(f"you ({votes[reviewer_key(reviewer)][0]}) decided review item {item['id']} "
+                                         f"already: it waits for {reviewers_per_item - len(votes)} more reviewer(s)")
                 cur.execute("INSERT INTO review_history VALUES (nextval('review_history_seq'), "
                             "?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             [item["id"], decision, item["state"], item["reviewer"], item["note"], state, reviewer,
                              note, item["state"] != "pending", at])
-                votes[reviewer] = state
+                votes[reviewer_key(reviewer)] = (reviewer, state)
                 cur.execute("DELETE FROM review_claims WHERE item_id = ?", [item["id"]])
                 if item["state"] != "pending" or len(votes) >= reviewers_per_item:
-                    final, who = (state, reviewer) if len(votes) <= 1 else (_majority(votes), ", ".join(sorted(votes)))
+                    final, who = ((state, reviewer) if len(votes) <= 1 else
+                                  (_majority(votes), ", ".join(sorted(name for name, _ in votes.values()))))
                     cur.execute("UPDATE review_items SET state = ?, reviewer = ?, note = ?, decided_at = ? "
                                 "WHERE id = ?", [final, who, note if len(votes) <= 1 else None, at, item["id"]])
         except duckdb.TransactionException:  # another writer of this item, outside this process's decisions

@@ -562,14 +562,32 @@ def test_a_reviewer_token_names_the_reviewer_of_every_decision(tmp_path: Path) -
         cookie = cookie_pair(signed)[0]
         page = assert_page(call(api, "GET", f"/review/{item['id']}", headers={"Cookie": cookie}))
         assert 'name="reviewer" readonly dir="auto" value="Dr. Ana Ruiz"' in page
-        saved = post_form(api, f"/review/{item['id']}/decision", {"decision": "confirm", "reviewer": "Mallory"},
+        forged = post_form(api, f"/review/{item['id']}/decision", {"decision": "confirm", "reviewer": "Mallory"},
+                           {**same, "Cookie": cookie})
+        assert "Dr. Ana Ruiz" in assert_page(forged, 403) and "Mallory" in forged.body  # a typed name is refused
+        assert daemon.get(f"/api/review/{item['id']}", token=TOKEN)[1]["item"]["state"] == "pending"
+        saved = post_form(api, f"/review/{item['id']}/decision", {"decision": "confirm", "reviewer": "Dr. Ana Ruiz"},
                           {**same, "Cookie": cookie})
         assert saved.status == 303, saved.body
         got = daemon.get(f"/api/review/{item['id']}", token=TOKEN)[1]["item"]
-        assert (got["state"], got["reviewer"]) == ("confirmed", "Dr. Ana Ruiz")  # not the typed name
-        # A reviewer's token opens the pages, not the JSON API.
-        assert_error(call(api, "GET", "/api/review", headers={"Authorization": f"Bearer {ana}"}), 401,
+        assert (got["state"], got["reviewer"]) == ("confirmed", "Dr. Ana Ruiz")
+        # A reviewer's token opens the review stage's JSON API, not the rest of it.
+        assert call(api, "GET", "/api/review", headers={"Authorization": f"Bearer {ana}"}).status == 200
+        assert_error(call(api, "GET", "/api/conversations", headers={"Authorization": f"Bearer {ana}"}), 401,
                      "unauthorized")
+        # The API token names no reviewer: it reads, but decides nothing, and the page offers to sign in.
+        assert_error(post_json(api, f"/api/review/{item['id']}/decision", {"decision": "reject", "reviewer": "Ana"},
+                               {"Authorization": f"Bearer {TOKEN}"}), 403, "reviewer_token_required")
+        admin = cookie_pair(call(api, "GET", f"/review?token={TOKEN}"))[0]
+        page = assert_page(call(api, "GET", f"/review/{item['id']}", headers={"Cookie": admin}))
+        assert "Sign in with your own reviewer token" in page and 'name="decision"' not in page
+        assert_page(post_form(api, f"/review/{item['id']}/decision", {"decision": "reject", "reviewer": "Ana"},
+                              {**same, "Cookie": admin}), 403)
+        # Signed in already, the sign-in page takes another token.
+        assert 'id="token"' in assert_page(call(api, "GET", "/review/sign-in", headers={"Cookie": admin}))
+        switched = post_form(api, "/review/sign-in", {"token": ana, "next": f"/review/{item['id']}"},
+                             {**same, "Cookie": admin})
+        assert switched.status == 303 and cookie_pair(switched)[0] == f"tracejudge_token={ana}"
     finally:
         daemon.end()
 
