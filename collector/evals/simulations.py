@@ -12,7 +12,8 @@ events, exports, retention, reindex) reads these tables. ``tracejudge eval
 a suite is not a sample), and ``tracejudge stats --by source`` puts their
 failure rates beside production's.
 
-Errors: ``SimulationError`` (a record that cannot be stored: production's).
+Errors: ``SimulationError`` (a record that cannot be stored: production's, or
+one holding a lone surrogate, which ``not_text`` names).
 """
 
 from __future__ import annotations
@@ -83,17 +84,49 @@ def _move_simulated_rows(cur: duckdb.DuckDBPyConnection) -> None:
         cur.execute(f"DELETE FROM {table} WHERE {which}")
 
 
+def not_text(conversation: Conversation) -> str | None:
+    """Where a record holds a lone surrogate (half of a character, which a JSON escape can spell but UTF-8
+    cannot store), as one line: ``"messages.0.content: '\\ud800' is a lone surrogate, ..."``; else None."""
+    return _surrogate(conversation.model_dump(by_alias=True, exclude_none=True), "")
+
+
+def _surrogate(value: Any, where: str) -> str | None:
+    if isinstance(value, str):
+        at = _surrogate_at(value)
+        return None if at is None else (f"{where or 'the record'}: {value[at]!r} is a lone surrogate, half of a "
+                                        "character, not text")
+    items: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _surrogate_at(key) is not None:  # named by its repr, which escapes it
+            return f"{where or 'the record'}: the key {key!r} holds a lone surrogate, half of a character, not text"
+        found = _surrogate(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")  # fails on a surrogate only
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def store_simulations(cur: duckdb.DuckDBPyConnection, conversations: Sequence[Conversation],
                       now: dt.datetime | None = None) -> Imported:
     """Store simulated conversations not stored yet, in one transaction.
 
     Raises:
-        SimulationError: a record is not ``source: simulation``.
+        SimulationError: a record is not ``source: simulation``, or holds a lone surrogate.
     """
     for c in conversations:
         if c.source != "simulation":
             raise SimulationError(f"conversation {c.id!r} has source {c.source!r}: only simulated conversations "
                                   "are imported (production ones come in as traces)")
+        bad = not_text(c)
+        if bad:  # it would fail on its way into the store
+            raise SimulationError(f"conversation {c.id!r}: {bad}")
     ids = [c.id for c in conversations]
     at = utc_now(now)
     with Transaction(cur):

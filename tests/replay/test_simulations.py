@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.api_http import post_json
 from tests.support.daemon import DaemonProcess, clean_env, run_cli
 from tests.support.review import CARRIER, CARRIER_ANSWER, carrier_conversation, send_conversations, start_daemon, \
     wait_items
@@ -87,8 +88,15 @@ def test_simulated_conversations_are_imported_judged_on_demand_and_compared(daem
     assert (sim["judged"], sim["fail"]) == (12, 5)
 
 
+HALF = "Where is my parcel? \ud83d"  # an emoji cut in half: a lone surrogate, which JSON escapes can spell
+
+
 @pytest.mark.parametrize("line, error", [
     ("{not json", "sim.jsonl:2: not JSON"),
+    (json.dumps({**_sim(9, fail=False), "messages": [{"role": "user", "content": HALF}]}),
+     "sim.jsonl:2: messages.0.content: '\\ud83d' is a lone surrogate"),
+    (json.dumps({**_sim(9, fail=False), "attributes": {"note\udc00": 1}}),
+     "sim.jsonl:2: attributes: the key 'note\\udc00' holds a lone surrogate"),
     (json.dumps({**_sim(9, fail=False), "schema": "conversation/v2"}), "sim.jsonl:2: schema is 'conversation/v2'"),
     (json.dumps({k: v for k, v in _sim(9, fail=False).items() if k != "messages"}), "sim.jsonl:2: messages"),
     (json.dumps({**_sim(9, fail=False), "source": "production"}), "has source 'production'"),
@@ -102,6 +110,18 @@ def test_a_bad_line_is_named_and_nothing_is_stored(daemon: DaemonProcess, tmp_pa
     assert error in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert _json(cfg, "replay", "import", str(_write(tmp_path / "ok.jsonl", [_sim(1, fail=False)]))) == {
         "stored": 1, "already_imported": 0}  # the good line of the bad file was not stored before
+
+
+def test_a_lone_surrogate_posted_is_a_400_naming_the_record_and_nothing_is_stored(daemon: DaemonProcess) -> None:
+    bad = {**_sim(2, fail=False), "messages": [{"role": "user", "content": HALF}]}
+    reply = post_json(daemon.api, "/api/simulations", {"records": [_sim(1, fail=False), bad]})
+    assert reply.status == 400, reply.body
+    assert reply.json()["error"] == {
+        "code": "bad_request",
+        "message": "conversation 'sim-2': messages.0.content: '\\ud83d' is a lone surrogate, half of a character, "
+                   "not text"}
+    assert _json(daemon.config_path, "stats", "--by", "source")["by_source"]["simulation"]["conversations"] == {
+        "imported": 0, "judged": 0}
 
 
 def test_simulated_and_production_ids_are_two_spaces_neither_hides_the_other(daemon: DaemonProcess,
