@@ -77,10 +77,12 @@ def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
 def _move_simulated_rows(cur: duckdb.DuckDBPyConnection) -> None:
     # Their verdicts name the rule ``simulation``, as no sampling rule is named. Their not-run records
     # are those of imported ids that the sampler never decided on (it decides on every production one).
-    for table, which in (("verdicts", f"sampling_rule = '{RULE}'"),
-                         ("not_run", "conversation_id IN (SELECT conversation_id FROM simulated_conversations) "
-                                     "AND conversation_id NOT IN (SELECT conversation_id FROM sampling_decisions)")):
-        cur.execute(f"INSERT INTO simulated_{table} BY NAME SELECT * FROM {table} WHERE {which}")
+    for table, to, which in (
+            ("verdicts", verdicts_table(simulated=True), f"sampling_rule = '{RULE}'"),
+            ("not_run", not_run_table(simulated=True),
+             "conversation_id IN (SELECT conversation_id FROM simulated_conversations) "
+             "AND conversation_id NOT IN (SELECT conversation_id FROM sampling_decisions)")):
+        cur.execute(f"INSERT INTO {to} BY NAME SELECT * FROM {table} WHERE {which}")
         cur.execute(f"DELETE FROM {table} WHERE {which}")
 
 
