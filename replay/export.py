@@ -17,6 +17,7 @@ at the CLI edge.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -36,9 +37,19 @@ PROGRESS_EVERY = 100
 """Lines between two calls of ``on_progress``."""
 
 
+def pseudonym(conversation_id: str) -> str:
+    """The id ``--redact`` writes for a conversation id that is personal data: ``redacted:`` and 16 hex digits
+    of the id's SHA-256, the digest ``scenarios export`` names scenarios with. The same id always gets the
+    same one, in a file and across exports, so whoever holds the original ids can join the records back; it
+    does not spell the id out, but whoever guesses an id can check the guess (a pseudonym, not anonymity)."""
+    return "redacted:" + hashlib.sha256(conversation_id.encode("utf-8")).hexdigest()[:16]
+
+
 def redaction() -> Callable[[Iterable[bytes]], Iterator[bytes]]:
     """What ``--redact`` does to the lines: each record passed through a fresh ``collector.redact.Redactor``
-    (one per conversation, so that what it learns of one conversation's names stays in it).
+    (one per conversation, so that what it learns of one conversation's names stays in it), and its id,
+    when the redactor finds personal data in it (an e-mail, a phone number, a name the conversation gives),
+    replaced by its ``pseudonym``; other ids stay as they are.
 
     Raises:
         UserError: ``collector.redact`` cannot be imported.
@@ -50,7 +61,11 @@ def redaction() -> Callable[[Iterable[bytes]], Iterator[bytes]]:
 
     def redacted(lines: Iterable[bytes]) -> Iterator[bytes]:
         for line in lines:
-            yield escape_line_breaks(orjson.dumps(Redactor().record(orjson.loads(line)))) + b"\n"
+            redactor = Redactor()
+            record = redactor.record(orjson.loads(line))
+            if redactor.findings(record["id"]):  # after record(): the names it learned count too
+                record["id"] = pseudonym(record["id"])
+            yield escape_line_breaks(orjson.dumps(record)) + b"\n"
 
     return redacted
 

@@ -1,7 +1,8 @@
 """``tracejudge replay import``: an offline suite's simulated conversations, stored beside production ones.
 
 The file is read twice, a line at a time: first every line is checked (a bad
-one stops the import before anything is stored, naming the file and line),
+one stops the import before anything is stored, naming the file and line; text
+holding half a character, a lone surrogate, is bad too: it cannot be stored),
 then the records are stored ``CHUNK`` at a time, through the daemon's API when
 one runs, else on the file (``collector.evals.simulations``), idempotent by id.
 """
@@ -10,21 +11,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from judges import Conversation, ConversationError, parse_conversations
+
+from collector.evals.simulations import not_text
 
 CHUNK = 500
 CHUNK_BYTES = 512 * 1024  # a chunk's JSON, well within the API's 1 MiB request limit
 
 
+class _Lines:
+    """A file's lines, and the number of the last one read (``parse_conversations`` reads one per record)."""
+
+    def __init__(self, f: TextIO) -> None:
+        self.f = f
+        self.number = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for self.number, line in enumerate(self.f, 1):
+            yield line
+
+
 def _records(path: Path) -> Iterator[Conversation]:
     try:
         with open(path, encoding="utf-8") as f:
-            for c in parse_conversations(f, source=str(path)):
+            lines = _Lines(f)
+            for c in parse_conversations(lines, source=str(path)):
                 if c.source != "simulation":
-                    raise ConversationError(f"{path}: conversation {c.id!r} has source {c.source!r}: replay import "
-                                            "stores simulated conversations (source: simulation)")
+                    raise ConversationError(f"{path}:{lines.number}: conversation {c.id!r} has source {c.source!r}: "
+                                            "replay import stores simulated conversations (source: simulation)")
+                bad = not_text(c)
+                if bad:
+                    raise ConversationError(f"{path}:{lines.number}: {bad}")
                 yield c
     except OSError as exc:
         raise ConversationError(f"{path}: cannot read: {exc.strerror}") from None

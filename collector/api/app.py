@@ -307,24 +307,22 @@ class API:
 
     async def verdicts(self, request: web.Request) -> web.Response:
         """Stored verdicts, the newest first: ``?result=error`` lists judge errors with their reasons,
-        ``?conversation=ID`` the verdicts on one conversation."""
+        ``?conversation=ID`` the verdicts on one conversation, ``?source=simulation`` those on simulated ones."""
         q = request.query
         result = q.get("result") or None
         if result not in (None, "pass", "fail", "not_applicable", "error"):
             raise APIError(400, "bad_parameter", f"result must be pass, fail, not_applicable or error, not {result!r}")
-        since, limit = _since(q), _int(q, "limit", 100)
+        since, limit, source = _since(q), _int(q, "limit", 100), _source(q)
         rows = await self.read(lambda cur: list_verdicts(
             cur, result=result, criterion=q.get("criterion") or None, since=since,
             conversation=q.get("conversation") or None,
-            include_superseded=q.get("include_superseded") in ("1", "true"), limit=limit))
+            include_superseded=q.get("include_superseded") in ("1", "true"), limit=limit,
+            simulated=source == "simulation"))
         return web.json_response({"verdicts": rows}, dumps=_dumps)
 
     async def stats(self, request: web.Request) -> web.Response:
         q = request.query
-        since = _since(q)
-        source = q.get("source") or "production"
-        if source not in review_stats.SOURCES:
-            raise APIError(400, "bad_parameter", f"source must be production or simulation, not {source[:40]!r}")
+        since, source = _since(q), _source(q)
         # ?rows=1: the rows the figures are computed from, for `stats --db` merging several daemons' stores.
         criterion, limit = q.get("criterion") or None, self.review_settings.max_false_pass
         if q.get("rows") in ("1", "true"):
@@ -754,6 +752,13 @@ def _flag(q: Any, key: str) -> bool:
     if text not in ("", "0", "1", "false", "true"):
         raise APIError(400, "bad_parameter", f"{key} must be 1 or 0, not {text[:40]!r}")
     return bool(text in ("1", "true"))
+
+
+def _source(q: Any) -> review_stats.Source:
+    source = q.get("source") or "production"
+    if source not in review_stats.SOURCES:
+        raise APIError(400, "bad_parameter", f"source must be production or simulation, not {source[:40]!r}")
+    return "simulation" if source == "simulation" else "production"
 
 
 def _since(q: Any) -> Any:

@@ -61,7 +61,7 @@ class Client(Protocol):
                force: bool) -> dict[str, Any]: ...
 
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
-                 since: str | None, limit: int) -> list[dict[str, Any]]: ...
+                 since: str | None, limit: int, source: str = "production") -> list[dict[str, Any]]: ...
 
     def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]: ...
 
@@ -168,9 +168,10 @@ class APIClient:
         return item
 
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
-                 since: str | None, limit: int) -> list[dict[str, Any]]:
+                 since: str | None, limit: int, source: str = "production") -> list[dict[str, Any]]:
         body = self.get("/api/verdicts" + _query(result=result, criterion=criterion, conversation=conversation,
-                                                 since=since, limit=limit))
+                                                 since=since, limit=limit,
+                                                 source=None if source == "production" else source))
         return list(body["verdicts"])
 
     def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]:
@@ -307,6 +308,11 @@ class FileClient:
             self.con.close()
             raise UserError(f"{path} has no conversations table yet (written by an older tracejudge): "
                             "run `tracejudge reindex` once")
+        if {"simulated_conversations", "verdicts"} <= self.tables and "simulated_verdicts" not in self.tables:
+            # An older version kept simulated verdicts among production's: moved apart once, as a daemon
+            # starting on the file would, or production's figures would count them.
+            self._writing(simulations.ensure_schema)
+            self.tables.add("simulated_verdicts")
 
     def _evals(self) -> bool:
         # A file the daemon has not opened since evals came has no eval tables: nothing judged yet.
@@ -378,11 +384,12 @@ class FileClient:
         return calibration.frozen_items(self.con, criterion)
 
     def verdicts(self, *, result: str | None, criterion: str | None, conversation: str | None,
-                 since: str | None, limit: int) -> list[dict[str, Any]]:
-        if not self._evals():
+                 since: str | None, limit: int, source: str = "production") -> list[dict[str, Any]]:
+        simulated = source == "simulation"
+        if not self._evals() or (simulated and not simulations.present(self.con)):
             return []
         return verdicts.list_verdicts(self.con, result=result, criterion=criterion, conversation=conversation,
-                                   since=_since(since), limit=limit)
+                                      since=_since(since), limit=limit, simulated=simulated)
 
     def stats(self, *, since: str | None, criterion: str | None, source: str = "production",
               max_false_pass: float | None = None) -> dict[str, Any]:

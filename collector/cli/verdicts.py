@@ -25,13 +25,16 @@ if TYPE_CHECKING:
 @click.option("--conversation", help="Only the verdicts on this conversation id.")
 @click.option("--since", help="Only verdicts judged since: a duration ago (15m, 2h, 7d) or an ISO 8601 time.")
 @click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=100, show_default=True)
+@click.option("--source", type=click.Choice(["production", "simulation"]), default="production", show_default=True,
+              help="simulation: the verdicts on the simulated conversations tracejudge replay import stored.")
 def verdicts(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, result: str | None,
-             criterion: str | None, conversation: str | None, since: str | None, limit: int) -> None:
+             criterion: str | None, conversation: str | None, since: str | None, limit: int, source: str) -> None:
     """Current verdicts, the newest first. `--result error` lists judge errors with their reasons
     (errors are never queued for review); `--conversation ID` the verdicts on one conversation.
     With --db given more than once, the newest of all the files', by when each was judged."""
     def one(c: Client) -> list[dict[str, Any]]:
-        return c.verdicts(result=result, criterion=criterion, conversation=conversation, since=since, limit=limit)
+        return c.verdicts(result=result, criterion=criterion, conversation=conversation, since=since, limit=limit,
+                          source=source)
 
     if len(dbs) > 1:
         rows = ask_all(config_path, dbs, lambda cs: merge.verdicts([one(c) for c in cs], limit))

@@ -108,7 +108,8 @@ class Job:
     only_errors: bool = False
     """A retry: only the criteria whose current verdict is an error."""
     simulated: bool = False
-    """A simulated conversation (``simulations``): read from there, and its fails open no review item."""
+    """A simulated conversation (``simulations``): read from there, its verdicts kept there, and its fails open
+    no review item."""
 
     @classmethod
     def simulation(cls, conversation_id: str) -> "Job":
@@ -198,30 +199,38 @@ class Judging:
     def prepare_many(self, cur: duckdb.DuckDBPyConnection, jobs: Sequence[Job]) -> list[Prepared | None]:
         """``prepare`` of several jobs in three reads, whatever their number (the evaluator's reads of its
         conversations are what its DuckDB thread spends its time on under load); None for one not stored."""
-        records = conversation_records(cur, [j.conversation_id for j in jobs if not j.simulated])
+        # Keyed by (simulated, id): a simulated id is not production's (``simulations``).
+        production = conversation_records(cur, [j.conversation_id for j in jobs if not j.simulated])
+        records: dict[tuple[bool, str], dict[str, Any]] = {}
         for job in jobs:
-            if job.simulated:
-                record = simulations.simulated_record(cur, job.conversation_id)
-                if record is not None:
-                    records[job.conversation_id] = record
-            elif job.conversation_id in records:
-                records[job.conversation_id]["sampling"] = {"probability": job.probability, "rule": job.rule}
-        conversations = {cid: Conversation.model_validate(r) for cid, r in records.items()}
-        shas = {cid: transcript_sha256(c.messages) for cid, c in conversations.items()}
-        found: dict[str, list[tuple[str, int, str | None, str]]] = {}
-        if shas:
+            record = (simulations.simulated_record(cur, job.conversation_id) if job.simulated
+                      else production.get(job.conversation_id))
+            if record is None:
+                continue
+            if not job.simulated:
+                record["sampling"] = {"probability": job.probability, "rule": job.rule}
+            records[job.simulated, job.conversation_id] = record
+        conversations = {key: Conversation.model_validate(r) for key, r in records.items()}
+        shas = {key: transcript_sha256(c.messages) for key, c in conversations.items()}
+        found: dict[tuple[bool, str], list[tuple[str, int, str | None, str]]] = {}
+        for simulated in (False, True):
+            mine = {cid: sha for (sim, cid), sha in shas.items() if sim == simulated}
+            if not mine:
+                continue
             for cid, criterion, version, model, result in cur.execute(
-                    "SELECT v.conversation_id, criterion_id, criterion_version, judge_model, result FROM verdicts v "
-                    "JOIN (SELECT unnest(?::VARCHAR[]) AS conversation_id, unnest(?::VARCHAR[]) AS transcript_sha256) "
-                    "USING (conversation_id, transcript_sha256)", [list(shas), list(shas.values())]).fetchall():
-                found.setdefault(cid, []).append((criterion, version, model, result))
+                    "SELECT v.conversation_id, criterion_id, criterion_version, judge_model, result "
+                    f"FROM {verdicts.verdicts_table(simulated)} v JOIN (SELECT unnest(?::VARCHAR[]) AS "
+                    "conversation_id, unnest(?::VARCHAR[]) AS transcript_sha256) USING (conversation_id, "
+                    "transcript_sha256)", [list(mine), list(mine.values())]).fetchall():
+                found.setdefault((simulated, cid), []).append((criterion, version, model, result))
         out: list[Prepared | None] = []
         for job in jobs:
-            conversation = conversations.get(job.conversation_id)
+            which = (job.simulated, job.conversation_id)
+            conversation = conversations.get(which)
             if conversation is None:
                 out.append(None)
                 continue
-            rows = found.get(job.conversation_id, [])
+            rows = found.get(which, [])
             done = {(c, v, m) for c, v, m, result in rows if result != "error"}
             errored = {(c, v, m) for c, v, m, result in rows if result == "error"}
             todo = []
@@ -230,7 +239,7 @@ class Judging:
                 if key in done or (job.only_errors and key not in errored):
                     continue
                 todo.append(c)
-            out.append(Prepared(conversation, todo, shas[job.conversation_id], len(self.criteria) - len(todo)))
+            out.append(Prepared(conversation, todo, shas[which], len(self.criteria) - len(todo)))
         return out
 
     async def judge(self, conversation: Conversation, criteria: Sequence[Criterion]) -> JudgeRun:
@@ -258,21 +267,25 @@ class Judging:
         """
         now = utc(self.clock())
         with _STORING, Transaction(cur):
-            groups: dict[tuple[float, str | None], list[Outcome]] = defaultdict(list)
+            groups: dict[tuple[bool, float, str | None], list[Outcome]] = defaultdict(list)
             for o in outcomes:
-                groups[(o.job.probability, o.job.rule)].append(o)
-            for (probability, rule), group in groups.items():
+                groups[(o.job.simulated, o.job.probability, o.job.rule)].append(o)
+            for (simulated, probability, rule), group in groups.items():
                 owner = {verdicts.verdict_id(v): o for o in group for v in o.run.verdicts}
                 stored = verdicts.store_verdicts(cur, [v for o in group for v in o.run.verdicts],
                                                  probability=probability, rule=rule, now=now,
-                                                 current={o.job.conversation_id: o.sha256 for o in group})
+                                                 current={o.job.conversation_id: o.sha256 for o in group},
+                                                 simulated=simulated)
                 for o in group:
                     o.stored = [vid for vid in stored if owner[vid] is o]
-            if self.on_stored is not None:  # reviewers review production
-                self.on_stored(cur, [vid for o in outcomes if not o.job.simulated for vid in o.stored], now)
-            verdicts.store_not_run(cur, [n for o in outcomes for n in o.run.not_run], now=now)
+            real = [o for o in outcomes if not o.job.simulated]  # reviewers and the schedule are production's
+            if self.on_stored is not None:
+                self.on_stored(cur, [vid for o in real for vid in o.stored], now)
+            for simulated in (False, True):
+                verdicts.store_not_run(cur, [n for o in outcomes if o.job.simulated == simulated
+                                             for n in o.run.not_run], now=now, simulated=simulated)
             if progress:
-                rows = {o.job.conversation_id: self._progress(o, now) for o in outcomes}  # the last one stands
+                rows = {o.job.conversation_id: self._progress(o, now) for o in real}  # the last one stands
                 cur.execute("DELETE FROM eval_progress WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
                             [list(rows)])
                 insert_rows(cur, "INSERT INTO eval_progress", PROGRESS_COLUMNS, list(rows.values()))

@@ -109,6 +109,16 @@ VERDICT_COLUMNS = (
 )
 
 
+def verdicts_table(simulated: bool = False) -> str:
+    """Where verdicts are kept: production's in ``verdicts``, simulated conversations' apart (``simulations``)."""
+    return "simulated_verdicts" if simulated else "verdicts"
+
+
+def not_run_table(simulated: bool = False) -> str:
+    """Where not-run records are kept, as ``verdicts_table``."""
+    return "simulated_not_run" if simulated else "not_run"
+
+
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     """Create the tables of this module when they do not exist yet, and bring older verdicts' digests up to date."""
     cur.execute(SCHEMA)
@@ -285,7 +295,7 @@ def _current_sha256(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> str
 
 def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], *, probability: float,
                    rule: str | None, now: dt.datetime | None = None,
-                   current: Mapping[str, str] | None = None) -> list[str]:
+                   current: Mapping[str, str] | None = None, simulated: bool = False) -> list[str]:
     """Store verdicts and supersede older transcripts' verdicts.
 
     Idempotent per (conversation, criterion, criterion version, judge model,
@@ -306,7 +316,8 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
         rule: the sampling rule that picked them.
         now: the daemon's clock (UTC).
         current: the current transcript hash of conversations the caller has just read
-            (saves reading them again); the others are read.
+            (saves reading them again); the others are read (production ones only).
+        simulated: the verdicts are on simulated conversations (``verdicts_table``).
 
     Returns:
         The ids of the verdicts stored or replaced by this call (not those already there),
@@ -324,12 +335,14 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
     if not batch:
         return []
     known = current or {}
-    hashes: dict[str, str | None] = {cid: known[cid] if cid in known else _current_sha256(cur, cid)
-                                     for cid in {v.conversation_id for v in batch.values()}}
+    table, not_run = verdicts_table(simulated), not_run_table(simulated)
+    hashes: dict[str, str | None] = {
+        cid: known[cid] if cid in known else None if simulated else _current_sha256(cur, cid)
+        for cid in {v.conversation_id for v in batch.values()}}
     # Without a stored transcript, the last hash in the batch is the newest.
     latest = {(v.conversation_id, v.criterion_id): v.transcript_sha256 for v in batch.values()}
     with Transaction(cur):
-        existing = dict(cur.execute("SELECT id, result FROM verdicts WHERE list_contains(?, id)",
+        existing = dict(cur.execute(f"SELECT id, result FROM {table} WHERE list_contains(?, id)",
                                     [list(batch)]).fetchall())
         new = {vid: v for vid, v in batch.items()
                if vid not in existing or (existing[vid] == "error" and v.result != "error")}
@@ -337,7 +350,7 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
             return []
         replaced = [vid for vid in new if vid in existing]
         if replaced:
-            cur.execute("DELETE FROM verdicts WHERE list_contains(?, id)", [replaced])
+            cur.execute(f"DELETE FROM {table} WHERE list_contains(?, id)", [replaced])
         stale = {vid: (hashes[v.conversation_id] or latest[(v.conversation_id, v.criterion_id)])
                  != v.transcript_sha256 for vid, v in new.items()}
         fresh = [v for vid, v in new.items() if not stale[vid]]
@@ -347,13 +360,11 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
                     "criterion_id": [v.criterion_id for v in fresh],
                     "criterion_version": [v.criterion_version for v in fresh],
                     "transcript_sha256": [v.transcript_sha256 for v in fresh]})):
-                cur.execute("UPDATE verdicts SET superseded = true FROM _supersede n "
-                            "WHERE verdicts.conversation_id = n.conversation_id "
-                            "AND verdicts.criterion_id = n.criterion_id "
-                            "AND verdicts.transcript_sha256 <> n.transcript_sha256 AND NOT verdicts.superseded")
-                cur.execute("DELETE FROM not_run USING _supersede n WHERE not_run.conversation_id = n.conversation_id "
-                            "AND not_run.criterion_id = n.criterion_id "
-                            "AND not_run.criterion_version = n.criterion_version")
+                cur.execute(f"UPDATE {table} v SET superseded = true FROM _supersede n "
+                            "WHERE v.conversation_id = n.conversation_id AND v.criterion_id = n.criterion_id "
+                            "AND v.transcript_sha256 <> n.transcript_sha256 AND NOT v.superseded")
+                cur.execute(f"DELETE FROM {not_run} r USING _supersede n WHERE r.conversation_id = n.conversation_id "
+                            "AND r.criterion_id = n.criterion_id AND r.criterion_version = n.criterion_version")
         rows = list(new.values())
         new_verdicts = Table({
             "id": list(new), "conversation_id": [v.conversation_id for v in rows],
@@ -370,24 +381,26 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
             "superseded": [stale[vid] for vid in new], "batch_order": list(range(len(rows))),
         })
         with registered(cur, "_new_verdicts", new_verdicts):
-            cur.execute(f"INSERT INTO verdicts ({', '.join(VERDICT_COLUMNS)}, seq) "
+            cur.execute(f"INSERT INTO {table} ({', '.join(VERDICT_COLUMNS)}, seq) "
                         f"SELECT {', '.join(VERDICT_COLUMNS)}, nextval('verdict_seq') "
                         "FROM (SELECT * FROM _new_verdicts ORDER BY batch_order)")
     return list(new)
 
 
 def store_not_run(cur: duckdb.DuckDBPyConnection, not_run: Iterable[NotRun], *,
-                  now: dt.datetime | None = None) -> None:
-    """Record criteria that could not run (no provider, no content, budget), the latest reason winning."""
+                  now: dt.datetime | None = None, simulated: bool = False) -> None:
+    """Record criteria that could not run (no provider, no content, budget), the latest reason winning;
+    with ``simulated``, on simulated conversations (``not_run_table``)."""
     at = utc_now(now)
     latest = {(r.conversation_id, r.criterion_id, r.criterion_version): r.reason for r in not_run}
     if not latest:
         return
+    table = not_run_table(simulated)
     with Transaction(cur), registered_rows(cur, "_not_run", NOT_RUN_COLUMNS,
                                            [(*key, reason, at) for key, reason in latest.items()]):
-        cur.execute("DELETE FROM not_run USING _not_run n WHERE not_run.conversation_id = n.conversation_id "
-                    "AND not_run.criterion_id = n.criterion_id AND not_run.criterion_version = n.criterion_version")
-        cur.execute("INSERT INTO not_run SELECT * FROM _not_run")
+        cur.execute(f"DELETE FROM {table} r USING _not_run n WHERE r.conversation_id = n.conversation_id "
+                    "AND r.criterion_id = n.criterion_id AND r.criterion_version = n.criterion_version")
+        cur.execute(f"INSERT INTO {table} SELECT * FROM _not_run")
 
 
 def verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
@@ -407,7 +420,8 @@ def verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
 
 def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, criterion: str | None = None,
                   since: dt.datetime | None = None, *, conversation: str | None = None,
-                  include_superseded: bool = False, limit: int | None = None) -> list[dict[str, Any]]:
+                  include_superseded: bool = False, limit: int | None = None,
+                  simulated: bool = False) -> list[dict[str, Any]]:
     """Stored verdicts, the newest first (``tracejudge verdicts --result error`` lists errors with reasons).
 
     Args:
@@ -417,6 +431,7 @@ def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, cri
         conversation: only verdicts on this conversation id.
         include_superseded: also verdicts of older transcripts.
         limit: at most this many.
+        simulated: the verdicts on simulated conversations instead (``tracejudge eval --source simulation``).
 
     Returns:
         Verdicts in the shape of docs/criteria.md, plus ``id``, ``inclusion_probability``,
@@ -428,7 +443,8 @@ def list_verdicts(cur: duckdb.DuckDBPyConnection, result: str | None = None, cri
         params.append(conversation)
     if not include_superseded:
         where.append("NOT superseded")
-    sql = (f"SELECT {', '.join(VERDICT_COLUMNS)} FROM verdicts {where_clause(where)} ORDER BY seq DESC"
+    sql = (f"SELECT {', '.join(VERDICT_COLUMNS)} FROM {verdicts_table(simulated)} {where_clause(where)} "
+           "ORDER BY seq DESC"
            + (" LIMIT ?" if limit is not None else ""))
     rows = cur.execute(sql, params + ([limit] if limit is not None else [])).fetchall()
     return [verdict_dict(r) for r in rows]

@@ -23,7 +23,10 @@ LLM call: the newest trace and the span of the last assistant message.
 The stage follows ``verdicts.seq`` and ``review_history.id`` and keeps how far
 it got in ``tracejudge_state``, written after the events are on disk: a
 restart goes on from there (an event queued just before a crash may be sent
-twice, never lost). Superseded verdicts and simulations are not sent.
+twice, never lost); ``/api/status`` shows it (``verdict_events_seq``,
+``review_events_id``). Superseded verdicts are not sent, nor are simulated
+conversations' verdicts, which are kept apart (``evals.simulations``) and
+never read here.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class VerdictEvents(Stage):
         self.provider.add_log_record_processor(SimpleLogRecordProcessor(_ToQueues(self._batch.append)))
         self.logger = self.provider.get_logger("tracejudge.verdicts")
         self.put = put
+        self.verdict_at = self.review_at = 0  # how far it got (``status``), read from the store at ``_open``
         self.sent = Counter("tracejudge_verdict_events_total", "Evaluation events queued for the exporters, by kind.",
                             ("kind",))
         for kind in ("verdict", "review"):
@@ -99,6 +103,11 @@ class VerdictEvents(Stage):
     def _open(self) -> None:
         assert self.cur is not None
         review_queue.ensure_schema(self.cur)
+        self.verdict_at, self.review_at = self._position(_VERDICT_KEY), self._position(_REVIEW_KEY)
+
+    def status(self) -> dict[str, int]:
+        """For /api/status: the last verdict (``verdicts.seq``) and decision (``review_history.id``) queued."""
+        return {"verdict_events_seq": self.verdict_at, "review_events_id": self.review_at}
 
     def _run(self) -> None:
         try:  # a queue it cannot write, for now: the next cycle tries again
@@ -110,7 +119,7 @@ class VerdictEvents(Stage):
         """Queue the events of up to ``BATCH`` new verdicts and decisions; whether there may be more."""
         assert self.cur is not None
         cur = self.cur
-        verdict_at, review_at = self._position(_VERDICT_KEY), self._position(_REVIEW_KEY)
+        verdict_at, review_at = self.verdict_at, self.review_at
         rows = cur.execute(
             "SELECT v.seq, v.conversation_id, v.criterion_id, v.criterion_version, v.judge_model, v.result, "
             "v.error_reason, v.reasoning, v.evidence, v.evidence_verified, r.state, c.newest_trace_id, "
@@ -138,9 +147,11 @@ class VerdictEvents(Stage):
             self.put(body)
         if rows:
             self._remember(_VERDICT_KEY, rows[-1][0])
+            self.verdict_at = rows[-1][0]
             self.sent.inc(len(rows), kind="verdict")
         if decisions:
             self._remember(_REVIEW_KEY, decisions[-1][0])
+            self.review_at = decisions[-1][0]
             self.sent.inc(len(decisions), kind="review")
         return len(rows) == BATCH or len(decisions) == BATCH
 

@@ -20,8 +20,7 @@ from judges import Pair, calibrate, weighted_proportion
 
 from ..config import Review
 from ..evals import simulations
-from ..evals.simulations import simulated_sql
-from ..evals.verdicts import verdict_filters, where_clause
+from ..evals.verdicts import not_run_table, verdict_filters, verdicts_table, where_clause
 from ..store.transactions import Transaction, one
 from . import calibration
 
@@ -76,19 +75,11 @@ class _Tally:
         }
 
 
-def _of_source(present: bool, source: Source, column: str = "conversation_id") -> str:
-    """SQL: the row is of ``source``; ``present``: the file has simulated conversations' table."""
-    if not present:
-        return "TRUE" if source == "production" else "FALSE"
-    return simulated_sql(column, negate=source != "simulation")
-
-
-def _current(present: bool, since: dt.datetime | None, criterion: str | None,
-             source: Source) -> tuple[str, list[Any]]:
+def _current(table: str, since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
     """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
     where, params = verdict_filters(criterion=criterion, since=since)
-    where += ["NOT superseded", _of_source(present, source)]
-    return (f"SELECT * FROM verdicts {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
+    where.append("NOT superseded")
+    return (f"SELECT * FROM {table} {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
             "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
 
@@ -154,8 +145,12 @@ def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
 
 def _stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
                 source: Source) -> dict[str, Any]:
-    present = simulations.present(cur)
-    current, params = _current(present, since, criterion, source)
+    simulated = source == "simulation"
+    if simulated and not simulations.present(cur):  # nothing was imported into this file
+        return {"verdicts": [], "not_run": [], "criteria": [], "judged": 0, "conversations": {"imported": 0},
+                "tokens": {"input_tokens": 0, "output_tokens": 0}, "calibration": _labels(cur, criterion)}
+    table, not_run_of = verdicts_table(simulated), not_run_table(simulated)
+    current, params = _current(table, since, criterion)
     # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
     rows = cur.execute(
         "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
@@ -164,8 +159,8 @@ def _stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, crite
         f"FROM ({current}) v LEFT JOIN review_items r ON r.verdict_id = v.id "
         "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
         params).fetchall()
-    nr_where = ["NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)", _of_source(present, source, "n.conversation_id")]
+    nr_where = [f"NOT EXISTS (SELECT 1 FROM {table} v WHERE v.conversation_id = n.conversation_id "
+                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
     nr_params: list[Any] = []
     if criterion is not None:
         nr_where.append("n.criterion_id = ?")
@@ -174,7 +169,7 @@ def _stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, crite
         nr_where.append('n."at" >= ?')
         nr_params.append(since)
     not_run = cur.execute(
-        "SELECT criterion_id, max(criterion_version), reason, count(*) FROM (SELECT * FROM not_run n "
+        f"SELECT criterion_id, max(criterion_version), reason, count(*) FROM (SELECT * FROM {not_run_of} n "
         f"{where_clause(nr_where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, criterion_id "
         "ORDER BY criterion_version DESC) = 1) GROUP BY criterion_id, reason", nr_params).fetchall()
     criteria = cur.execute(
@@ -186,9 +181,8 @@ def _stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, crite
         "not_run": [list(r) for r in not_run],
         "criteria": [list(r) for r in criteria],
         "judged": int(judged_row[0]) if judged_row else 0,
-        "conversations": ({"imported": simulations.count(cur)} if source == "simulation"
-                          else _conversation_counts(cur, since)),
-        "tokens": _tokens(cur, since, criterion, _of_source(present, source)),
+        "conversations": {"imported": simulations.count(cur)} if simulated else _conversation_counts(cur, since),
+        "tokens": _tokens(cur, table, since, criterion),
         "calibration": _labels(cur, criterion),
     }
 
@@ -304,11 +298,10 @@ def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | No
     }
 
 
-def _tokens(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, criterion: str | None,
-            of_source: str) -> dict[str, int]:
+def _tokens(cur: duckdb.DuckDBPyConnection, table: str, since: dt.datetime | None,
+            criterion: str | None) -> dict[str, int]:
     # Tokens are money spent: superseded verdicts count too.
     where, params = verdict_filters(criterion=criterion, since=since)
-    where.append(of_source)
-    row = one(cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM verdicts "
-                      f"{where_clause(where)}", params))
+    row = one(cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM {table} "
+                          f"{where_clause(where)}", params))
     return {"input_tokens": int(row[0]) if row else 0, "output_tokens": int(row[1]) if row else 0}

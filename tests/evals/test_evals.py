@@ -244,7 +244,7 @@ def test_conversations_read_together_for_their_judges_are_read_as_each_alone(cur
 
 def _stored_tables(cur: duckdb.DuckDBPyConnection) -> dict[str, list[Any]]:
     return {t: cur.execute(f"SELECT * EXCLUDE ({skip}) FROM {t} ORDER BY ALL").fetchall() for t, skip in [
-        ("verdicts", "seq"), ("not_run", "\"at\""), ("eval_progress", "judged_at"),
+        ("verdicts", "seq"), ("simulated_verdicts", "seq"), ("not_run", "\"at\""), ("eval_progress", "judged_at"),
         ("review_items", "id, created_at"), ("calibration_items", "id, created_at")]}
 
 
@@ -292,11 +292,14 @@ def test_outcomes_stored_together_are_stored_as_each_alone(tmp_path: Path) -> No
         con.close()
     alone, together_ = tables
     assert together_ == alone
-    # b's older fail was stored superseded, so never queued; the simulated conversation's fail is not queued.
+    # b's older fail was stored superseded, so never queued; the simulated conversation's fail is not queued,
+    # and is kept apart from production's verdicts, out of the evaluator's schedule.
     assert [(r[1], r[2]) for r in alone["review_items"]] == [("a", "c1"), ("b", "c1")]
+    assert [(r[1], r[2]) for r in alone["simulated_verdicts"]] == [("sim", "c1")]
+    assert "sim" not in {r[1] for r in alone["verdicts"]}
     assert alone["not_run"] == [("b", "c3", 1, "budget")]  # a's record gave way to its verdict on c2
     assert alone["eval_progress"] == [  # b's error is retried after its 2nd wait
-        ("a", 1, 0, 1, None), ("b", 1, 1, 2, T0 + dt.timedelta(seconds=600)), ("sim", 1, 0, 1, None)]
+        ("a", 1, 0, 1, None), ("b", 1, 1, 2, T0 + dt.timedelta(seconds=600))]
 
 
 def test_two_stores_of_the_same_outcomes_at_once_write_each_row_once(tmp_path: Path) -> None:

@@ -350,3 +350,47 @@ def test_verdicts_and_review_decisions_go_out_as_evaluation_events(tmp_path: Pat
             assert daemon.stop() == 0
         finally:
             daemon.end()
+
+
+def test_verdicts_on_simulated_conversations_are_never_sent(tmp_path: Path) -> None:
+    import json
+
+    from ..support.daemon import clean_env, run_cli
+    from ..support.review import CARRIER_ANSWER, carrier_conversation, send_conversations, start_daemon
+
+    with sink() as s:
+        daemon = start_daemon(tmp_path, exporters={
+            "lw": {"type": "langwatch", "endpoint": f"{s.base}/api/otel/v1/traces", "api_key": "k"}})
+        try:
+            def sent_for(cid: str) -> list[tuple[bytes, bytes, dict[str, Any]]]:
+                return [e for e in _events(s) if e[2]["tracejudge.conversation.id"] == cid]
+
+            def cli(*args: str) -> Any:
+                res = run_cli(*args, "--config", str(daemon.config_path), "--json", env=clean_env())
+                assert res.returncode == 0, res.stderr
+                return json.loads(res.stdout)
+
+            # Production, then a judged simulation, then production again: the simulated verdicts come
+            # between the two in the order the stage follows.
+            send_conversations(daemon.grpc, [carrier_conversation("ev-1")])
+            wait_until(lambda: len(sent_for("ev-1")) == 4, "ev-1's four verdicts as events")
+            sims = tmp_path / "sim.jsonl"
+            sims.write_text("".join(json.dumps({
+                "schema": "conversation/v1", "id": f"sim-{n}", "source": "simulation", "ended_by": "goal_reached",
+                "messages": [{"role": "user", "content": "Where is my order B-1?"},
+                             {"role": "assistant", "content": CARRIER_ANSWER}]}) + "\n" for n in range(3)))
+            assert cli("replay", "import", str(sims)) == {"stored": 3, "already_imported": 0}
+            assert cli("eval", "--source", "simulation")["verdicts"] == 3 * 4
+            send_conversations(daemon.grpc, [carrier_conversation("ev-2")])
+            wait_until(lambda: len(sent_for("ev-2")) == 4 and forwarded(daemon, "lw")["queued_requests"] == 0,
+                       "ev-2's four verdicts as events, and nothing left queued")
+            events = _events(s)
+            assert sorted(a["tracejudge.conversation.id"] for _, _, a in events) == ["ev-1"] * 4 + ["ev-2"] * 4
+            assert all(len(trace_id) == 16 for trace_id, _, _ in events)  # each beside the bot's own trace
+            position = daemon.get("/api/status")[1]["verdict_events_seq"]
+            assert daemon.stop() == 0
+        finally:
+            daemon.end()
+        # The stage went past the simulated verdicts (they share the verdicts' sequence) and sent none of them.
+        (simulated,), = daemon.query("SELECT max(seq) FROM simulated_verdicts")
+        assert position > simulated

@@ -28,7 +28,7 @@ from collector.demo import Persona, Turn
 from collector.errors import UserError
 from replay.export import write_lines
 
-from ..support.daemon import DaemonProcess, base_config, clean_env, wait_conversations, wait_until
+from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, wait_conversations, wait_until
 from ..support.online import send
 from ..support.review import CARRIER, CRITERIA, carrier_conversation, wait_items
 from ..support.stored import T0, StoredConversation, create_store, text_messages, tool_turn, write
@@ -38,9 +38,9 @@ TOKEN = "export-token-51c2"
 
 
 def cli(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``tracejudge ARGS`` run in ``folder`` (its otel-config.yaml is the default config there)."""
+    """``tracejudge ARGS`` of this checkout run in ``folder`` (its otel-config.yaml is the default config there)."""
     return subprocess.run([sys.executable, "-m", "collector", *args], capture_output=True, text=True,
-                          env=clean_env(), timeout=180, cwd=folder)
+                          env=clean_env(PYTHONPATH=str(REPO)), timeout=180, cwd=folder)
 
 
 def exported(folder: Path, *args: str, name: str = "out.jsonl") -> list[dict[str, Any]]:
@@ -376,6 +376,40 @@ def test_redact_passes_each_record_through_a_fresh_redactor(tmp_path: Path) -> N
     assert "Anna" not in text and "anna.rossi@example.com" not in text and "7946" not in text
     # One redactor per conversation: each starts its placeholders again.
     assert all("<PERSON_1>" in r["messages"][0]["content"] for r in redacted)
+
+
+def test_redact_gives_an_id_that_is_personal_data_a_pseudonym_the_same_wherever_it_is(tmp_path: Path) -> None:
+    """Over the wire from a daemon and from a second store's file, in one export: an id the redactor finds
+    personal data in is written as its pseudonym, the same for the same conversation in both stores; an id
+    that is not personal data stays, so that the records join back."""
+    import hashlib
+
+    def pseudonym(cid: str) -> str:  # as the README says: the digest scenario ids are named with
+        return "redacted:" + hashlib.sha256(cid.encode()).hexdigest()[:16]
+
+    email, phone = "alice.smith@example.com", "+44 20 7946 0958"
+    live, moved = tmp_path / "live", tmp_path / "moved"
+    live.mkdir()
+    moved.mkdir()
+    # The load balancer moved the e-mail's conversation: its end is in the other store.
+    file_store(moved, [StoredConversation(email, text_messages([("And now?", "It arrives tomorrow.")]))])
+    daemon = DaemonProcess(live, base_config(live, conversations={"idle_timeout": "1h"})).start()
+    try:
+        send(daemon.grpc, [Persona(cid, "en", "export-test", [Turn(f"Where is my parcel? ({n})", "It left today.")],
+                                   conversation_id=cid) for n, cid in enumerate((email, phone, "c-17"))],
+             service="export-test")
+        wait_until(lambda: len(daemon.get("/api/conversations")[1]["conversations"]) == 3, "3 conversations")
+        wait_conversations(daemon)
+        res = cli(tmp_path, "replay", "export", "--config", str(daemon.config_path), "--redact", "--db",
+                  str(daemon.duckdb), "--db", str(moved / "tracejudge.duckdb"), "--out", "redacted.jsonl")
+        assert res.returncode == 0, res.stderr
+    finally:
+        daemon.end()
+    text = (tmp_path / "redacted.jsonl").read_text(encoding="utf-8")
+    assert "alice" not in text and "example.com" not in text and "7946" not in text
+    ids = {json.loads(line)["messages"][0]["content"]: json.loads(line)["id"] for line in text.splitlines()}
+    assert ids == {"Where is my parcel? (0)": pseudonym(email), "And now?": pseudonym(email),
+                   "Where is my parcel? (1)": pseudonym(phone), "Where is my parcel? (2)": "c-17"}
 
 
 # --------------------------------------------------------------- through a running daemon

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.api_http import post_json
 from tests.support.daemon import DaemonProcess, clean_env, run_cli
 from tests.support.review import CARRIER, CARRIER_ANSWER, carrier_conversation, send_conversations, start_daemon, \
     wait_items
@@ -87,8 +88,15 @@ def test_simulated_conversations_are_imported_judged_on_demand_and_compared(daem
     assert (sim["judged"], sim["fail"]) == (12, 5)
 
 
+HALF = "Where is my parcel? \ud83d"  # an emoji cut in half: a lone surrogate, which JSON escapes can spell
+
+
 @pytest.mark.parametrize("line, error", [
     ("{not json", "sim.jsonl:2: not JSON"),
+    (json.dumps({**_sim(9, fail=False), "messages": [{"role": "user", "content": HALF}]}),
+     "sim.jsonl:2: messages.0.content: '\\ud83d' is a lone surrogate"),
+    (json.dumps({**_sim(9, fail=False), "attributes": {"note\udc00": 1}}),
+     "sim.jsonl:2: attributes: the key 'note\\udc00' holds a lone surrogate"),
     (json.dumps({**_sim(9, fail=False), "schema": "conversation/v2"}), "sim.jsonl:2: schema is 'conversation/v2'"),
     (json.dumps({k: v for k, v in _sim(9, fail=False).items() if k != "messages"}), "sim.jsonl:2: messages"),
     (json.dumps({**_sim(9, fail=False), "source": "production"}), "has source 'production'"),
@@ -104,9 +112,82 @@ def test_a_bad_line_is_named_and_nothing_is_stored(daemon: DaemonProcess, tmp_pa
         "stored": 1, "already_imported": 0}  # the good line of the bad file was not stored before
 
 
-def test_a_simulated_id_that_is_a_production_conversation_is_refused(daemon: DaemonProcess, tmp_path: Path) -> None:
-    send_conversations(daemon.grpc, [carrier_conversation("real-2")])
-    wait_items(daemon, {("real-2", CARRIER)})
-    sims = _write(tmp_path / "sim.jsonl", [{**_sim(1, fail=False), "id": "real-2"}])
-    res = _cli(daemon.config_path, "replay", "import", str(sims), rc=2)
-    assert "'real-2' is a production conversation's id" in res.stderr
+def test_a_lone_surrogate_posted_is_a_400_naming_the_record_and_nothing_is_stored(daemon: DaemonProcess) -> None:
+    bad = {**_sim(2, fail=False), "messages": [{"role": "user", "content": HALF}]}
+    reply = post_json(daemon.api, "/api/simulations", {"records": [_sim(1, fail=False), bad]})
+    assert reply.status == 400, reply.body
+    assert reply.json()["error"] == {
+        "code": "bad_request",
+        "message": "conversation 'sim-2': messages.0.content: '\\ud83d' is a lone surrogate, half of a character, "
+                   "not text"}
+    assert _json(daemon.config_path, "stats", "--by", "source")["by_source"]["simulation"]["conversations"] == {
+        "imported": 0, "judged": 0}
+
+
+def test_simulated_and_production_ids_are_two_spaces_neither_hides_the_other(daemon: DaemonProcess,
+                                                                              tmp_path: Path) -> None:
+    cfg = daemon.config_path
+    # A simulated victim-1 first, then production's victim-1 (and real-2, which a simulation takes after).
+    assert _json(cfg, "replay", "import", str(_write(tmp_path / "first.jsonl", [
+        {**_sim(1, fail=False), "id": "victim-1"}]))) == {"stored": 1, "already_imported": 0}
+    send_conversations(daemon.grpc, [carrier_conversation("victim-1"), carrier_conversation("real-2")])
+    wait_items(daemon, {("victim-1", CARRIER), ("real-2", CARRIER)})
+    prod = _entry(daemon.get("/api/stats")[1], CARRIER)
+    assert (prod["judged"], prod["fail"]) == (2, 2)
+    assert _json(cfg, "replay", "import", str(_write(tmp_path / "then.jsonl", [
+        {**_sim(2, fail=False), "id": "real-2"}]))) == {"stored": 1, "already_imported": 0}
+
+    judged = _json(cfg, "eval", "--source", "simulation")
+    assert (judged["total"], judged["errors"]) == (2, 0)
+    by = _json(cfg, "stats", "--by", "source")["by_source"]
+    prod, sim = _entry(by["production"], CARRIER), _entry(by["simulation"], CARRIER)
+    assert (prod["judged"], prod["fail"]) == (2, 2)  # the simulated passes supersede nothing of production's
+    assert (sim["judged"], sim["pass"], sim["fail"]) == (2, 2, 0)
+    assert by["production"]["conversations"]["judged"] == 2 and by["simulation"]["conversations"] == {
+        "imported": 2, "judged": 2}
+    # Each id's verdicts are its own space's.
+    mine = {"production": "fail", "simulation": "pass"}
+    for source, result in mine.items():
+        rows = _json(cfg, "verdicts", "--conversation", "victim-1", "--criterion", CARRIER, "--source", source)
+        assert [v["result"] for v in rows] == [result], source
+    assert len(daemon.get("/api/review?state=all&limit=1000")[1]["items"]) == 2  # production's two fails
+    # Production's conversation reads as it was sent.
+    assert daemon.get("/api/conversations/victim-1")[1]["messages"][-1]["content"] == CARRIER_ANSWER
+
+
+def test_a_file_that_kept_simulated_verdicts_among_productions_has_them_moved_apart(tmp_path: Path) -> None:
+    """An older version stored simulated conversations' verdicts in ``verdicts`` (their rule named
+    ``simulation``): the first command on the file moves them, and production's figures leave them out."""
+    import duckdb
+
+    from tests.support.stored import StoredConversation, create_store, text_messages, verdict_row, write
+
+    db = tmp_path / "tracejudge.duckdb"
+    create_store(db)
+    write(db, [StoredConversation("p-1", text_messages([("Where is it?", CARRIER_ANSWER)]))],
+          decisions=[("p-1", True, 1.0, "default", None)],
+          verdicts=[{"conversation_id": "p-1", "criterion_id": CARRIER, "result": "fail"}])
+    con = duckdb.connect(str(db))
+    try:  # the older layout: one table of verdicts, and a not-run record of the simulated conversation too
+        con.execute("DROP TABLE simulated_verdicts; DROP TABLE simulated_not_run")
+        con.execute("INSERT INTO simulated_conversations VALUES ('sim-1', NULL, 'goal_reached', ?, now())",
+                    [json.dumps(_sim(1, fail=False))])
+        row = {**verdict_row("sim-1", CARRIER, "pass"), "sampling_rule": "simulation"}
+        con.execute(f"INSERT INTO verdicts ({', '.join(row)}, seq) VALUES ({', '.join('?' * len(row))}, 9)",
+                    list(row.values()))
+        con.execute("INSERT INTO not_run VALUES ('sim-1', 'other', 1, 'no provider configured', now())")
+    finally:
+        con.close()
+    cfg = tmp_path / "otel-config.yaml"
+    cfg.write_text("storage:\n  duckdb: {path: ./tracejudge.duckdb}\n", encoding="utf-8")
+
+    by = _json(cfg, "stats", "--by", "source")["by_source"]
+    prod, sim = _entry(by["production"], CARRIER), _entry(by["simulation"], CARRIER)
+    assert (prod["judged"], prod["fail"], prod["pass"]) == (1, 1, 0)
+    assert (sim["judged"], sim["pass"]) == (1, 1) and _entry(by["simulation"], "other")["not_run"] == 1
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert con.execute("SELECT sampling_rule FROM verdicts").fetchall() == [("default",)]
+        assert con.execute("SELECT count(*) FROM not_run").fetchall() == [(0,)]
+    finally:
+        con.close()
