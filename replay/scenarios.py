@@ -113,7 +113,21 @@ class Scenario(_Strict):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json", exclude_none=True)
-        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100)
+        return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes a string holding U+0085, U+2028 or U+2029 double-quoted, where YAML escapes them (``\\N``,
+    ``\\L``, ``\\P``): raw in any other style, a reader takes them for line breaks."""
+
+
+def _string(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    if any(c in text for c in "\x85\u2028\u2029"):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style='"')
+    return dumper.represent_str(text)
+
+
+_Dumper.add_representer(str, _string)
 
 
 def scenario_id(criterion_id: str, conversation_id: str) -> str:

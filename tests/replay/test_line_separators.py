@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from collector.demo import Persona, ToolCall, Turn
 from collector.review.regression import KEY, read_set, write_set
 from replay.scenarios import CASES, ScenarioWriter, scenario_id
@@ -51,6 +53,8 @@ def test_a_message_with_unicode_line_separators_stays_one_line_in_every_file(tmp
             assert [w["id"] for w in json.loads(res.stdout)["written"]] == written
         (case,) = [json.loads(line) for line in _lines(tmp_path / "incoming" / CASES)]
         assert case["id"] == sid and case["input"]["persona"]["opening"] == USER
+        scenario = yaml.safe_load((tmp_path / "incoming" / f"{sid}.yaml").read_text(encoding="utf-8"))
+        assert scenario["opening"] == USER  # the YAML too: raw, a reader takes U+0085 for a line break
 
         # replay export, then the offline judge on its file.
         res = _cli(daemon, "replay", "export", "--out", str(tmp_path / "real.jsonl"))
