@@ -43,14 +43,18 @@ them (read as one invalid number), and anything paraphrased. It errs towards red
 that is also a word ("Will", "Rose") is replaced as the word too, a capitalised German noun after
 "ich bin" ("ich bin Lehrer") is taken for a name, and a bare run of 9 or 10 digits that is a valid
 number in one of the regions (an order number can be) counts as a phone.
+
+Its cost grows as the text does (``bench/redact.py`` measures it from 1 KB to 1 MB): no repeat in
+the patterns that could backtrack is unbounded, learned names are looked up word by word, and a
+match is checked for overlap against a mask of those accepted, not against each of them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import phonenumbers
@@ -83,7 +87,13 @@ class Finding:
 
 # --- values with a checksum or a fixed shape -------------------------------------------------
 
-_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[^\W\d_]{2,}(?![\w-])")
+# A detector finds (start, end, key) in a text; ``covered(start, end)`` says whether that span is taken
+# by values found before, of detectors that come first (it may skip its work there: no match would be kept).
+_Covered = Callable[[int, int], bool]
+_Detector = Callable[[str, _Covered], Iterable[tuple[int, int, str]]]
+
+# A domain's labels are counted: an unbounded repeat backtracks in time that grows as its square.
+_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@(?:[\w-]+\.){1,30}[^\W\d_]{2,}(?![\w-])")
 _CARD = regex.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?!\d)")
 _IBAN = regex.compile(r"\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?\b", regex.I)
 _SSN = regex.compile(r"(?<![\d-])(?!000|666|9)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\d-])")
@@ -94,9 +104,10 @@ _CODICE_FISCALE = regex.compile(r"\b[A-Z]{6}[\dL-NP-V]{2}[A-EHLMPR-T][\dL-NP-V]{
                                 regex.I)
 _NIR = regex.compile(r"(?<!\d)[12] ?\d{2} ?\d{2} ?(?:\d{2}|2[AB]) ?\d{3} ?\d{3} ?\d{2}(?!\d)", regex.I)
 _DNI = regex.compile(r"\b(?:\d{8}|[XYZ]\d{7})-?[A-Z]\b", regex.I)
-_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?[\d(][\d \u00a0().\-/]{5,}\d")
+_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?\(?\d(?:[ \u00a0().\-/]{0,4}\d)+")
+_DIGIT_RUN = regex.compile(r"\d+")
 _INTERNATIONAL_GROUPS = regex.compile(r"\d{1,3}[ \u00a0.-]\d")
-# phonenumbers knows ISO dates before a time, not "29.11.2026 10:02": dates are never phone numbers.
+# phonenumbers knows ISO dates before a time, not "29.11.2026 10:02".
 _DATE = regex.compile(r"(?<![\d./-])(?:\d{1,2}[./-]\d{1,2}[./-](?:\d{4}|\d{2})|\d{4}[./-]\d{1,2}[./-]\d{1,2})"
                       r"(?![./-]?\d)")
 
@@ -133,18 +144,18 @@ def _compact(s: str) -> str:
     return "".join(c for c in s if c.isalnum()).upper()
 
 
-def _emails(s: str) -> Iterator[tuple[int, int, str]]:
+def _emails(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for m in _EMAIL.finditer(s):
         yield m.start(), m.end(), m.group().lower()
 
 
-def _cards(s: str) -> Iterator[tuple[int, int, str]]:
+def _cards(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for m in _CARD.finditer(s):
         if _luhn(digits := _digits(m.group())):
             yield m.start(), m.end(), digits
 
 
-def _ibans(s: str) -> Iterator[tuple[int, int, str]]:
+def _ibans(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for m in _IBAN.finditer(s):
         # A word after the number can join the last group: drop trailing groups until it checks.
         text = m.group()
@@ -155,7 +166,7 @@ def _ibans(s: str) -> Iterator[tuple[int, int, str]]:
             text = text[: text.rfind(" ")] if " " in text else ""
 
 
-def _national_ids(s: str) -> Iterator[tuple[int, int, str]]:
+def _national_ids(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     checks = ((_SSN, None), (_NINO, None), (_CODICE_FISCALE, None), (_NIR, _nir_ok), (_DNI, _dni_ok))
     for pattern, check in checks:
         for m in pattern.finditer(s):
@@ -164,16 +175,18 @@ def _national_ids(s: str) -> Iterator[tuple[int, int, str]]:
                 yield m.start(), m.end(), compact
 
 
-def _phones(s: str) -> Iterator[tuple[int, int, str]]:
-    # phonenumbers is slow next to a regex: only digit runs long enough to be a number go to it.
-    dates = [m.span() for m in _DATE.finditer(s)]
+def _phones(s: str, covered: _Covered) -> Iterator[tuple[int, int, str]]:
+    # Dates are never phone numbers: they are blanked out (a line break is no part of a number), as are the
+    # values found before (cards, IBANs): only digit runs long enough to be a number are left for
+    # phonenumbers, which is slow next to a regex.
+    s = _DATE.sub(lambda m: "\n" * len(m.group()), s)
     for cand in _PHONE_CANDIDATE.finditer(s):
-        if len(_digits(cand.group())) < 7:
+        if len(_digits(cand.group())) < 7 or all(covered(*run.span()) for run in _DIGIT_RUN.finditer(s, *cand.span())):
             continue
         # A few characters either side let the matcher see what it checks (a time after a date).
         base = max(cand.start() - 4, 0)
         window = s[base: cand.end() + 4]
-        found = [m for region in PHONE_REGIONS for m in phonenumbers.PhoneNumberMatcher(window, region)]
+        found = _phone_matches(window)
         # Read as international only when grouped like one ("41 44 668 18 00"): a bare run of digits
         # with a "+" in front is too often some valid number somewhere.
         if not found and _INTERNATIONAL_GROUPS.match(cand.group()):
@@ -181,9 +194,18 @@ def _phones(s: str) -> Iterator[tuple[int, int, str]]:
             found = list(phonenumbers.PhoneNumberMatcher(window, None))
         for m in found:
             start, end = base + m.start, base + m.end
-            # Only what lies in the candidate (from the "+" put in front of it, if any) and is no date.
-            if cand.start() - 1 <= start and end <= cand.end() and all(end <= a or start >= b for a, b in dates):
+            if cand.start() - 1 <= start and end <= cand.end():  # in the candidate, or from the "+" put before it
                 yield max(start, cand.start()), end, _e164(m.number)
+
+
+def _phone_matches(window: str) -> list[phonenumbers.PhoneNumberMatch]:
+    """The numbers in ``window``: international ones, then those of each region."""
+    found = []
+    if "+" in window:  # else there is no international number for phonenumbers to find
+        found = list(phonenumbers.PhoneNumberMatcher(window, None))
+        if sum(len(_digits(m.raw_string)) for m in found) == len(_digits(window)):
+            return found  # every digit is in an international number: the regions would find them again
+    return found + [m for region in PHONE_REGIONS if region for m in phonenumbers.PhoneNumberMatcher(window, region)]
 
 
 def _e164(number: phonenumbers.PhoneNumber) -> str:
@@ -212,7 +234,7 @@ _ADDRESSES = [regex.compile(p) for p in (
 )]
 
 
-def _addresses(s: str) -> Iterator[tuple[int, int, str]]:
+def _addresses(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for pattern in _ADDRESSES:
         for m in pattern.finditer(s):
             yield m.start(), m.end(), " ".join(m.group().split()).casefold()
@@ -278,9 +300,10 @@ _CUES = [(regex.compile(p), loose) for p, loose in (
 
 def _title_case_line(s: str, start: int, end: int) -> bool:
     """True when most words near ``s[start:end]`` on its line are capitalised: then capitals tell nothing."""
-    line_start, line_end = s.rfind("\n", 0, start) + 1, s.find("\n", end)
-    line_end = len(s) if line_end < 0 else line_end
-    rest = s[max(line_start, start - 80):start] + " " + s[end:min(line_end, end + 80)]
+    # Look for the line's ends only that far: a text of one long line would be read again for each cue.
+    near_start, near_end = max(start - 80, 0), min(end + 80, len(s))
+    line_start, line_end = s.rfind("\n", near_start, start) + 1, s.find("\n", end, near_end)
+    rest = s[max(line_start, near_start):start] + " " + s[end:near_end if line_end < 0 else line_end]
     # Two letters and more: "I" is always capitalised.
     words = regex.findall(r"\p{L}{2,}", _PLACEHOLDER.sub(" ", rest))
     return len(words) >= 3 and sum(w[0].isupper() for w in words) >= 0.6 * len(words)
@@ -306,35 +329,81 @@ def _cue_names(s: str) -> Iterator[str]:
                 yield " ".join(words).removesuffix("'s").removesuffix("’s")
 
 
-def _add_name(names: dict[str, str], name: str, *, given: bool) -> None:
-    """Add the name and its parts (first name, surname) to ``names``: casefolded variant -> full name."""
-    name = " ".join(name.split())
-    if len(name) < 2 or "@" in name or not regex.search(r"\p{L}", name):
-        return  # an email is the email detector's; an id of digits alone would redact every such number
-    # A name given as an id ("anna.rossi") splits on dots and underscores as well.
-    parts = [p for p in regex.split(r"[\s._]+" if given else r"\s+", name) if len(p) > 1
-             and regex.search(r"\p{L}", p) and p.casefold() not in _PARTICLES and p.casefold() not in _STOP]
-    for variant in [name, *parts]:
-        names.setdefault(variant.casefold(), name.casefold())
+_WORD = regex.compile(r"[\p{L}\p{N}_]+")
+# A name reads as words, runs of space (any run matches any other) and other characters one by one.
+_TOKEN = regex.compile(r"([\p{L}\p{N}_]+)|(\s+)|.", regex.DOTALL)
+_LEAD = regex.compile(r"^[^\p{L}\p{N}_]+")
 
 
-@lru_cache(maxsize=64)
-def _names_regex(names: tuple[str, ...]) -> regex.Pattern[str]:
-    alternatives = (r"\s+".join(regex.escape(w) for w in n.split()) for n in sorted(names, key=len, reverse=True))
-    return regex.compile(rf"(?<![\p{{L}}\p{{N}}_])(?:{'|'.join(alternatives)})(?![\p{{L}}\p{{N}}_])",
-                         regex.IGNORECASE | regex.FULLCASE)  # so "Strauss" also finds "Strauß"
+def _token_key(token: regex.Match[str]) -> str:
+    return " " if token.group(2) else token.group().casefold()  # casefold: "Strauss" also finds "Strauß"
+
+
+class _Names:
+    """Names to replace, each with its parts (a first name, a surname), found whole word and whatever the case.
+
+    A trie of tokens: finding them costs a look-up for each word of the text, however many names there are
+    (one regex alternation of all of them tried each name at each word).
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[int, str], int] = {}  # (node, token) -> node; the root is 0
+        self._full: dict[int, str] = {}  # node where a name or part ends -> the full name, casefolded
+
+    def __bool__(self) -> bool:
+        return bool(self._full)
+
+    def copy(self) -> _Names:
+        other = _Names()
+        other._next, other._full = dict(self._next), dict(self._full)
+        return other
+
+    def add(self, name: str, *, given: bool) -> None:
+        """Add the name and its parts; a name or part added before keeps the full name it had."""
+        name = " ".join(_PLACEHOLDER.sub(" ", name).split())  # a cue read in a redacted text names nobody
+        if len(name) < 2 or "@" in name or not regex.search(r"\p{L}", name):
+            return  # an email is the email detector's; an id of digits alone would redact every such number
+        # A name given as an id ("anna.rossi") splits on dots and underscores as well.
+        parts = [p for p in regex.split(r"[\s._]+" if given else r"\s+", name) if len(p) > 1
+                 and regex.search(r"\p{L}", p) and p.casefold() not in _PARTICLES and p.casefold() not in _STOP]
+        for variant in [name, *parts]:
+            # Starting at a word, as the text is searched from each word: "(Anna)" is found as "Anna)".
+            variant = _LEAD.sub("", variant)
+            if len(variant) < 2:
+                continue
+            node = 0
+            for token in _TOKEN.finditer(variant):
+                node = self._next.setdefault((node, _token_key(token)), len(self._next) + 1)
+            self._full.setdefault(node, name.casefold())
+
+    def find(self, s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
+        """(start, end, full name) of each name or part in ``s``: from left to right, the longest at a word."""
+        after = 0
+        for word in _WORD.finditer(s):
+            node = self._next.get((0, word.group().casefold())) if word.start() >= after else None
+            at, hit, full = word.end(), 0, ""
+            while node is not None:
+                if node in self._full and not _WORD.match(s, at):  # a whole word: "Anna" is not in "Annabel"
+                    hit, full = at, self._full[node]
+                token = _TOKEN.match(s, at)
+                if token is None:
+                    break
+                node, at = self._next.get((node, _token_key(token))), token.end()
+            if hit:
+                yield word.start(), hit, full
+                after = hit
 
 
 # --- the redactor -----------------------------------------------------------------------------
 
 # In order of precedence: where two matches overlap, config patterns win, then the earlier detector here,
 # and learned names come last.
-_DETECTORS = {"email": _emails, "iban": _ibans, "card": _cards, "national_id": _national_ids,
-              "phone": _phones, "address": _addresses}
+_DETECTORS: dict[str, _Detector] = {"email": _emails, "iban": _ibans, "card": _cards,
+                                    "national_id": _national_ids, "phone": _phones, "address": _addresses}
 _MAX_PASSES = 4  # a replacement can expose a shorter match beside it; text() goes again until none is left
 
 
-def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, regex.Pattern[str]]]:
+def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, _Detector]]:
     compiled = []
     for name, pattern in patterns.items():
         if not _PATTERN_NAME.fullmatch(name) or name.lower() in _PREFIX:
@@ -346,8 +415,19 @@ def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, regex.Patt
             raise ValueError(f"redaction pattern {name!r}: not a valid regular expression ({e}): {pattern!r}") from e
         if rx.fullmatch(""):
             raise ValueError(f"redaction pattern {name!r}: matches the empty string: {pattern!r}")
-        compiled.append((name, rx))
+        compiled.append((name, _pattern_detector(name, rx)))
     return compiled
+
+
+def _pattern_detector(name: str, rx: regex.Pattern[str]) -> _Detector:
+    def find(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
+        try:
+            for m in rx.finditer(s, timeout=PATTERN_TIMEOUT):
+                yield m.start(), m.end(), m.group()
+        except TimeoutError as e:
+            raise TimeoutError(f"redaction pattern {name!r} ran longer than {PATTERN_TIMEOUT}s "
+                               f"on a {len(s)}-character text") from e
+    return find
 
 
 class Redactor:
@@ -368,27 +448,31 @@ class Redactor:
 
     def __init__(self, patterns: Mapping[str, str] | None = None, names: Iterable[str] = ()) -> None:
         self._patterns = _compile_patterns(patterns or {})
-        self._names: dict[str, str] = {}  # casefolded name or part -> the full name it belongs to
+        self._names = _Names()
         self._placeholders: dict[tuple[str, str], str] = {}
         self._counts: dict[str, int] = {}
         for name in names:
-            _add_name(self._names, name, given=True)
+            self._names.add(name, given=True)
 
     def learn(self, texts: Iterable[str]) -> None:
         """Learn the names the cues in ``texts`` introduce; call it with every message before redacting."""
         for s in texts:
             for name in _cue_names(s):
-                _add_name(self._names, name, given=False)
+                self._names.add(name, given=False)
 
-    def text(self, s: str) -> str:
+    def text(self, s: str, deadline: float | None = None) -> str:
         """``s`` with every detected value, and every learned name, replaced by its placeholder.
 
+        Args:
+            deadline: a ``time.monotonic()`` time to give up at; checked between detectors, so it can be
+                passed by as long as one detector takes on the text.
+
         Raises:
-            TimeoutError: a config pattern ran longer than ``PATTERN_TIMEOUT`` on ``s``.
+            TimeoutError: a config pattern ran longer than ``PATTERN_TIMEOUT`` on ``s``, or ``deadline`` passed.
         """
         for _ in range(_MAX_PASSES):
             self.learn([s])  # again on each pass: a placeholder can change what a cue reads
-            found = self._detect(s, self._names)
+            found = self._detect(s, self._names, deadline)
             if not found:
                 break
             out, at = [], 0
@@ -398,14 +482,18 @@ class Redactor:
             s = "".join(out) + s[at:]
         return s
 
-    def value(self, v: Any) -> Any:
-        """Strings redacted with :meth:`text`, dict values and list items recursively (keys kept), others as is."""
+    def value(self, v: Any, deadline: float | None = None) -> Any:
+        """Strings redacted with :meth:`text`, dict values and list items recursively (keys kept), others as is.
+
+        Args:
+            deadline: as for :meth:`text`, for the whole of ``v``.
+        """
         if isinstance(v, str):
-            return self.text(v)
+            return self.text(v, deadline)
         if isinstance(v, dict):
-            return {k: self.value(x) for k, x in v.items()}
+            return {k: self.value(x, deadline) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
-            return [self.value(x) for x in v]
+            return [self.value(x, deadline) for x in v]
         return v
 
     def record(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -418,7 +506,7 @@ class Redactor:
         attributes = record.get("attributes") or {}
         for key in NAME_ATTRIBUTES:
             if isinstance(attributes.get(key), str):
-                _add_name(self._names, attributes[key], given=True)
+                self._names.add(attributes[key], given=True)
         messages = record.get("messages") or []
         self.learn([record.get("system") or "", *(m.get("content") or "" for m in messages),
                     *(json.dumps(c.get("arguments"), ensure_ascii=False)
@@ -441,10 +529,10 @@ class Redactor:
 
         Placeholders never match. Empty for what :meth:`text` returns. Learns nothing.
         """
-        names = dict(self._names)
+        names = self._names.copy()
         for name in _cue_names(s):
-            _add_name(names, name, given=False)
-        return [Finding(detector, start, end) for start, end, detector, _ in self._detect(s, names)]
+            names.add(name, given=False)
+        return [Finding(detector, start, end) for start, end, detector, _ in self._detect(s, names, None)]
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         out = dict(message)
@@ -461,39 +549,34 @@ class Redactor:
             self._placeholders[detector, key] = f"<{_PREFIX.get(detector, detector.upper())}_{n}>"
         return self._placeholders[detector, key]
 
-    def _detect(self, s: str, names: Mapping[str, str]) -> list[tuple[int, int, str, str]]:
+    def _detect(self, s: str, names: _Names, deadline: float | None) -> list[tuple[int, int, str, str]]:
         """Non-overlapping (start, end, detector, key) in ``s``, by position; on overlap, precedence decides."""
-        candidates: list[tuple[int, int, int, str, str]] = []  # precedence, start, end, detector, key
-        at = 0
+        taken = bytearray(len(s))  # 1 where a value was accepted
+
+        def covered(at: int) -> _Covered:  # spans of the segment at ``at``, looked up in the whole text
+            return lambda start, end: taken.find(0, at + start, at + end) < 0
+
         # Detect between placeholders only, so a placeholder never matches nor joins two values.
-        for segment_end, next_at in [*(m.span() for m in _PLACEHOLDER.finditer(s)), (len(s), len(s))]:
-            found = self._segment(s[at:segment_end], names)
-            candidates += ((rank, at + a, at + b, det, key) for rank, det, a, b, key in found)
-            at = next_at
+        ends = [0, *(i for m in _PLACEHOLDER.finditer(s) for i in m.span()), len(s)]
+        segments = [(a, s[a:b], covered(a)) for a, b in zip(ends[::2], ends[1::2]) if s[a:b].strip()]
         accepted: list[tuple[int, int, str, str]] = []
-        for _, start, end, detector, key in sorted(candidates, key=lambda c: (c[0], c[1], c[1] - c[2])):
-            if end > start and all(end <= a or start >= b for a, b, _, _ in accepted):
-                accepted.append((start, end, detector, key))
+        detectors = [*self._patterns, *_DETECTORS.items(), *([("person", names.find)] if names else [])]
+        for detector, find in detectors:
+            found: list[tuple[int, int, str]] = []
+            for at, segment, segment_covered in segments:
+                _check(deadline)
+                found += ((at + start, at + end, key) for start, end, key in find(segment, segment_covered))
+            # The detector's matches, the earliest and then the longest first, where none found before overlaps.
+            for start, end, key in sorted(found, key=lambda f: (f[0], f[0] - f[1])):
+                if end > start and taken.find(1, start, end) < 0:
+                    taken[start:end] = b"\1" * (end - start)
+                    accepted.append((start, end, detector, key))
         return sorted(accepted)
 
-    def _segment(self, s: str, names: Mapping[str, str]) -> Iterator[tuple[int, str, int, int, str]]:
-        if not s.strip():
-            return
-        for rank, (name, rx) in enumerate(self._patterns):
-            try:
-                for m in rx.finditer(s, timeout=PATTERN_TIMEOUT):
-                    yield rank, name, m.start(), m.end(), m.group()
-            except TimeoutError as e:
-                raise TimeoutError(f"redaction pattern {name!r} ran longer than {PATTERN_TIMEOUT}s "
-                                   f"on a {len(s)}-character text") from e
-        base = len(self._patterns)
-        for rank, (detector, find) in enumerate(_DETECTORS.items(), start=base):
-            for start, end, key in find(s):
-                yield rank, detector, start, end, key
-        if names:
-            for m in _names_regex(tuple(sorted(names))).finditer(s):
-                key = names.get(" ".join(m.group().split()).casefold(), m.group())
-                yield base + len(_DETECTORS), "person", m.start(), m.end(), key
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError("redaction ran past its deadline")
 
 
 def detect(s: str, patterns: Mapping[str, str] | None = None) -> list[Finding]:

@@ -1,9 +1,13 @@
-"""Redaction: each detector in both directions, consistent placeholders, names from cues, config patterns."""
+"""Redaction: each detector in both directions, consistent placeholders, names from cues, config patterns,
+and work that grows as the text does."""
 
 from __future__ import annotations
 
 import copy
+import cProfile
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -177,6 +181,12 @@ def test_a_learned_name_is_replaced_everywhere_with_its_parts() -> None:
     assert r.text("Annabel and Rossini are other people") == "Annabel and Rossini are other people"
 
 
+def test_names_are_found_whole_word_and_the_longest_at_a_word() -> None:
+    r = Redactor(names=["Anna Rossi", "Anna Maria Bianchi", "Johann Strauss", "Mary O'Brien", "Hans-Peter Müller"])
+    assert r.text("Anna Maria Bianchi, Anna  Maria, anna rossi, Anna, Annabel, Strauß, O'Brien, Hans-Peter, Hans") == \
+        "<PERSON_1>, <PERSON_2>  <PERSON_1>, <PERSON_2>, <PERSON_2>, Annabel, <PERSON_3>, <PERSON_4>, <PERSON_5>, Hans"
+
+
 def test_names_in_several_languages_are_learned_and_numbered_in_order() -> None:
     r = Redactor()
     r.learn(["je m'appelle Marie", "Mi chiamo Luca", "Danke, Jürgen!"])
@@ -213,6 +223,15 @@ def test_config_patterns_get_their_name_as_placeholder_and_come_first() -> None:
 def test_a_bad_config_pattern_is_a_clear_error(patterns: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Redactor(patterns)
+
+
+def test_a_deadline_that_has_passed_stops_redaction() -> None:
+    r = Redactor()
+    with pytest.raises(TimeoutError, match="redaction ran past its deadline"):
+        r.text("mail anna@example.com", deadline=time.monotonic() - 1)
+    with pytest.raises(TimeoutError, match="redaction ran past its deadline"):
+        r.value({"to": ["anna@example.com"]}, deadline=time.monotonic() - 1)
+    assert r.value({"to": ["anna@example.com"]}, deadline=time.monotonic() + 60) == {"to": ["<EMAIL_1>"]}
 
 
 def test_a_config_pattern_that_backtracks_forever_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,3 +337,45 @@ def test_json_arguments_are_learned_from_as_a_record_sends_them() -> None:
     r = Redactor()
     r.learn([json.dumps({"full_name": "Ada Lovelace"})])
     assert r.text("Ada called, Lovelace") == "<PERSON_1> called, <PERSON_1>"
+
+
+# --- property: the work grows as the text does -------------------------------------------------------
+
+def calls(work: Callable[[], object]) -> int:
+    """The Python function calls ``work`` makes: a count of its work that no other process on the machine
+    changes, as the time it takes would be."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        work()
+    finally:
+        profile.disable()
+    return sum(entry.callcount for entry in profile.getstats())
+
+
+SEPARATE = "\n|\n"  # a line no detector reads across: it joins no value to the next
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(PLANTED), st.sampled_from(FILLER),
+                          st.text(alphabet="0123456789 -+.,()@aB\n", max_size=10)), min_size=1, max_size=6))
+def test_copies_of_a_text_are_redacted_as_copies_for_as_much_work_each(parts: list[str]) -> None:
+    chunk = " ".join(parts)
+    once = Redactor().text(chunk)  # phonenumbers also reads a region's metadata the first time it needs it
+    out: dict[int, str] = {}
+    work = {n: calls(lambda n=n: out.setdefault(n, Redactor().text(SEPARATE.join([chunk] * n)))) for n in (16, 64)}
+    assert out[64] == SEPARATE.join([once] * 64)
+    # Each value found was once checked against every value accepted before it: the square of their number.
+    # A little over 4: the copies at either end have fewer neighbours to look at.
+    assert work[64] <= 4.2 * work[16]
+
+
+@pytest.mark.parametrize("chunk", [
+    "a@b.co ", "4111 1111 1111 1111 ", "+44 20 7946 0958, ", "my name is Anna Rossi. ", "12 Baker Street ",
+    "GB82 WEST 1234 5698 7654 32 ", "29.11.2026 10:02 ", "1 ", "1.", "(", "1" + " " * 20, "I'm Anna. ", "Hi Anna, ",
+    "\u200b4",
+])
+def test_the_work_grows_as_a_text_of_one_shape_does(chunk: str) -> None:
+    Redactor().text(chunk * 2)
+    small, large = (calls(lambda n=n: Redactor().text(chunk * n)) for n in (64, 256))
+    assert large <= 4.2 * small
