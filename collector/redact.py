@@ -7,20 +7,30 @@ throughout it (``<PERSON_1>``, ``<PHONE_1>``, ``<EMAIL_1>``, ``<CARD_1>``, ``<IB
 ``<ID_1>``, ``<ADDRESS_1>``; a config pattern named ``order`` gives ``<ORDER_1>``), so a
 redacted transcript still reads ("<PERSON_1> asked to move <ADDRESS_1>").
 
+The detectors read the text folded: digits of any script as 0-9 (full-width "４", Arabic-Indic
+"٤"), any space as a space (no-break, thin, narrow no-break), any dash as "-", full-width and
+mathematical letters as ASCII, and invisible characters (soft hyphen, zero-width space, joiners,
+bidi controls) left out. A placeholder covers the value as it was written, invisible characters
+inside it too, and one value written two ways gets one placeholder.
+
 What it catches (detector names as in :class:`Finding`):
 
-- ``email``: anything shaped ``local@domain.tld``.
+- ``email``: anything shaped ``local@domain.tld``, or with an IP address for a domain
+  (``user@192.168.0.1``, ``user@[192.168.0.1]``).
 - ``phone``: what ``phonenumbers`` finds valid for the number as written, as an international
   number (with ``+`` or ``00``, or grouped digits that read as one with a ``+`` in front), or as a
-  national number of the US, GB, FR, IT, DE or ES. Order numbers, dates, times and version
-  strings are not valid numbers, so they stay.
-- ``card``: 13 to 19 digits, spaces or dashes between them, that pass the Luhn check.
-- ``iban``: a country code, two check digits and 11 to 30 letters or digits (grouped by four or
-  not) whose mod-97 checksum holds.
+  national number of the US, GB, FR, IT, DE or ES. Written with its ``+``, a number of a length its
+  country uses counts even when not valid (``+44 7700 900123``: the UK keeps that range for
+  drama). Order numbers, dates, times and version strings are not valid numbers, so they stay.
+- ``card``: 13 to 19 digits that pass the Luhn check, with no separator, with one kind throughout
+  (spaces, ``-``, ``/``, ``_`` or ``.``), or grouped as cards are (4-4-4-4, 4-6-5) with any mix.
+- ``iban``: a country code, two check digits and 11 to 30 letters or digits (grouped by four with
+  spaces, dashes or dots, or not) whose mod-97 checksum holds.
 - ``national_id``: US social security numbers (``ddd-dd-dddd``), UK National Insurance numbers
   (``AB123456C``), Italian codici fiscali (16 characters), French NIR/INSEE numbers (13 digits
-  and a 2-digit key, key checked), Spanish DNI and NIE (8 digits or X/Y/Z and 7, and a letter,
-  letter checked).
+  and a 2-digit key, key checked; grouped with spaces, dots or dashes or not), Spanish DNI and NIE
+  (8 digits or X/Y/Z and 7, and a letter, letter checked: ``12345678Z``, ``12.345.678-Z``,
+  ``X-1234567-L``).
 - ``address``: a house number and a street in English ("12 Baker Street", "221B Baker St"),
   French ("5 rue de la Paix", "rue de la Paix 5"), Italian ("via Roma 12"), Spanish ("calle
   Mayor 7"), Portuguese ("rua Augusta 10") and German ("Hauptstraße 3", "Berliner Str. 5").
@@ -39,10 +49,15 @@ lowercase after a weak cue ("i'm anna"), an address with no house number or a st
 lowercase ("baker street", "via roma 12"), postcodes and cities, ids of other countries and
 other kinds of id (passports, health insurance numbers: add a config pattern), phone numbers of
 other regions written without their country code, two phone numbers with only a space between
-them (read as one invalid number), and anything paraphrased. It errs towards redacting: a name
-that is also a word ("Will", "Rose") is replaced as the word too, a capitalised German noun after
-"ich bin" ("ich bin Lehrer") is taken for a name, and a bare run of 9 or 10 digits that is a valid
-number in one of the regions (an order number can be) counts as a phone.
+them (read as one invalid number), and anything paraphrased. Nor what is disguised beyond the
+folding above: a value broken across lines, digits spelled out or written with look-alikes ("O"
+for 0, superscripts, circled digits), letters of another script that look Latin (a Cyrillic "а"
+in "Аnna"), an email with spaces around "@" or with "at" and "dot", a card number grouped
+neither regularly nor with one separator ("41 11-1111 1111 1111"), ids and IBANs with other
+separators. It errs towards redacting: a name that is also a word ("Will", "Rose") is replaced as
+the word too, a capitalised German noun after "ich bin" ("ich bin Lehrer") is taken for a name, a
+bare run of 9 or 10 digits that is a valid number in one of the regions (an order number can be)
+counts as a phone, and so does a "+" before digits of a length some country uses.
 
 Its cost grows as the text does (``bench/redact.py`` measures it from 1 KB to 1 MB): no repeat in
 the patterns that could backtrack is unbounded, learned names are looked up word by word, and a
@@ -53,6 +68,8 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +102,45 @@ class Finding:
     end: int
 
 
+# --- what the detectors read ------------------------------------------------------------------
+
+# Characters written in place of a digit, a space or a dash: digits of any script, any space (no-break,
+# thin, narrow no-break, ideographic), any dash, full-width and mathematical letters and digits.
+_FOLDED = regex.compile(r"(?V1)[[\p{Nd}\p{Zs}\p{Pd}\uff01-\uff5e\U0001d400-\U0001d7ff]--[0-9 \-]]")
+# Characters that show nothing (soft hyphen, zero-width space and joiners, word joiner, bidi controls).
+_INVISIBLE = regex.compile(r"\p{Default_Ignorable_Code_Point}")
+
+
+def _fold(m: regex.Match[str]) -> str:
+    c = m.group()
+    category = unicodedata.category(c)
+    if category == "Nd":
+        return str(unicodedata.decimal(c))
+    # The full-width and mathematical forms are one character each in NFKC too.
+    return " " if category == "Zs" else "-" if category == "Pd" else unicodedata.normalize("NFKC", c)
+
+
+def _skeleton(s: str) -> tuple[str, list[int]]:
+    """``s`` as the detectors read it, and where in that each character left out of it was.
+
+    Each character of ``s`` is one of the skeleton's (``_FOLDED`` ones as the ASCII they stand for), but
+    invisible ones, which are left out: "4111\u200b1111..." is a card number, "anna\u00adrossi@..." an email.
+    """
+    if s.isascii():
+        return s, []
+    t = _FOLDED.sub(_fold, s)
+    dropped = [m.start() - n for n, m in enumerate(_INVISIBLE.finditer(t))]
+    return (_INVISIBLE.sub("", t) if dropped else t), dropped
+
+
+def _in_original(found: list[tuple[int, int, str, str]], dropped: list[int]) -> list[tuple[int, int, str, str]]:
+    """Spans in a skeleton as spans of the text it was made from (the invisible characters inside them too)."""
+    if not dropped:
+        return found
+    return [(start + bisect_right(dropped, start), end + bisect_right(dropped, end - 1), detector, key)
+            for start, end, detector, key in found]
+
+
 # --- values with a checksum or a fixed shape -------------------------------------------------
 
 # A detector finds (start, end, key) in a text; ``covered(start, end)`` says whether that span is taken
@@ -93,20 +149,32 @@ _Covered = Callable[[int, int], bool]
 _Detector = Callable[[str, _Covered], Iterable[tuple[int, int, str]]]
 
 # A domain's labels are counted: an unbounded repeat backtracks in time that grows as its square.
-_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@(?:[\w-]+\.){1,30}[^\W\d_]{2,}(?![\w-])")
-_CARD = regex.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?!\d)")
-_IBAN = regex.compile(r"\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?\b", regex.I)
+_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@(?:(?:[\w-]+\.){1,30}[^\W\d_]{2,}|\d{1,3}(?:\.\d{1,3}){3}"
+                       r"|\[(?:IPv6:)?[\dA-F:.]{2,45}\])(?![\w-])", regex.I)
+# 13 to 19 digits, with one kind of separator throughout ("4111.1111.1111.1111") or grouped as cards
+# are (4-4-4-4, 4-6-5) with any mix of them. Each repeat is bounded: a run of digits costs no more than
+# its length, whatever it holds.
+_CARD_GAP = r"(?:[ ]{1,2}|[ ]?[-/_.][ ]?)"
+_CARD = regex.compile(r"(?<![\d-])(?<!\d[/_.])\d(?:"
+                      + "|".join(rf"(?:{sep}?\d){{12,18}}" for sep in ("[ ]", "-", "/", "_", r"\."))
+                      + rf"|\d{{3}}(?:{_CARD_GAP}\d{{4}}){{3}}(?:{_CARD_GAP}\d{{1,3}})?"
+                      + rf"|\d{{3}}{_CARD_GAP}\d{{6}}{_CARD_GAP}\d{{4,5}})(?!\d)")
+_IBAN = regex.compile(r"\b[A-Z]{2}\d{2}(?:[ .\-]?[A-Z0-9]{4}){2,7}(?:[ .\-]?[A-Z0-9]{1,3})?\b", regex.I)
+_IBAN_LAST_GROUP = regex.compile(r"[ .\-][A-Z0-9]*$", regex.I)
 _SSN = regex.compile(r"(?<![\d-])(?!000|666|9)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\d-])")
 _NINO = regex.compile(r"\b(?!BG|GB|KN|NK|NT|TN|ZZ)[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z]"
                       r" ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b", regex.I)
 # Omocodia swaps digits for LMNPQRSTUV, so digit positions take those letters too.
 _CODICE_FISCALE = regex.compile(r"\b[A-Z]{6}[\dL-NP-V]{2}[A-EHLMPR-T][\dL-NP-V]{2}[A-Z][\dL-NP-V]{3}[A-Z]\b",
                                 regex.I)
-_NIR = regex.compile(r"(?<!\d)[12] ?\d{2} ?\d{2} ?(?:\d{2}|2[AB]) ?\d{3} ?\d{3} ?\d{2}(?!\d)", regex.I)
-_DNI = regex.compile(r"\b(?:\d{8}|[XYZ]\d{7})-?[A-Z]\b", regex.I)
-_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?\(?\d(?:[ \u00a0().\-/]{0,4}\d)+")
+_NIR = regex.compile(r"(?<!\d)[12][ .\-]?\d{2}[ .\-]?\d{2}[ .\-]?(?:\d{2}|2[AB])[ .\-]?\d{3}[ .\-]?\d{3}"
+                     r"[ .\-]?\d{2}(?!\d)", regex.I)
+# "12345678Z", "12.345.678-Z", "X-1234567-L"; after a space only a capital counts ("12345678 y" is Spanish).
+_DNI = regex.compile(r"\b(?<!\d\.)(?:\d{8}|\d{2}[. ]\d{3}[. ]\d{3}|(?i:[XYZ])[ -]?\d{7})"
+                     r"(?:-?(?i:[A-Z])|[ ]-?[ ]?[A-Z])\b")
+_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?\(?\d(?:[ ().\-/]{0,4}\d)+")
 _DIGIT_RUN = regex.compile(r"\d+")
-_INTERNATIONAL_GROUPS = regex.compile(r"\d{1,3}[ \u00a0.-]\d")
+_INTERNATIONAL_GROUPS = regex.compile(r"\d{1,3}[ .-]\d")
 # phonenumbers knows ISO dates before a time, not "29.11.2026 10:02".
 _DATE = regex.compile(r"(?<![\d./-])(?:\d{1,2}[./-]\d{1,2}[./-](?:\d{4}|\d{2})|\d{4}[./-]\d{1,2}[./-]\d{1,2})"
                       r"(?![./-]?\d)")
@@ -163,7 +231,8 @@ def _ibans(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
             if _iban_ok(compact := _compact(text)):
                 yield m.start(), m.start() + len(text), compact
                 break
-            text = text[: text.rfind(" ")] if " " in text else ""
+            last = _IBAN_LAST_GROUP.search(text)
+            text = text[: last.start()] if last else ""
 
 
 def _national_ids(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
@@ -202,7 +271,10 @@ def _phone_matches(window: str) -> list[phonenumbers.PhoneNumberMatch]:
     """The numbers in ``window``: international ones, then those of each region."""
     found = []
     if "+" in window:  # else there is no international number for phonenumbers to find
-        found = list(phonenumbers.PhoneNumberMatcher(window, None))
+        # Written with its "+", a number counts when it has the length its country's numbers have, assigned
+        # or not: phonenumbers finds the UK's range for drama, +44 7700 900xxx, not valid.
+        found = [m for m in phonenumbers.PhoneNumberMatcher(window, None, leniency=phonenumbers.Leniency.POSSIBLE)
+                 if phonenumbers.is_possible_number_with_reason(m.number) == phonenumbers.ValidationResult.IS_POSSIBLE]
         if sum(len(_digits(m.raw_string)) for m in found) == len(_digits(window)):
             return found  # every digit is in an international number: the regions would find them again
     return found + [m for region in PHONE_REGIONS if region for m in phonenumbers.PhoneNumberMatcher(window, region)]
@@ -452,12 +524,12 @@ class Redactor:
         self._placeholders: dict[tuple[str, str], str] = {}
         self._counts: dict[str, int] = {}
         for name in names:
-            self._names.add(name, given=True)
+            self._names.add(_skeleton(name)[0], given=True)
 
     def learn(self, texts: Iterable[str]) -> None:
         """Learn the names the cues in ``texts`` introduce; call it with every message before redacting."""
         for s in texts:
-            for name in _cue_names(s):
+            for name in _cue_names(_skeleton(s)[0]):
                 self._names.add(name, given=False)
 
     def text(self, s: str, deadline: float | None = None) -> str:
@@ -471,8 +543,10 @@ class Redactor:
             TimeoutError: a config pattern ran longer than ``PATTERN_TIMEOUT`` on ``s``, or ``deadline`` passed.
         """
         for _ in range(_MAX_PASSES):
-            self.learn([s])  # again on each pass: a placeholder can change what a cue reads
-            found = self._detect(s, self._names, deadline)
+            t, dropped = _skeleton(s)
+            for name in _cue_names(t):  # again on each pass: a placeholder can change what a cue reads
+                self._names.add(name, given=False)
+            found = _in_original(self._detect(t, self._names, deadline), dropped)
             if not found:
                 break
             out, at = [], 0
@@ -506,7 +580,7 @@ class Redactor:
         attributes = record.get("attributes") or {}
         for key in NAME_ATTRIBUTES:
             if isinstance(attributes.get(key), str):
-                self._names.add(attributes[key], given=True)
+                self._names.add(_skeleton(attributes[key])[0], given=True)
         messages = record.get("messages") or []
         self.learn([record.get("system") or "", *(m.get("content") or "" for m in messages),
                     *(json.dumps(c.get("arguments"), ensure_ascii=False)
@@ -529,10 +603,12 @@ class Redactor:
 
         Placeholders never match. Empty for what :meth:`text` returns. Learns nothing.
         """
+        t, dropped = _skeleton(s)
         names = self._names.copy()
-        for name in _cue_names(s):
+        for name in _cue_names(t):
             names.add(name, given=False)
-        return [Finding(detector, start, end) for start, end, detector, _ in self._detect(s, names, None)]
+        return [Finding(detector, start, end)
+                for start, end, detector, _ in _in_original(self._detect(t, names, None), dropped)]
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         out = dict(message)

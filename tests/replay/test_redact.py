@@ -61,6 +61,49 @@ def test_each_detector_finds_its_values(detector: str, value: str) -> None:
     assert found(f"so: {value}. ok") == [(detector, value)]
 
 
+# Written the way a web page, a phone's keyboard or someone trying to slip past the redactor writes them.
+@pytest.mark.parametrize("detector, value", [
+    ("card", "4111\u00a01111\u00a01111\u00a01111"),     # no-break space
+    ("card", "4111\u20091111\u20091111\u20091111"),     # thin space
+    ("card", "4111\u202f1111\u202f1111\u202f1111"),     # narrow no-break space
+    ("card", "4111/1111/1111/1111"),
+    ("card", "4111_1111_1111_1111"),
+    ("card", "4111.1111.1111.1111"),
+    ("card", "4111  1111  1111  1111"),
+    ("card", "4111 - 1111 - 1111 - 1111"),
+    ("card", "4111 1111-1111.1111"),                    # grouped by four, separators mixed
+    ("card", "3782 822463 10005"),                      # Amex, 4-6-5
+    ("card", "4111\u20111111\u20111111\u20111111"),     # non-breaking hyphen
+    ("card", "4111\u200b1111\u200b1111\u200b1111"),     # zero-width space
+    ("card", "４１１１ １１１１ １１１１ １１１１"),           # full-width digits
+    ("iban", "GB82-WEST-1234-5698-7654-32"),
+    ("iban", "DE89.3704.0044.0532.0130.00"),
+    ("iban", "GB82\u00a0WEST\u00a01234\u00a05698\u00a07654\u00a032"),
+    ("national_id", "X-1234567-L"),                     # Spanish NIE
+    ("national_id", "X 1234567 L"),
+    ("national_id", "12345678-Z"),                      # Spanish DNI
+    ("national_id", "12345678 Z"),
+    ("national_id", "12.345.678-Z"),
+    ("national_id", "1-85-05-78-006-084-91"),           # French NIR
+    ("national_id", "1.85.05.78.006.084.91"),
+    ("email", "anna\u00adrossi@example.com"),           # soft hyphen
+    ("email", "anna\u200brossi@exam\u200bple.com"),     # zero-width spaces
+    ("email", "anna＠example.com"),                      # full-width at sign
+    ("email", "user@[192.168.0.1]"),
+    ("email", "user@192.168.0.1"),
+    ("email", "user@[IPv6:2001:db8::1]"),
+    ("phone", "+44 7700 900123"),                       # the UK's range for drama: possible, not valid
+    ("phone", "+44\u00a020\u00a07946\u00a00958"),
+    ("phone", "+44\u200920\u20097946\u20090958"),
+    ("phone", "020\u202f7946\u202f0958"),
+    ("phone", "＋４４ ２０ ７９４６ ０９５８"),
+    ("phone", "٠٢٠ ٧٩٤٦ ٠٩٥٨"),                          # Arabic-Indic digits
+])
+def test_values_written_with_other_separators_and_characters_are_found(detector: str, value: str) -> None:
+    assert found(f"so: {value}. ok") == [(detector, value)]
+    assert Redactor().text(f"so: {value}. ok") == f"so: <{redact._PREFIX[detector]}_1>. ok"
+
+
 @pytest.mark.parametrize("text", [
     "order B-35 shipped",
     "at 2026-11-29T10:02:11Z",
@@ -79,6 +122,17 @@ def test_each_detector_finds_its_values(detector: str, value: str) -> None:
     "5 minutes in a row",
     "I live on Baker Street",               # no house number: not caught (documented)
     "pain level 7 of 10, since 2 hours",
+    "on 29/11/2026 10:02",
+    "on 2026.11.29",
+    "on 2026\u201311\u201329 at 10:02",   # en dashes
+    "on 10.02.2026 10.02",
+    "version 1.2.3.4",
+    "from 192.168.0.1",
+    "expires 12/28",
+    "4111.1111.1111.1112",                  # Luhn fails, whatever the separator
+    "12345678 z",                           # after a space, only a capital is a DNI's letter
+    "UTC+01:00",
+    "+1 2",
 ])
 def test_look_alikes_are_not_personal_data(text: str) -> None:
     assert found(text) == []
@@ -103,6 +157,18 @@ def test_the_same_value_gets_the_same_placeholder_and_different_values_the_next_
     assert r.text("card 4111-1111-1111-1111, iban GB82WEST12345698765432") == "card <CARD_1>, iban <IBAN_1>"
     assert r.text("SSN 123-45-6789 at 12 Baker Street") == "SSN <ID_1> at <ADDRESS_1>"
     assert r.counts() == {"email": 2, "phone": 1, "card": 1, "iban": 1, "national_id": 1, "address": 1}
+
+
+def test_a_value_written_in_other_characters_gets_the_same_placeholder() -> None:
+    r = Redactor()
+    cards = "4111 1111 1111 1111, ４１１１ １１１１ １１１１ １１１１ or 4111.1111.1111.1111"
+    assert r.text(cards) == "<CARD_1>, <CARD_1> or <CARD_1>"
+    assert r.text("anna\u00adrossi@example.com, annarossi@example.com, anna.rossi@example.com") == \
+        "<EMAIL_1>, <EMAIL_1>, <EMAIL_2>"
+    # The placeholder covers the invisible characters inside the value; those around it stay.
+    assert r.text("\u200bcall +44\u200b20 7946 0958\u200b") == "\u200bcall <PHONE_1>\u200b"
+    r.learn(["my name is Ａｎｎａ Rossi"])
+    assert r.text("An\u200bna, ANNA and Ａｎｎａ") == "<PERSON_1>, <PERSON_1> and <PERSON_1>"
 
 
 def test_two_redactors_number_on_their_own() -> None:
@@ -315,6 +381,9 @@ PLANTED = [
     "123-45-6789", "AB123456C", "RSSMRA85T10A562S", "12345678Z", "1 85 05 78 006 084 91", "12 Baker Street",
     "via Roma 12", "5 rue de la Paix", "Hauptstraße 3", "calle Mayor 7", "my name is Anna Rossi",
     "mi chiamo Luca", "Hi Marco,", "Dear Mrs Dupont",
+    "4111.1111.1111.1111", "４１１１ １１１１ １１１１ １１１１", "4111\u200b1111\u200b1111\u200b1111",
+    "GB82-WEST-1234-5698-7654-32", "X-1234567-L", "1-85-05-78-006-084-91", "anna\u00adrossi@example.com",
+    "user@[192.168.0.1]", "+44 7700 900123", "+44\u200920\u20097946\u20090958",
 ]
 FILLER = ["ok", "order B-35", "2026-11-29", "version 2.10.3", "the pain", "Luca", "Rossi", "12", "+", "-", "at"]
 
