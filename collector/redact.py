@@ -421,13 +421,14 @@ class _Names:
     def __init__(self) -> None:
         self._next: dict[tuple[int, str], int] = {}  # (node, token) -> node; the root is 0
         self._full: dict[int, str] = {}  # node where a name or part ends -> the full name, casefolded
+        self.version = 0  # names or parts added so far
 
     def __bool__(self) -> bool:
         return bool(self._full)
 
     def copy(self) -> _Names:
         other = _Names()
-        other._next, other._full = dict(self._next), dict(self._full)
+        other._next, other._full, other.version = dict(self._next), dict(self._full), self.version
         return other
 
     def add(self, name: str, *, given: bool) -> None:
@@ -446,7 +447,9 @@ class _Names:
             node = 0
             for token in _TOKEN.finditer(variant):
                 node = self._next.setdefault((node, _token_key(token)), len(self._next) + 1)
-            self._full.setdefault(node, name.casefold())
+            if node not in self._full:
+                self._full[node] = name.casefold()
+                self.version += 1
 
     def find(self, s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
         """(start, end, full name) of each name or part in ``s``: from left to right, the longest at a word."""
@@ -521,6 +524,8 @@ class Redactor:
     def __init__(self, patterns: Mapping[str, str] | None = None, names: Iterable[str] = ()) -> None:
         self._patterns = _compile_patterns(patterns or {})
         self._names = _Names()
+        self._seen: dict[str, list[tuple[int, int, str, str]]] = {}  # see _detect
+        self._seen_version = 0
         self._placeholders: dict[tuple[str, str], str] = {}
         self._counts: dict[str, int] = {}
         for name in names:
@@ -546,7 +551,9 @@ class Redactor:
             t, dropped = _skeleton(s)
             for name in _cue_names(t):  # again on each pass: a placeholder can change what a cue reads
                 self._names.add(name, given=False)
-            found = _in_original(self._detect(t, self._names, deadline), dropped)
+            if self._names.version != self._seen_version:  # what was seen may hold names learned since
+                self._seen, self._seen_version = {}, self._names.version
+            found = _in_original(self._detect(t, self._names, deadline, self._seen), dropped)
             if not found:
                 break
             out, at = [], 0
@@ -608,7 +615,7 @@ class Redactor:
         for name in _cue_names(t):
             names.add(name, given=False)
         return [Finding(detector, start, end)
-                for start, end, detector, _ in _in_original(self._detect(t, names, None), dropped)]
+                for start, end, detector, _ in _in_original(self._detect(t, names, None, {}), dropped)]
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         out = dict(message)
@@ -625,25 +632,35 @@ class Redactor:
             self._placeholders[detector, key] = f"<{_PREFIX.get(detector, detector.upper())}_{n}>"
         return self._placeholders[detector, key]
 
-    def _detect(self, s: str, names: _Names, deadline: float | None) -> list[tuple[int, int, str, str]]:
-        """Non-overlapping (start, end, detector, key) in ``s``, by position; on overlap, precedence decides."""
-        taken = bytearray(len(s))  # 1 where a value was accepted
+    def _detect(self, s: str, names: _Names, deadline: float | None,
+                seen: dict[str, list[tuple[int, int, str, str]]]) -> list[tuple[int, int, str, str]]:
+        """Non-overlapping (start, end, detector, key) in ``s``, by position; on overlap, precedence decides.
 
-        def covered(at: int) -> _Covered:  # spans of the segment at ``at``, looked up in the whole text
-            return lambda start, end: taken.find(0, at + start, at + end) < 0
-
+        ``seen`` holds what was found in each stretch of text between placeholders, which depends on
+        nothing else while the names are the same: a stretch seen in an earlier pass, or in an earlier
+        text, is not read again.
+        """
+        found: list[tuple[int, int, str, str]] = []
         # Detect between placeholders only, so a placeholder never matches nor joins two values.
         ends = [0, *(i for m in _PLACEHOLDER.finditer(s) for i in m.span()), len(s)]
-        segments = [(a, s[a:b], covered(a)) for a, b in zip(ends[::2], ends[1::2]) if s[a:b].strip()]
+        for at, end in zip(ends[::2], ends[1::2]):
+            segment = s[at:end]
+            if segment not in seen:
+                seen[segment] = self._segment(segment, names, deadline) if segment.strip() else []
+            found += ((at + start, at + end, detector, key) for start, end, detector, key in seen[segment])
+        return found
+
+    def _segment(self, s: str, names: _Names, deadline: float | None) -> list[tuple[int, int, str, str]]:
+        taken = bytearray(len(s))  # 1 where a value was accepted: a match is checked on its span, not on each value
+
+        def covered(start: int, end: int) -> bool:
+            return taken.find(0, start, end) < 0
+
         accepted: list[tuple[int, int, str, str]] = []
-        detectors = [*self._patterns, *_DETECTORS.items(), *([("person", names.find)] if names else [])]
-        for detector, find in detectors:
-            found: list[tuple[int, int, str]] = []
-            for at, segment, segment_covered in segments:
-                _check(deadline)
-                found += ((at + start, at + end, key) for start, end, key in find(segment, segment_covered))
+        for detector, find in [*self._patterns, *_DETECTORS.items(), *([("person", names.find)] if names else [])]:
+            _check(deadline)
             # The detector's matches, the earliest and then the longest first, where none found before overlaps.
-            for start, end, key in sorted(found, key=lambda f: (f[0], f[0] - f[1])):
+            for start, end, key in sorted(find(s, covered), key=lambda f: (f[0], f[0] - f[1])):
                 if end > start and taken.find(1, start, end) < 0:
                     taken[start:end] = b"\1" * (end - start)
                     accepted.append((start, end, detector, key))
