@@ -124,7 +124,8 @@ def _skeleton(s: str) -> tuple[str, list[int]]:
     """``s`` as the detectors read it, and where in that each character left out of it was.
 
     Each character of ``s`` is one of the skeleton's (``_FOLDED`` ones as the ASCII they stand for), but
-    invisible ones, which are left out: "4111\u200b1111..." is a card number, "anna\u00adrossi@..." an email.
+    invisible ones, which are left out: a card number with zero-width spaces between its groups is a card
+    number, an email with a soft hyphen in it an email.
     """
     if s.isascii():
         return s, []
@@ -252,7 +253,7 @@ def _phones(s: str, covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for cand in _PHONE_CANDIDATE.finditer(s):
         if len(_digits(cand.group())) < 7 or all(covered(*run.span()) for run in _DIGIT_RUN.finditer(s, *cand.span())):
             continue
-        # A few characters either side let the matcher see what it checks (a time after a date).
+        # A few characters either side let the matcher see what it checks next to a number (a %, a currency).
         base = max(cand.start() - 4, 0)
         window = s[base: cand.end() + 4]
         found = _phone_matches(window)
