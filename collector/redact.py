@@ -7,20 +7,30 @@ throughout it (``<PERSON_1>``, ``<PHONE_1>``, ``<EMAIL_1>``, ``<CARD_1>``, ``<IB
 ``<ID_1>``, ``<ADDRESS_1>``; a config pattern named ``order`` gives ``<ORDER_1>``), so a
 redacted transcript still reads ("<PERSON_1> asked to move <ADDRESS_1>").
 
+The detectors read the text folded: digits of any script as 0-9 (full-width "４", Arabic-Indic
+"٤"), any space as a space (no-break, thin, narrow no-break), any dash as "-", full-width and
+mathematical letters as ASCII, and invisible characters (soft hyphen, zero-width space, joiners,
+bidi controls) left out. A placeholder covers the value as it was written, invisible characters
+inside it too, and one value written two ways gets one placeholder.
+
 What it catches (detector names as in :class:`Finding`):
 
-- ``email``: anything shaped ``local@domain.tld``.
+- ``email``: anything shaped ``local@domain.tld``, or with an IP address for a domain
+  (``user@192.168.0.1``, ``user@[192.168.0.1]``).
 - ``phone``: what ``phonenumbers`` finds valid for the number as written, as an international
   number (with ``+`` or ``00``, or grouped digits that read as one with a ``+`` in front), or as a
-  national number of the US, GB, FR, IT, DE or ES. Order numbers, dates, times and version
-  strings are not valid numbers, so they stay.
-- ``card``: 13 to 19 digits, spaces or dashes between them, that pass the Luhn check.
-- ``iban``: a country code, two check digits and 11 to 30 letters or digits (grouped by four or
-  not) whose mod-97 checksum holds.
+  national number of the US, GB, FR, IT, DE or ES. Written with its ``+``, a number of a length its
+  country uses counts even when not valid (``+44 7700 900123``: the UK keeps that range for
+  drama). Order numbers, dates, times and version strings are not valid numbers, so they stay.
+- ``card``: 13 to 19 digits that pass the Luhn check, with no separator, with one kind throughout
+  (spaces, ``-``, ``/``, ``_`` or ``.``), or grouped as cards are (4-4-4-4, 4-6-5) with any mix.
+- ``iban``: a country code, two check digits and 11 to 30 letters or digits (grouped by four with
+  spaces, dashes or dots, or not) whose mod-97 checksum holds.
 - ``national_id``: US social security numbers (``ddd-dd-dddd``), UK National Insurance numbers
   (``AB123456C``), Italian codici fiscali (16 characters), French NIR/INSEE numbers (13 digits
-  and a 2-digit key, key checked), Spanish DNI and NIE (8 digits or X/Y/Z and 7, and a letter,
-  letter checked).
+  and a 2-digit key, key checked; grouped with spaces, dots or dashes or not), Spanish DNI and NIE
+  (8 digits or X/Y/Z and 7, and a letter, letter checked: ``12345678Z``, ``12.345.678-Z``,
+  ``X-1234567-L``).
 - ``address``: a house number and a street in English ("12 Baker Street", "221B Baker St"),
   French ("5 rue de la Paix", "rue de la Paix 5"), Italian ("via Roma 12"), Spanish ("calle
   Mayor 7"), Portuguese ("rua Augusta 10") and German ("Hauptstraße 3", "Berliner Str. 5").
@@ -39,18 +49,29 @@ lowercase after a weak cue ("i'm anna"), an address with no house number or a st
 lowercase ("baker street", "via roma 12"), postcodes and cities, ids of other countries and
 other kinds of id (passports, health insurance numbers: add a config pattern), phone numbers of
 other regions written without their country code, two phone numbers with only a space between
-them (read as one invalid number), and anything paraphrased. It errs towards redacting: a name
-that is also a word ("Will", "Rose") is replaced as the word too, a capitalised German noun after
-"ich bin" ("ich bin Lehrer") is taken for a name, and a bare run of 9 or 10 digits that is a valid
-number in one of the regions (an order number can be) counts as a phone.
+them (read as one invalid number), and anything paraphrased. Nor what is disguised beyond the
+folding above: a value broken across lines, digits spelled out or written with look-alikes ("O"
+for 0, superscripts, circled digits), letters of another script that look Latin (a Cyrillic "а"
+in "Аnna"), an email with spaces around "@" or with "at" and "dot", a card number grouped
+neither regularly nor with one separator ("41 11-1111 1111 1111"), ids and IBANs with other
+separators. It errs towards redacting: a name that is also a word ("Will", "Rose") is replaced as
+the word too, a capitalised German noun after "ich bin" ("ich bin Lehrer") is taken for a name, a
+bare run of 9 or 10 digits that is a valid number in one of the regions (an order number can be)
+counts as a phone, and so does a "+" before digits of a length some country uses.
+
+Its cost grows as the text does (``bench/redact.py`` measures it from 1 KB to 1 MB): no repeat in
+the patterns that could backtrack is unbounded, learned names are looked up word by word, and a
+match is checked for overlap against a mask of those accepted, not against each of them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+import time
+import unicodedata
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import phonenumbers
@@ -81,22 +102,81 @@ class Finding:
     end: int
 
 
+# --- what the detectors read ------------------------------------------------------------------
+
+# Characters written in place of a digit, a space or a dash: digits of any script, any space (no-break,
+# thin, narrow no-break, ideographic), any dash, full-width and mathematical letters and digits.
+_FOLDED = regex.compile(r"(?V1)[[\p{Nd}\p{Zs}\p{Pd}\uff01-\uff5e\U0001d400-\U0001d7ff]--[0-9 \-]]")
+# Characters that show nothing (soft hyphen, zero-width space and joiners, word joiner, bidi controls).
+_INVISIBLE = regex.compile(r"\p{Default_Ignorable_Code_Point}")
+
+
+def _fold(m: regex.Match[str]) -> str:
+    c = m.group()
+    category = unicodedata.category(c)
+    if category == "Nd":
+        return str(unicodedata.decimal(c))
+    # The full-width and mathematical forms are one character each in NFKC too.
+    return " " if category == "Zs" else "-" if category == "Pd" else unicodedata.normalize("NFKC", c)
+
+
+def _skeleton(s: str) -> tuple[str, list[int]]:
+    """``s`` as the detectors read it, and where in that each character left out of it was.
+
+    Each character of ``s`` is one of the skeleton's (``_FOLDED`` ones as the ASCII they stand for), but
+    invisible ones, which are left out: a card number with zero-width spaces between its groups is a card
+    number, an email with a soft hyphen in it an email.
+    """
+    if s.isascii():
+        return s, []
+    t = _FOLDED.sub(_fold, s)
+    dropped = [m.start() - n for n, m in enumerate(_INVISIBLE.finditer(t))]
+    return (_INVISIBLE.sub("", t) if dropped else t), dropped
+
+
+def _in_original(found: list[tuple[int, int, str, str]], dropped: list[int]) -> list[tuple[int, int, str, str]]:
+    """Spans in a skeleton as spans of the text it was made from (the invisible characters inside them too)."""
+    if not dropped:
+        return found
+    return [(start + bisect_right(dropped, start), end + bisect_right(dropped, end - 1), detector, key)
+            for start, end, detector, key in found]
+
+
 # --- values with a checksum or a fixed shape -------------------------------------------------
 
-_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[^\W\d_]{2,}(?![\w-])")
-_CARD = regex.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?!\d)")
-_IBAN = regex.compile(r"\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?\b", regex.I)
+# A detector finds (start, end, key) in a text; ``covered(start, end)`` says whether that span is taken
+# by values found before, of detectors that come first (it may skip its work there: no match would be kept).
+_Covered = Callable[[int, int], bool]
+_Detector = Callable[[str, _Covered], Iterable[tuple[int, int, str]]]
+
+# A domain's labels are counted: an unbounded repeat backtracks in time that grows as its square.
+_EMAIL = regex.compile(r"(?<![\w.+-])[\w.+-]+@(?:(?:[\w-]+\.){1,30}[^\W\d_]{2,}|\d{1,3}(?:\.\d{1,3}){3}"
+                       r"|\[(?:IPv6:)?[\dA-F:.]{2,45}\])(?![\w-])", regex.I)
+# 13 to 19 digits, with one kind of separator throughout ("4111.1111.1111.1111") or grouped as cards
+# are (4-4-4-4, 4-6-5) with any mix of them. Each repeat is bounded: a run of digits costs no more than
+# its length, whatever it holds.
+_CARD_GAP = r"(?:[ ]{1,2}|[ ]?[-/_.][ ]?)"
+_CARD = regex.compile(r"(?<![\d-])(?<!\d[/_.])\d(?:"
+                      + "|".join(rf"(?:{sep}?\d){{12,18}}" for sep in ("[ ]", "-", "/", "_", r"\."))
+                      + rf"|\d{{3}}(?:{_CARD_GAP}\d{{4}}){{3}}(?:{_CARD_GAP}\d{{1,3}})?"
+                      + rf"|\d{{3}}{_CARD_GAP}\d{{6}}{_CARD_GAP}\d{{4,5}})(?!\d)")
+_IBAN = regex.compile(r"\b[A-Z]{2}\d{2}(?:[ .\-]?[A-Z0-9]{4}){2,7}(?:[ .\-]?[A-Z0-9]{1,3})?\b", regex.I)
+_IBAN_LAST_GROUP = regex.compile(r"[ .\-][A-Z0-9]*$", regex.I)
 _SSN = regex.compile(r"(?<![\d-])(?!000|666|9)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\d-])")
 _NINO = regex.compile(r"\b(?!BG|GB|KN|NK|NT|TN|ZZ)[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z]"
                       r" ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b", regex.I)
 # Omocodia swaps digits for LMNPQRSTUV, so digit positions take those letters too.
 _CODICE_FISCALE = regex.compile(r"\b[A-Z]{6}[\dL-NP-V]{2}[A-EHLMPR-T][\dL-NP-V]{2}[A-Z][\dL-NP-V]{3}[A-Z]\b",
                                 regex.I)
-_NIR = regex.compile(r"(?<!\d)[12] ?\d{2} ?\d{2} ?(?:\d{2}|2[AB]) ?\d{3} ?\d{3} ?\d{2}(?!\d)", regex.I)
-_DNI = regex.compile(r"\b(?:\d{8}|[XYZ]\d{7})-?[A-Z]\b", regex.I)
-_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?[\d(][\d \u00a0().\-/]{5,}\d")
-_INTERNATIONAL_GROUPS = regex.compile(r"\d{1,3}[ \u00a0.-]\d")
-# phonenumbers knows ISO dates before a time, not "29.11.2026 10:02": dates are never phone numbers.
+_NIR = regex.compile(r"(?<!\d)[12][ .\-]?\d{2}[ .\-]?\d{2}[ .\-]?(?:\d{2}|2[AB])[ .\-]?\d{3}[ .\-]?\d{3}"
+                     r"[ .\-]?\d{2}(?!\d)", regex.I)
+# "12345678Z", "12.345.678-Z", "X-1234567-L"; after a space only a capital counts ("12345678 y" is Spanish).
+_DNI = regex.compile(r"\b(?<!\d\.)(?:\d{8}|\d{2}[. ]\d{3}[. ]\d{3}|(?i:[XYZ])[ -]?\d{7})"
+                     r"(?:-?(?i:[A-Z])|[ ]-?[ ]?[A-Z])\b")
+_PHONE_CANDIDATE = regex.compile(r"(?<![\w+])(?:\+|00)?\(?\d(?:[ ().\-/]{0,4}\d)+")
+_DIGIT_RUN = regex.compile(r"\d+")
+_INTERNATIONAL_GROUPS = regex.compile(r"\d{1,3}[ .-]\d")
+# phonenumbers knows ISO dates before a time, not "29.11.2026 10:02".
 _DATE = regex.compile(r"(?<![\d./-])(?:\d{1,2}[./-]\d{1,2}[./-](?:\d{4}|\d{2})|\d{4}[./-]\d{1,2}[./-]\d{1,2})"
                       r"(?![./-]?\d)")
 
@@ -133,18 +213,18 @@ def _compact(s: str) -> str:
     return "".join(c for c in s if c.isalnum()).upper()
 
 
-def _emails(s: str) -> Iterator[tuple[int, int, str]]:
+def _emails(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for m in _EMAIL.finditer(s):
         yield m.start(), m.end(), m.group().lower()
 
 
-def _cards(s: str) -> Iterator[tuple[int, int, str]]:
+def _cards(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for m in _CARD.finditer(s):
         if _luhn(digits := _digits(m.group())):
             yield m.start(), m.end(), digits
 
 
-def _ibans(s: str) -> Iterator[tuple[int, int, str]]:
+def _ibans(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for m in _IBAN.finditer(s):
         # A word after the number can join the last group: drop trailing groups until it checks.
         text = m.group()
@@ -152,10 +232,11 @@ def _ibans(s: str) -> Iterator[tuple[int, int, str]]:
             if _iban_ok(compact := _compact(text)):
                 yield m.start(), m.start() + len(text), compact
                 break
-            text = text[: text.rfind(" ")] if " " in text else ""
+            last = _IBAN_LAST_GROUP.search(text)
+            text = text[: last.start()] if last else ""
 
 
-def _national_ids(s: str) -> Iterator[tuple[int, int, str]]:
+def _national_ids(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     checks = ((_SSN, None), (_NINO, None), (_CODICE_FISCALE, None), (_NIR, _nir_ok), (_DNI, _dni_ok))
     for pattern, check in checks:
         for m in pattern.finditer(s):
@@ -164,16 +245,18 @@ def _national_ids(s: str) -> Iterator[tuple[int, int, str]]:
                 yield m.start(), m.end(), compact
 
 
-def _phones(s: str) -> Iterator[tuple[int, int, str]]:
-    # phonenumbers is slow next to a regex: only digit runs long enough to be a number go to it.
-    dates = [m.span() for m in _DATE.finditer(s)]
+def _phones(s: str, covered: _Covered) -> Iterator[tuple[int, int, str]]:
+    # Dates are never phone numbers: they are blanked out (a line break is no part of a number), as are the
+    # values found before (cards, IBANs): only digit runs long enough to be a number are left for
+    # phonenumbers, which is slow next to a regex.
+    s = _DATE.sub(lambda m: "\n" * len(m.group()), s)
     for cand in _PHONE_CANDIDATE.finditer(s):
-        if len(_digits(cand.group())) < 7:
+        if len(_digits(cand.group())) < 7 or all(covered(*run.span()) for run in _DIGIT_RUN.finditer(s, *cand.span())):
             continue
-        # A few characters either side let the matcher see what it checks (a time after a date).
+        # A few characters either side let the matcher see what it checks next to a number (a %, a currency).
         base = max(cand.start() - 4, 0)
         window = s[base: cand.end() + 4]
-        found = [m for region in PHONE_REGIONS for m in phonenumbers.PhoneNumberMatcher(window, region)]
+        found = _phone_matches(window)
         # Read as international only when grouped like one ("41 44 668 18 00"): a bare run of digits
         # with a "+" in front is too often some valid number somewhere.
         if not found and _INTERNATIONAL_GROUPS.match(cand.group()):
@@ -181,9 +264,21 @@ def _phones(s: str) -> Iterator[tuple[int, int, str]]:
             found = list(phonenumbers.PhoneNumberMatcher(window, None))
         for m in found:
             start, end = base + m.start, base + m.end
-            # Only what lies in the candidate (from the "+" put in front of it, if any) and is no date.
-            if cand.start() - 1 <= start and end <= cand.end() and all(end <= a or start >= b for a, b in dates):
+            if cand.start() - 1 <= start and end <= cand.end():  # in the candidate, or from the "+" put before it
                 yield max(start, cand.start()), end, _e164(m.number)
+
+
+def _phone_matches(window: str) -> list[phonenumbers.PhoneNumberMatch]:
+    """The numbers in ``window``: international ones, then those of each region."""
+    found = []
+    if "+" in window:  # else there is no international number for phonenumbers to find
+        # Written with its "+", a number counts when it has the length its country's numbers have, assigned
+        # or not: phonenumbers finds the UK's range for drama, +44 7700 900xxx, not valid.
+        found = [m for m in phonenumbers.PhoneNumberMatcher(window, None, leniency=phonenumbers.Leniency.POSSIBLE)
+                 if phonenumbers.is_possible_number_with_reason(m.number) == phonenumbers.ValidationResult.IS_POSSIBLE]
+        if sum(len(_digits(m.raw_string)) for m in found) == len(_digits(window)):
+            return found  # every digit is in an international number: the regions would find them again
+    return found + [m for region in PHONE_REGIONS if region for m in phonenumbers.PhoneNumberMatcher(window, region)]
 
 
 def _e164(number: phonenumbers.PhoneNumber) -> str:
@@ -212,7 +307,7 @@ _ADDRESSES = [regex.compile(p) for p in (
 )]
 
 
-def _addresses(s: str) -> Iterator[tuple[int, int, str]]:
+def _addresses(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
     for pattern in _ADDRESSES:
         for m in pattern.finditer(s):
             yield m.start(), m.end(), " ".join(m.group().split()).casefold()
@@ -278,9 +373,10 @@ _CUES = [(regex.compile(p), loose) for p, loose in (
 
 def _title_case_line(s: str, start: int, end: int) -> bool:
     """True when most words near ``s[start:end]`` on its line are capitalised: then capitals tell nothing."""
-    line_start, line_end = s.rfind("\n", 0, start) + 1, s.find("\n", end)
-    line_end = len(s) if line_end < 0 else line_end
-    rest = s[max(line_start, start - 80):start] + " " + s[end:min(line_end, end + 80)]
+    # Look for the line's ends only that far: a text of one long line would be read again for each cue.
+    near_start, near_end = max(start - 80, 0), min(end + 80, len(s))
+    line_start, line_end = s.rfind("\n", near_start, start) + 1, s.find("\n", end, near_end)
+    rest = s[max(line_start, near_start):start] + " " + s[end:near_end if line_end < 0 else line_end]
     # Two letters and more: "I" is always capitalised.
     words = regex.findall(r"\p{L}{2,}", _PLACEHOLDER.sub(" ", rest))
     return len(words) >= 3 and sum(w[0].isupper() for w in words) >= 0.6 * len(words)
@@ -306,35 +402,84 @@ def _cue_names(s: str) -> Iterator[str]:
                 yield " ".join(words).removesuffix("'s").removesuffix("’s")
 
 
-def _add_name(names: dict[str, str], name: str, *, given: bool) -> None:
-    """Add the name and its parts (first name, surname) to ``names``: casefolded variant -> full name."""
-    name = " ".join(name.split())
-    if len(name) < 2 or "@" in name or not regex.search(r"\p{L}", name):
-        return  # an email is the email detector's; an id of digits alone would redact every such number
-    # A name given as an id ("anna.rossi") splits on dots and underscores as well.
-    parts = [p for p in regex.split(r"[\s._]+" if given else r"\s+", name) if len(p) > 1
-             and regex.search(r"\p{L}", p) and p.casefold() not in _PARTICLES and p.casefold() not in _STOP]
-    for variant in [name, *parts]:
-        names.setdefault(variant.casefold(), name.casefold())
+_WORD = regex.compile(r"[\p{L}\p{N}_]+")
+# A name reads as words, runs of space (any run matches any other) and other characters one by one.
+_TOKEN = regex.compile(r"([\p{L}\p{N}_]+)|(\s+)|.", regex.DOTALL)
+_LEAD = regex.compile(r"^[^\p{L}\p{N}_]+")
 
 
-@lru_cache(maxsize=64)
-def _names_regex(names: tuple[str, ...]) -> regex.Pattern[str]:
-    alternatives = (r"\s+".join(regex.escape(w) for w in n.split()) for n in sorted(names, key=len, reverse=True))
-    return regex.compile(rf"(?<![\p{{L}}\p{{N}}_])(?:{'|'.join(alternatives)})(?![\p{{L}}\p{{N}}_])",
-                         regex.IGNORECASE | regex.FULLCASE)  # so "Strauss" also finds "Strauß"
+def _token_key(token: regex.Match[str]) -> str:
+    return " " if token.group(2) else token.group().casefold()  # casefold: "Strauss" also finds "Strauß"
+
+
+class _Names:
+    """Names to replace, each with its parts (a first name, a surname), found whole word and whatever the case.
+
+    A trie of tokens: finding them costs a look-up for each word of the text, however many names there are
+    (one regex alternation of all of them tried each name at each word).
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[int, str], int] = {}  # (node, token) -> node; the root is 0
+        self._full: dict[int, str] = {}  # node where a name or part ends -> the full name, casefolded
+        self.version = 0  # names or parts added so far
+
+    def __bool__(self) -> bool:
+        return bool(self._full)
+
+    def copy(self) -> _Names:
+        other = _Names()
+        other._next, other._full, other.version = dict(self._next), dict(self._full), self.version
+        return other
+
+    def add(self, name: str, *, given: bool) -> None:
+        """Add the name and its parts; a name or part added before keeps the full name it had."""
+        name = " ".join(_PLACEHOLDER.sub(" ", name).split())  # a cue read in a redacted text names nobody
+        if len(name) < 2 or "@" in name or not regex.search(r"\p{L}", name):
+            return  # an email is the email detector's; an id of digits alone would redact every such number
+        # A name given as an id ("anna.rossi") splits on dots and underscores as well.
+        parts = [p for p in regex.split(r"[\s._]+" if given else r"\s+", name) if len(p) > 1
+                 and regex.search(r"\p{L}", p) and p.casefold() not in _PARTICLES and p.casefold() not in _STOP]
+        for variant in [name, *parts]:
+            # Starting at a word, as the text is searched from each word: "(Anna)" is found as "Anna)".
+            variant = _LEAD.sub("", variant)
+            if len(variant) < 2:
+                continue
+            node = 0
+            for token in _TOKEN.finditer(variant):
+                node = self._next.setdefault((node, _token_key(token)), len(self._next) + 1)
+            if node not in self._full:
+                self._full[node] = name.casefold()
+                self.version += 1
+
+    def find(self, s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
+        """(start, end, full name) of each name or part in ``s``: from left to right, the longest at a word."""
+        after = 0
+        for word in _WORD.finditer(s):
+            node = self._next.get((0, word.group().casefold())) if word.start() >= after else None
+            at, hit, full = word.end(), 0, ""
+            while node is not None:
+                if node in self._full and not _WORD.match(s, at):  # a whole word: "Anna" is not in "Annabel"
+                    hit, full = at, self._full[node]
+                token = _TOKEN.match(s, at)
+                if token is None:
+                    break
+                node, at = self._next.get((node, _token_key(token))), token.end()
+            if hit:
+                yield word.start(), hit, full
+                after = hit
 
 
 # --- the redactor -----------------------------------------------------------------------------
 
 # In order of precedence: where two matches overlap, config patterns win, then the earlier detector here,
 # and learned names come last.
-_DETECTORS = {"email": _emails, "iban": _ibans, "card": _cards, "national_id": _national_ids,
-              "phone": _phones, "address": _addresses}
+_DETECTORS: dict[str, _Detector] = {"email": _emails, "iban": _ibans, "card": _cards,
+                                    "national_id": _national_ids, "phone": _phones, "address": _addresses}
 _MAX_PASSES = 4  # a replacement can expose a shorter match beside it; text() goes again until none is left
 
 
-def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, regex.Pattern[str]]]:
+def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, _Detector]]:
     compiled = []
     for name, pattern in patterns.items():
         if not _PATTERN_NAME.fullmatch(name) or name.lower() in _PREFIX:
@@ -346,8 +491,19 @@ def _compile_patterns(patterns: Mapping[str, str]) -> list[tuple[str, regex.Patt
             raise ValueError(f"redaction pattern {name!r}: not a valid regular expression ({e}): {pattern!r}") from e
         if rx.fullmatch(""):
             raise ValueError(f"redaction pattern {name!r}: matches the empty string: {pattern!r}")
-        compiled.append((name, rx))
+        compiled.append((name, _pattern_detector(name, rx)))
     return compiled
+
+
+def _pattern_detector(name: str, rx: regex.Pattern[str]) -> _Detector:
+    def find(s: str, _covered: _Covered) -> Iterator[tuple[int, int, str]]:
+        try:
+            for m in rx.finditer(s, timeout=PATTERN_TIMEOUT):
+                yield m.start(), m.end(), m.group()
+        except TimeoutError as e:
+            raise TimeoutError(f"redaction pattern {name!r} ran longer than {PATTERN_TIMEOUT}s "
+                               f"on a {len(s)}-character text") from e
+    return find
 
 
 class Redactor:
@@ -368,27 +524,37 @@ class Redactor:
 
     def __init__(self, patterns: Mapping[str, str] | None = None, names: Iterable[str] = ()) -> None:
         self._patterns = _compile_patterns(patterns or {})
-        self._names: dict[str, str] = {}  # casefolded name or part -> the full name it belongs to
+        self._names = _Names()
+        self._seen: dict[str, list[tuple[int, int, str, str]]] = {}  # see _detect
+        self._seen_version = 0
         self._placeholders: dict[tuple[str, str], str] = {}
         self._counts: dict[str, int] = {}
         for name in names:
-            _add_name(self._names, name, given=True)
+            self._names.add(_skeleton(name)[0], given=True)
 
     def learn(self, texts: Iterable[str]) -> None:
         """Learn the names the cues in ``texts`` introduce; call it with every message before redacting."""
         for s in texts:
-            for name in _cue_names(s):
-                _add_name(self._names, name, given=False)
+            for name in _cue_names(_skeleton(s)[0]):
+                self._names.add(name, given=False)
 
-    def text(self, s: str) -> str:
+    def text(self, s: str, deadline: float | None = None) -> str:
         """``s`` with every detected value, and every learned name, replaced by its placeholder.
 
+        Args:
+            deadline: a ``time.monotonic()`` time to give up at; checked between detectors, so it can be
+                passed by as long as one detector takes on the text.
+
         Raises:
-            TimeoutError: a config pattern ran longer than ``PATTERN_TIMEOUT`` on ``s``.
+            TimeoutError: a config pattern ran longer than ``PATTERN_TIMEOUT`` on ``s``, or ``deadline`` passed.
         """
         for _ in range(_MAX_PASSES):
-            self.learn([s])  # again on each pass: a placeholder can change what a cue reads
-            found = self._detect(s, self._names)
+            t, dropped = _skeleton(s)
+            for name in _cue_names(t):  # again on each pass: a placeholder can change what a cue reads
+                self._names.add(name, given=False)
+            if self._names.version != self._seen_version:  # what was seen may hold names learned since
+                self._seen, self._seen_version = {}, self._names.version
+            found = _in_original(self._detect(t, self._names, deadline, self._seen), dropped)
             if not found:
                 break
             out, at = [], 0
@@ -398,14 +564,18 @@ class Redactor:
             s = "".join(out) + s[at:]
         return s
 
-    def value(self, v: Any) -> Any:
-        """Strings redacted with :meth:`text`, dict values and list items recursively (keys kept), others as is."""
+    def value(self, v: Any, deadline: float | None = None) -> Any:
+        """Strings redacted with :meth:`text`, dict values and list items recursively (keys kept), others as is.
+
+        Args:
+            deadline: as for :meth:`text`, for the whole of ``v``.
+        """
         if isinstance(v, str):
-            return self.text(v)
+            return self.text(v, deadline)
         if isinstance(v, dict):
-            return {k: self.value(x) for k, x in v.items()}
+            return {k: self.value(x, deadline) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
-            return [self.value(x) for x in v]
+            return [self.value(x, deadline) for x in v]
         return v
 
     def record(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -418,7 +588,7 @@ class Redactor:
         attributes = record.get("attributes") or {}
         for key in NAME_ATTRIBUTES:
             if isinstance(attributes.get(key), str):
-                _add_name(self._names, attributes[key], given=True)
+                self._names.add(_skeleton(attributes[key])[0], given=True)
         messages = record.get("messages") or []
         self.learn([record.get("system") or "", *(m.get("content") or "" for m in messages),
                     *(json.dumps(c.get("arguments"), ensure_ascii=False)
@@ -441,10 +611,12 @@ class Redactor:
 
         Placeholders never match. Empty for what :meth:`text` returns. Learns nothing.
         """
-        names = dict(self._names)
-        for name in _cue_names(s):
-            _add_name(names, name, given=False)
-        return [Finding(detector, start, end) for start, end, detector, _ in self._detect(s, names)]
+        t, dropped = _skeleton(s)
+        names = self._names.copy()
+        for name in _cue_names(t):
+            names.add(name, given=False)
+        return [Finding(detector, start, end)
+                for start, end, detector, _ in _in_original(self._detect(t, names, None, {}), dropped)]
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         out = dict(message)
@@ -461,39 +633,44 @@ class Redactor:
             self._placeholders[detector, key] = f"<{_PREFIX.get(detector, detector.upper())}_{n}>"
         return self._placeholders[detector, key]
 
-    def _detect(self, s: str, names: Mapping[str, str]) -> list[tuple[int, int, str, str]]:
-        """Non-overlapping (start, end, detector, key) in ``s``, by position; on overlap, precedence decides."""
-        candidates: list[tuple[int, int, int, str, str]] = []  # precedence, start, end, detector, key
-        at = 0
+    def _detect(self, s: str, names: _Names, deadline: float | None,
+                seen: dict[str, list[tuple[int, int, str, str]]]) -> list[tuple[int, int, str, str]]:
+        """Non-overlapping (start, end, detector, key) in ``s``, by position; on overlap, precedence decides.
+
+        ``seen`` holds what was found in each stretch of text between placeholders, which depends on
+        nothing else while the names are the same: a stretch seen in an earlier pass, or in an earlier
+        text, is not read again.
+        """
+        found: list[tuple[int, int, str, str]] = []
         # Detect between placeholders only, so a placeholder never matches nor joins two values.
-        for segment_end, next_at in [*(m.span() for m in _PLACEHOLDER.finditer(s)), (len(s), len(s))]:
-            found = self._segment(s[at:segment_end], names)
-            candidates += ((rank, at + a, at + b, det, key) for rank, det, a, b, key in found)
-            at = next_at
+        ends = [0, *(i for m in _PLACEHOLDER.finditer(s) for i in m.span()), len(s)]
+        for at, end in zip(ends[::2], ends[1::2]):
+            segment = s[at:end]
+            if segment not in seen:
+                seen[segment] = self._segment(segment, names, deadline) if segment.strip() else []
+            found += ((at + start, at + end, detector, key) for start, end, detector, key in seen[segment])
+        return found
+
+    def _segment(self, s: str, names: _Names, deadline: float | None) -> list[tuple[int, int, str, str]]:
+        taken = bytearray(len(s))  # 1 where a value was accepted: a match is checked on its span, not on each value
+
+        def covered(start: int, end: int) -> bool:
+            return taken.find(0, start, end) < 0
+
         accepted: list[tuple[int, int, str, str]] = []
-        for _, start, end, detector, key in sorted(candidates, key=lambda c: (c[0], c[1], c[1] - c[2])):
-            if end > start and all(end <= a or start >= b for a, b, _, _ in accepted):
-                accepted.append((start, end, detector, key))
+        for detector, find in [*self._patterns, *_DETECTORS.items(), *([("person", names.find)] if names else [])]:
+            _check(deadline)
+            # The detector's matches, the earliest and then the longest first, where none found before overlaps.
+            for start, end, key in sorted(find(s, covered), key=lambda f: (f[0], f[0] - f[1])):
+                if end > start and taken.find(1, start, end) < 0:
+                    taken[start:end] = b"\1" * (end - start)
+                    accepted.append((start, end, detector, key))
         return sorted(accepted)
 
-    def _segment(self, s: str, names: Mapping[str, str]) -> Iterator[tuple[int, str, int, int, str]]:
-        if not s.strip():
-            return
-        for rank, (name, rx) in enumerate(self._patterns):
-            try:
-                for m in rx.finditer(s, timeout=PATTERN_TIMEOUT):
-                    yield rank, name, m.start(), m.end(), m.group()
-            except TimeoutError as e:
-                raise TimeoutError(f"redaction pattern {name!r} ran longer than {PATTERN_TIMEOUT}s "
-                                   f"on a {len(s)}-character text") from e
-        base = len(self._patterns)
-        for rank, (detector, find) in enumerate(_DETECTORS.items(), start=base):
-            for start, end, key in find(s):
-                yield rank, detector, start, end, key
-        if names:
-            for m in _names_regex(tuple(sorted(names))).finditer(s):
-                key = names.get(" ".join(m.group().split()).casefold(), m.group())
-                yield base + len(_DETECTORS), "person", m.start(), m.end(), key
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError("redaction ran past its deadline")
 
 
 def detect(s: str, patterns: Mapping[str, str] | None = None) -> list[Finding]:

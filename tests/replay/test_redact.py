@@ -1,9 +1,13 @@
-"""Redaction: each detector in both directions, consistent placeholders, names from cues, config patterns."""
+"""Redaction: each detector in both directions, consistent placeholders, names from cues, config patterns,
+and work that grows as the text does."""
 
 from __future__ import annotations
 
 import copy
+import cProfile
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,6 +61,49 @@ def test_each_detector_finds_its_values(detector: str, value: str) -> None:
     assert found(f"so: {value}. ok") == [(detector, value)]
 
 
+# Written the way a web page, a phone's keyboard or someone trying to slip past the redactor writes them.
+@pytest.mark.parametrize("detector, value", [
+    ("card", "4111\u00a01111\u00a01111\u00a01111"),     # no-break space
+    ("card", "4111\u20091111\u20091111\u20091111"),     # thin space
+    ("card", "4111\u202f1111\u202f1111\u202f1111"),     # narrow no-break space
+    ("card", "4111/1111/1111/1111"),
+    ("card", "4111_1111_1111_1111"),
+    ("card", "4111.1111.1111.1111"),
+    ("card", "4111  1111  1111  1111"),
+    ("card", "4111 - 1111 - 1111 - 1111"),
+    ("card", "4111 1111-1111.1111"),                    # grouped by four, separators mixed
+    ("card", "3782 822463 10005"),                      # Amex, 4-6-5
+    ("card", "4111\u20111111\u20111111\u20111111"),     # non-breaking hyphen
+    ("card", "4111\u200b1111\u200b1111\u200b1111"),     # zero-width space
+    ("card", "４１１１ １１１１ １１１１ １１１１"),           # full-width digits
+    ("iban", "GB82-WEST-1234-5698-7654-32"),
+    ("iban", "DE89.3704.0044.0532.0130.00"),
+    ("iban", "GB82\u00a0WEST\u00a01234\u00a05698\u00a07654\u00a032"),
+    ("national_id", "X-1234567-L"),                     # Spanish NIE
+    ("national_id", "X 1234567 L"),
+    ("national_id", "12345678-Z"),                      # Spanish DNI
+    ("national_id", "12345678 Z"),
+    ("national_id", "12.345.678-Z"),
+    ("national_id", "1-85-05-78-006-084-91"),           # French NIR
+    ("national_id", "1.85.05.78.006.084.91"),
+    ("email", "anna\u00adrossi@example.com"),           # soft hyphen
+    ("email", "anna\u200brossi@exam\u200bple.com"),     # zero-width spaces
+    ("email", "anna＠example.com"),                      # full-width at sign
+    ("email", "user@[192.168.0.1]"),
+    ("email", "user@192.168.0.1"),
+    ("email", "user@[IPv6:2001:db8::1]"),
+    ("phone", "+44 7700 900123"),                       # the UK's range for drama: possible, not valid
+    ("phone", "+44\u00a020\u00a07946\u00a00958"),
+    ("phone", "+44\u200920\u20097946\u20090958"),
+    ("phone", "020\u202f7946\u202f0958"),
+    ("phone", "＋４４ ２０ ７９４６ ０９５８"),
+    ("phone", "٠٢٠ ٧٩٤٦ ٠٩٥٨"),                          # Arabic-Indic digits
+])
+def test_values_written_with_other_separators_and_characters_are_found(detector: str, value: str) -> None:
+    assert found(f"so: {value}. ok") == [(detector, value)]
+    assert Redactor().text(f"so: {value}. ok") == f"so: <{redact._PREFIX[detector]}_1>. ok"
+
+
 @pytest.mark.parametrize("text", [
     "order B-35 shipped",
     "at 2026-11-29T10:02:11Z",
@@ -75,6 +122,17 @@ def test_each_detector_finds_its_values(detector: str, value: str) -> None:
     "5 minutes in a row",
     "I live on Baker Street",               # no house number: not caught (documented)
     "pain level 7 of 10, since 2 hours",
+    "on 29/11/2026 10:02",
+    "on 2026.11.29",
+    "on 2026\u201311\u201329 at 10:02",   # en dashes
+    "on 10.02.2026 10.02",
+    "version 1.2.3.4",
+    "from 192.168.0.1",
+    "expires 12/28",
+    "4111.1111.1111.1112",                  # Luhn fails, whatever the separator
+    "12345678 z",                           # after a space, only a capital is a DNI's letter
+    "UTC+01:00",
+    "+1 2",
 ])
 def test_look_alikes_are_not_personal_data(text: str) -> None:
     assert found(text) == []
@@ -99,6 +157,18 @@ def test_the_same_value_gets_the_same_placeholder_and_different_values_the_next_
     assert r.text("card 4111-1111-1111-1111, iban GB82WEST12345698765432") == "card <CARD_1>, iban <IBAN_1>"
     assert r.text("SSN 123-45-6789 at 12 Baker Street") == "SSN <ID_1> at <ADDRESS_1>"
     assert r.counts() == {"email": 2, "phone": 1, "card": 1, "iban": 1, "national_id": 1, "address": 1}
+
+
+def test_a_value_written_in_other_characters_gets_the_same_placeholder() -> None:
+    r = Redactor()
+    cards = "4111 1111 1111 1111, ４１１１ １１１１ １１１１ １１１１ or 4111.1111.1111.1111"
+    assert r.text(cards) == "<CARD_1>, <CARD_1> or <CARD_1>"
+    assert r.text("anna\u00adrossi@example.com, annarossi@example.com, anna.rossi@example.com") == \
+        "<EMAIL_1>, <EMAIL_1>, <EMAIL_2>"
+    # The placeholder covers the invisible characters inside the value; those around it stay.
+    assert r.text("\u200bcall +44\u200b20 7946 0958\u200b") == "\u200bcall <PHONE_1>\u200b"
+    r.learn(["my name is Ａｎｎａ Rossi"])
+    assert r.text("An\u200bna, ANNA and Ａｎｎａ") == "<PERSON_1>, <PERSON_1> and <PERSON_1>"
 
 
 def test_two_redactors_number_on_their_own() -> None:
@@ -177,6 +247,12 @@ def test_a_learned_name_is_replaced_everywhere_with_its_parts() -> None:
     assert r.text("Annabel and Rossini are other people") == "Annabel and Rossini are other people"
 
 
+def test_names_are_found_whole_word_and_the_longest_at_a_word() -> None:
+    r = Redactor(names=["Anna Rossi", "Anna Maria Bianchi", "Johann Strauss", "Mary O'Brien", "Hans-Peter Müller"])
+    assert r.text("Anna Maria Bianchi, Anna  Maria, anna rossi, Anna, Annabel, Strauß, O'Brien, Hans-Peter, Hans") == \
+        "<PERSON_1>, <PERSON_2>  <PERSON_1>, <PERSON_2>, <PERSON_2>, Annabel, <PERSON_3>, <PERSON_4>, <PERSON_5>, Hans"
+
+
 def test_names_in_several_languages_are_learned_and_numbered_in_order() -> None:
     r = Redactor()
     r.learn(["je m'appelle Marie", "Mi chiamo Luca", "Danke, Jürgen!"])
@@ -213,6 +289,15 @@ def test_config_patterns_get_their_name_as_placeholder_and_come_first() -> None:
 def test_a_bad_config_pattern_is_a_clear_error(patterns: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Redactor(patterns)
+
+
+def test_a_deadline_that_has_passed_stops_redaction() -> None:
+    r = Redactor()
+    with pytest.raises(TimeoutError, match="redaction ran past its deadline"):
+        r.text("mail anna@example.com", deadline=time.monotonic() - 1)
+    with pytest.raises(TimeoutError, match="redaction ran past its deadline"):
+        r.value({"to": ["anna@example.com"]}, deadline=time.monotonic() - 1)
+    assert r.value({"to": ["anna@example.com"]}, deadline=time.monotonic() + 60) == {"to": ["<EMAIL_1>"]}
 
 
 def test_a_config_pattern_that_backtracks_forever_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,6 +381,9 @@ PLANTED = [
     "123-45-6789", "AB123456C", "RSSMRA85T10A562S", "12345678Z", "1 85 05 78 006 084 91", "12 Baker Street",
     "via Roma 12", "5 rue de la Paix", "Hauptstraße 3", "calle Mayor 7", "my name is Anna Rossi",
     "mi chiamo Luca", "Hi Marco,", "Dear Mrs Dupont",
+    "4111.1111.1111.1111", "４１１１ １１１１ １１１１ １１１１", "4111\u200b1111\u200b1111\u200b1111",
+    "GB82-WEST-1234-5698-7654-32", "X-1234567-L", "1-85-05-78-006-084-91", "anna\u00adrossi@example.com",
+    "user@[192.168.0.1]", "+44 7700 900123", "+44\u200920\u20097946\u20090958",
 ]
 FILLER = ["ok", "order B-35", "2026-11-29", "version 2.10.3", "the pain", "Luca", "Rossi", "12", "+", "-", "at"]
 
@@ -318,3 +406,45 @@ def test_json_arguments_are_learned_from_as_a_record_sends_them() -> None:
     r = Redactor()
     r.learn([json.dumps({"full_name": "Ada Lovelace"})])
     assert r.text("Ada called, Lovelace") == "<PERSON_1> called, <PERSON_1>"
+
+
+# --- property: the work grows as the text does -------------------------------------------------------
+
+def calls(work: Callable[[], object]) -> int:
+    """The Python function calls ``work`` makes: a count of its work that no other process on the machine
+    changes, as the time it takes would be."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        work()
+    finally:
+        profile.disable()
+    return sum(entry.callcount for entry in profile.getstats())
+
+
+SEPARATE = "\n|\n"  # a line no detector reads across: it joins no value to the next
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(PLANTED), st.sampled_from(FILLER),
+                          st.text(alphabet="0123456789 -+.,()@aB\n", max_size=10)), min_size=1, max_size=6))
+def test_copies_of_a_text_are_redacted_as_copies_for_as_much_work_each(parts: list[str]) -> None:
+    chunk = " ".join(parts)
+    once = Redactor().text(chunk)  # phonenumbers also reads a region's metadata the first time it needs it
+    out: dict[int, str] = {}
+    work = {n: calls(lambda n=n: out.setdefault(n, Redactor().text(SEPARATE.join([chunk] * n)))) for n in (16, 64)}
+    assert out[64] == SEPARATE.join([once] * 64)
+    # Each value found was once checked against every value accepted before it: the square of their number.
+    # A little over 4: the copies at either end have fewer neighbours to look at.
+    assert work[64] <= 4.2 * work[16]
+
+
+@pytest.mark.parametrize("chunk", [
+    "a@b.co ", "4111 1111 1111 1111 ", "+44 20 7946 0958, ", "my name is Anna Rossi. ", "12 Baker Street ",
+    "GB82 WEST 1234 5698 7654 32 ", "29.11.2026 10:02 ", "1 ", "1.", "(", "1" + " " * 20, "I'm Anna. ", "Hi Anna, ",
+    "\u200b4",
+])
+def test_the_work_grows_as_a_text_of_one_shape_does(chunk: str) -> None:
+    Redactor().text(chunk * 2)
+    small, large = (calls(lambda n=n: Redactor().text(chunk * n)) for n in (64, 256))
+    assert large <= 4.2 * small
