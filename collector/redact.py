@@ -526,6 +526,7 @@ class Redactor:
         self._patterns = _compile_patterns(patterns or {})
         self._names = _Names()
         self._seen: dict[str, list[tuple[int, int, str, str]]] = {}  # see _detect
+        self._cued: dict[str, tuple[str, ...]] = {}  # text -> the names its cues introduce: texts repeat (histories)
         self._seen_version = 0
         self._placeholders: dict[tuple[str, str], str] = {}
         self._counts: dict[str, int] = {}
@@ -535,8 +536,14 @@ class Redactor:
     def learn(self, texts: Iterable[str]) -> None:
         """Learn the names the cues in ``texts`` introduce; call it with every message before redacting."""
         for s in texts:
-            for name in _cue_names(_skeleton(s)[0]):
-                self._names.add(name, given=False)
+            self._learn(_skeleton(s)[0])
+
+    def _learn(self, t: str) -> None:
+        names = self._cued.get(t)
+        if names is None:
+            names = self._cued[t] = tuple(_cue_names(t))
+        for name in names:
+            self._names.add(name, given=False)
 
     def text(self, s: str, deadline: float | None = None) -> str:
         """``s`` with every detected value, and every learned name, replaced by its placeholder.
@@ -550,8 +557,7 @@ class Redactor:
         """
         for _ in range(_MAX_PASSES):
             t, dropped = _skeleton(s)
-            for name in _cue_names(t):  # again on each pass: a placeholder can change what a cue reads
-                self._names.add(name, given=False)
+            self._learn(t)  # again on each pass: a placeholder can change what a cue reads
             if self._names.version != self._seen_version:  # what was seen may hold names learned since
                 self._seen, self._seen_version = {}, self._names.version
             found = _in_original(self._detect(t, self._names, deadline, self._seen), dropped)

@@ -107,6 +107,8 @@ class _Masker:
         self.texts: list[str] = []
         self.jobs: list[Callable[[Redactor], bool]] = []
         self.changed = False  # by what needs no redactor: a pseudonymised id, bytes that are not text
+        self._patterns = tuple(sorted(redaction.patterns.items()))
+        self._done: dict[str, str] = {}  # a text as it leaves, by text: LLM calls resend the history
 
     def attributes(self, attributes: Iterable[KeyValue]) -> None:
         for kv in attributes:
@@ -143,19 +145,30 @@ class _Masker:
             self.texts.append(text)
 
             def job(r: Redactor) -> bool:
-                out = r.text(text)
+                out = self._done.get(text)
+                if out is None:
+                    out = self._done[text] = r.text(text)
                 return out != text and put(out) is None
         else:
             self.texts += _json_strings(parsed)
 
             def job(r: Redactor) -> bool:
-                out = _json_map(parsed, r.text)
+                out = _json_map(parsed, lambda t: self._done.get(t) or self._done.setdefault(t, r.text(t)))
                 return out != parsed and put(orjson.dumps(out).decode()) is None
         self.jobs.append(job)
 
     def _id(self, value: AnyValue) -> None:
-        if value.WhichOneof("value") == "string_value" and detect(value.string_value, self.redaction.patterns):
-            value.string_value, self.changed = pseudonym(value.string_value, self.redaction.key), True
+        if value.WhichOneof("value") != "string_value":
+            return
+        text = value.string_value
+        key = (text, self.redaction.key, self._patterns)
+        out = _IDS.get(key)
+        if out is None:
+            if len(_IDS) >= _IDS_KEPT:
+                _IDS.clear()
+            out = _IDS[key] = pseudonym(text, self.redaction.key) if detect(text, self.redaction.patterns) else text
+        if out != text:
+            value.string_value, self.changed = out, True
 
     def run(self) -> bool:
         """Redact everything collected; whether anything changed."""
@@ -164,6 +177,12 @@ class _Masker:
         redactor = Redactor(self.redaction.patterns, names=self.names)
         redactor.learn(self.texts)
         return sum(job(redactor) for job in self.jobs) > 0 or self.changed
+
+
+# An id as it leaves, by (id, key, patterns): a conversation's spans come in many requests, and reading an id
+# costs the detectors' time (the phone library's, mostly).
+_IDS: dict[tuple[str, bytes, tuple[tuple[str, str], ...]], str] = {}
+_IDS_KEPT = 65_536
 
 
 def _json(text: str) -> Any:
