@@ -37,7 +37,7 @@ from ._errors import (
 )
 from ._evidence import Located, TextRange, locate_evidence, verify_evidence
 from ._jsonl import escape_line_breaks, json_line, split_json_lines
-from ._prompt import FRAME, JudgeRequest
+from ._prompt import FRAME, JudgeRequest, ReplyError, parse_json_object
 from ._providers import (
     AnthropicProvider,
     OpenAICompatibleProvider,
@@ -47,7 +47,7 @@ from ._providers import (
     make_provider,
     register_provider,
 )
-from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges
+from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges, with_retries, with_timeout
 from ._stats import Proportion, RateStats, Summary, summarize, weighted_proportion
 from ._transcript import (
     Conversation,
@@ -101,6 +101,7 @@ __all__ = [
     "ProviderSetupError",
     "RateInterval",
     "RateStats",
+    "ReplyError",
     "RerunCounts",
     "RerunDiff",
     "RetryPolicy",
@@ -122,6 +123,7 @@ __all__ = [
     "locate_evidence",
     "make_provider",
     "parse_conversations",
+    "parse_json_object",
     "read_conversations",
     "register_check",
     "register_provider",
@@ -135,4 +137,6 @@ __all__ = [
     "transcript_sha256",
     "verify_evidence",
     "weighted_proportion",
+    "with_retries",
+    "with_timeout",
 ]

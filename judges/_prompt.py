@@ -79,7 +79,7 @@ def prompt_sha256(criterion_prompt: str) -> str:
     return hashlib.sha256((FRAME + "\0" + criterion_prompt).encode("utf-8")).hexdigest()
 
 
-class ReplyError(Exception):
+class ReplyError(ValueError):
     """The reply is not a valid verdict; ``code`` is ``junk_reply`` or ``schema_mismatch``."""
 
     def __init__(self, code: str, detail: str) -> None:
@@ -92,12 +92,11 @@ class ReplyError(Exception):
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n(.*)\n\s*```\s*$", re.DOTALL)
 
 
-def parse_reply(text: str) -> JudgeReply:
-    """Validate a judge's reply.
+def parse_json_object(text: str) -> dict[str, Any]:
+    """The JSON object a model answered, read as judges' replies are (a Markdown fence around it is allowed).
 
     Raises:
-        ReplyError: ``junk_reply`` when it is not a JSON object, ``schema_mismatch``
-            when it is one but not of the schema.
+        ReplyError: ``junk_reply``, when it is not a JSON object (a ``ValueError``).
     """
     m = _FENCE.match(text)
     try:
@@ -106,6 +105,17 @@ def parse_reply(text: str) -> JudgeReply:
         raise ReplyError("junk_reply", f"not JSON ({exc.msg} at char {exc.pos})") from None
     if not isinstance(data, dict):
         raise ReplyError("junk_reply", f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def parse_reply(text: str) -> JudgeReply:
+    """Validate a judge's reply.
+
+    Raises:
+        ReplyError: ``junk_reply`` when it is not a JSON object, ``schema_mismatch``
+            when it is one but not of the schema.
+    """
+    data = parse_json_object(text)
     try:
         return JudgeReply.model_validate(data)
     except ValidationError as exc:

@@ -26,7 +26,7 @@ SCHEMA = "conversation/v1"
 
 EndedBy = Literal[
     "handover", "bot_closed", "idle", "open", "unknown",
-    "goal_reached", "user_done", "user_left", "turn_limit", "unanswered",
+    "goal_reached", "user_done", "user_left", "turn_limit", "unanswered", "error",
 ]
 
 
