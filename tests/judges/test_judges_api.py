@@ -18,7 +18,7 @@ EXPORTED = [
     "render_transcript", "run_judges", "set_check_workers", "summarize", "tool_call_text", "transcript_sha256", "verify_evidence", "weighted_proportion",
     "LABELS", "Pair", "calibrate", "compare_reruns", "CalibrationReport", "CriterionCalibration", "RateInterval",
     "ReviewerAgreement", "RerunDiff", "RerunCounts",
-    "escape_line_breaks", "json_line", "split_json_lines",
+    "escape_line_breaks", "json_line", "split_json_lines", "fisher_exact",
 ]
 
 
