@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from collector.errors import UserError
 from replay.baseline import change_lines, compare, load_report
@@ -172,6 +174,30 @@ def test_a_scenario_gone_from_this_run_is_listed_in_the_summary() -> None:
     assert {k: out["summary"][k] for k in ("fixed", "broke", "still_failing", "passing", "new")} == dict.fromkeys(
         ("fixed", "broke", "still_failing", "passing", "new"), 0)
     assert change_lines(out) == ["a  baseline_only  not in this run", "b  baseline_only  not in this run"]
+
+
+outcomes = st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(0, 2), st.integers(0, 2))
+runs = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]),
+                       st.dictionaries(st.sampled_from(["x", "y"]), outcomes, min_size=1), max_size=4)
+
+
+@given(runs, runs)
+def test_every_scenario_is_counted_once_and_every_p_value_is_a_probability(
+    before: dict[str, dict[str, Counts]], now: dict[str, dict[str, Counts]],
+) -> None:
+    out = compare(report("r2", *(scenario(sid, **c) for sid, c in now.items())),
+                  report("r1", *(scenario(sid, **c) for sid, c in before.items())))
+    summary = out["summary"]
+    assert sum(summary[k] for k in ("fixed", "broke", "still_failing", "passing", "new")) == len(now)
+    assert summary["baseline_only"] == [sid for sid in before if sid not in now]
+    for s in out["scenarios"]:
+        assert s["baseline"]["status"] in ("still_failing", "fixed", "broke", "passing", "new")
+        assert set(s["baseline"]["criteria"]) == set(now[s["id"]]) | set(before.get(s["id"], {}))
+        for c in s["baseline"]["criteria"].values():
+            assert c["p_value"] is None or 0 < c["p_value"] <= 1
+    lines = change_lines(out)
+    assert len(lines) == len(now) - summary["passing"] + len(summary["baseline_only"])
+    assert len({line.index(" ") for line in lines}) <= 1  # one column of ids, aligned
 
 
 def test_one_replicate_is_singular() -> None:
