@@ -48,7 +48,7 @@ from ._providers import (
     register_provider,
 )
 from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges, with_retries, with_timeout
-from ._stats import Proportion, RateStats, Summary, summarize, weighted_proportion
+from ._stats import Proportion, RateStats, Summary, fisher_exact, summarize, weighted_proportion
 from ._transcript import (
     Conversation,
     Message,
@@ -118,6 +118,7 @@ __all__ = [
     "calibrate",
     "compare_reruns",
     "escape_line_breaks",
+    "fisher_exact",
     "json_line",
     "load_criteria",
     "locate_evidence",

@@ -8,7 +8,9 @@ bound (3/n) when there are no failures. Production samples are weighted by
 their inclusion probability p (w = 1/p): estimate = sum(w*fail) / sum(w*applicable),
 interval from the effective sample size (sum w)^2 / sum(w^2), never the sum of
 weights. Offline, scenarios with expected outcomes give sensitivity,
-over-triage and omissions, each apart.
+over-triage and omissions, each apart. Whether two failure counts differ by more
+than chance (a run against its baseline) is Fisher's exact test, which holds at
+the handful of replicates a scenario gets, where a normal approximation does not.
 """
 
 from __future__ import annotations
@@ -88,6 +90,45 @@ def weighted_proportion(outcomes: Sequence[tuple[bool, float]]) -> Proportion | 
                           method="rule_of_three", n_eff=n_eff)
     low, high = wilson(estimate * n_eff, n_eff)
     return Proportion(count=count, n=len(outcomes), estimate=estimate, low=low, high=high, method="wilson", n_eff=n_eff)
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def fisher_exact(a: int, b: int, c: int, d: int) -> float:
+    """The two-sided p-value of Fisher's exact test on the 2x2 table ``[[a, b], [c, d]]``.
+
+    The sum of the (hypergeometric) probabilities of every table with the same
+    row and column sums that is no more likely than the observed one. As in R and
+    SciPy, a table counts as no more likely when its probability exceeds the
+    observed one by at most a relative 1e-7, so that tables equally likely in
+    exact arithmetic stay equal in floating point. For example 5 of 5 failing
+    before and 0 of 5 now, ``fisher_exact(5, 0, 0, 5)``, is 2/252 = 0.0079; 1 of 5
+    and 0 of 5 is 1.0.
+
+    Args:
+        a, b: the first row (e.g. fails and passes before).
+        c, d: the second row (fails and passes now).
+
+    Returns:
+        A p-value in (0, 1]; 1.0 when the rows are proportional or a margin is 0.
+        Tables of many thousands may underflow to 0.0 below about 1e-308.
+
+    Raises:
+        ValueError: a count is negative.
+    """
+    if min(a, b, c, d) < 0:
+        raise ValueError(f"counts must not be negative: {[[a, b], [c, d]]}")
+    row, col, n = a + b, a + c, a + b + c + d
+    # The table is fixed by its top-left cell once the margins are: one weight per possible value of it.
+    lo, hi = max(0, col - (n - row)), min(row, col)
+    logs = [_log_comb(row, x) + _log_comb(n - row, col - x) for x in range(lo, hi + 1)]
+    top = max(logs)
+    cutoff = logs[a - lo] + math.log1p(1e-7)
+    weights = [math.exp(w - top) for w in logs]
+    # Summing the same terms in the same order gives exactly 1.0 when every table is included.
+    return math.fsum(w for w, lw in zip(weights, logs) if lw <= cutoff) / math.fsum(weights)
 
 
 class Counts(_Out):

@@ -61,6 +61,7 @@ EXPORTED = [
     "calibrate",
     "compare_reruns",
     "escape_line_breaks",
+    "fisher_exact",
     "json_line",
     "load_criteria",
     "locate_evidence",
