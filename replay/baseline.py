@@ -8,6 +8,7 @@ a criterion the scenario expects) gives the scenario's ``baseline.status``:
     still_failing  failing in both
     passing        passing in both
     new            not in the baseline
+    not_evaluated  nothing judged now (the simulated user's provider failed on every replicate): never "fixed"
 
 ``baseline.criteria`` holds every criterion the scenario expects in either run:
 ``fail_before`` of ``n_before`` replicates and ``fail_now`` of ``n_now``, where n
@@ -47,7 +48,7 @@ from collector.errors import UserError
 REPORT_FILE = "report.json"
 """The file of a run folder that ``load_report`` reads."""
 
-STATUSES = ("fixed", "broke", "still_failing", "passing", "new")
+STATUSES = ("fixed", "broke", "still_failing", "passing", "new", "not_evaluated")
 """The words of ``baseline.status``; each is also a count in ``summary``."""
 
 ALPHA = 0.05
@@ -56,7 +57,7 @@ ALPHA = 0.05
 _STATUS = {(True, False): "fixed", (False, True): "broke", (True, True): "still_failing", (False, False): "passing"}
 """By (failing before, failing now)."""
 
-_LINE_ORDER = ("broke", "still_failing", "fixed", "new", "baseline_only")
+_LINE_ORDER = ("broke", "still_failing", "not_evaluated", "fixed", "new", "baseline_only")
 """``change_lines`` puts what needs attention first."""
 
 
@@ -142,7 +143,8 @@ def _block(before: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]
     old = before["criteria"] if before else {}
     names = list(now["criteria"]) + [name for name in old if name not in now["criteria"]]
     return {
-        "status": _STATUS[(before["failing"], now["failing"])] if before else "new",
+        "status": ("not_evaluated" if now.get("judged") == 0 else
+                   _STATUS[(before["failing"], now["failing"])] if before else "new"),
         "criteria": {name: _criterion(old.get(name), now["criteria"].get(name)) for name in names},
     }
 

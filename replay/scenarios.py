@@ -112,8 +112,12 @@ class Scenario(_Strict):
         return {"id": self.id, "input": {"persona": persona}}
 
     def to_yaml(self) -> str:
-        data = self.model_dump(mode="json", exclude_none=True)
-        return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+        return dump_yaml(self.model_dump(mode="json", exclude_none=True))
+
+
+def dump_yaml(data: dict[str, Any]) -> str:
+    """A scenario file's text, keys in the order given."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -76,7 +76,7 @@ def test_every_status_and_the_summary(tmp_path: Path) -> None:
         "prod-new": "new",
     }
     assert out["summary"] == {"scenarios": 5, "failing": 3, "fixed": 1, "broke": 1, "still_failing": 1,
-                              "passing": 1, "new": 1, "baseline_only": ["prod-gone"]}
+                              "passing": 1, "new": 1, "not_evaluated": 0, "baseline_only": ["prod-gone"]}
     assert out["baseline"] == {"run": "r1", "out_dir": "runs/r1"}
     assert now == NOW and baseline == BEFORE  # a new report; the arguments stay as they were
     assert json.loads(json.dumps(out, allow_nan=False)) == out
@@ -247,3 +247,16 @@ def test_a_missing_folder_or_a_file_is_named(tmp_path: Path) -> None:
     written(tmp_path / "run", BEFORE)
     with pytest.raises(UserError, match="not a folder; give the folder of an earlier simulate run, which holds report.json"):
         load_report(tmp_path / "run" / "report.json")
+
+
+def test_a_scenario_with_nothing_judged_now_is_not_evaluated_never_fixed() -> None:
+    before = {"run": "a", "out_dir": "a", "scenarios": [
+        {"id": "s", "replicates": 5, "failing": True, "criteria": {"c": {"pass": 0, "fail": 5, "not_applicable": 0,
+                                                                        "error": 0}}}], "summary": {}}
+    now = {"run": "b", "out_dir": "b", "scenarios": [
+        {"id": "s", "replicates": 5, "judged": 0, "failing": False,
+         "criteria": {"c": {"pass": 0, "fail": 0, "not_applicable": 0, "error": 0}}}],
+           "summary": {"scenarios": 1, "failing": 0}}
+    report = compare(now, before)
+    assert report["scenarios"][0]["baseline"]["status"] == "not_evaluated"
+    assert report["summary"]["fixed"] == 0 and report["summary"]["not_evaluated"] == 1
