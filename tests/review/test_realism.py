@@ -13,12 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pytest
 
 from collector.api.client import realism
 from collector.config import load_config
 from collector.errors import UserError
-from collector.review.calibration import REALISM_TEXT
+from collector.review.calibration import REALISM_TEXT, SCHEMA, choose_simulated, chosen
+from judges import Conversation
 
 from ..support.api_http import Reply, assert_error, call, post_json
 from ..support.daemon import DaemonProcess, base_config, clean_env, run_cli
@@ -95,6 +97,18 @@ def figure(d: DaemonProcess, user: dict[str, Any]) -> dict[str, Any]:
 def wilson_low(k: int, n: int, z: float = 1.959963984540054) -> float:
     p = k / n
     return (p + z * z / (2 * n) - z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+
+
+def test_the_realism_sample_is_drawn_from_the_id_the_criterion_and_the_seed() -> None:
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    convs = [Conversation.model_validate(sim(f"s-{n}", USER_A if n % 10 else None)) for n in range(400)]
+    made = choose_simulated(con, convs, 0.25, 7)
+    got = {r[0] for r in con.execute("SELECT conversation_id FROM calibration_items").fetchall()}
+    assert got == {c.id for c in convs if c.attributes.get("simulated_user") and chosen(c.id, REALISM, 0.25, 7)}
+    assert made == len(got) and 50 <= made <= 130  # about a quarter of the 360 with a simulated user
+    assert choose_simulated(con, convs, 0.25, 7) == 0  # the same ones, each made once
+    assert choose_simulated(con, convs, 0.0, 7) == 0
 
 
 def test_sampled_simulated_conversations_with_a_simulated_user_become_blind_tasks(daemon: DaemonProcess) -> None:
