@@ -543,6 +543,8 @@ class Scenarios(Section):
 class SimulatedUserProvider(JudgeProvider):
     """``judges.provider``'s shape for the simulated user's model."""
 
+    type: Literal["anthropic", "openai_compatible"]
+    """Required once the section is written: without one, ``provider: null`` (judges.provider) is meant."""
     model: str | None = None
     """The simulated user's model; else $ANTHROPIC_MODEL or $OPENAI_MODEL, by type. Unlike the judge's, it takes
     no $TRACEJUDGE_JUDGE_MODEL: the judge's variable never picks (or conjures) the simulated user's model."""

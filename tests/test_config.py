@@ -264,6 +264,9 @@ def test_the_simulated_user_has_one_temperature() -> None:
                         Path("."), "t", environ={})
     assert err.value.problems == ["simulate.user.provider.temperature: the simulated user's temperature is "
                                   "simulate.user.temperature (got 0.3)"]
+    with pytest.raises(ConfigError) as err:
+        validate_config({"simulate": {"user": {"provider": {"model": "claude-y"}}}}, Path("."), "t", environ={})
+    assert err.value.problems == ["simulate.user.provider.type: Field required"]
 
 
 def test_every_simulate_key_has_a_readme_row() -> None:
