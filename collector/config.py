@@ -49,7 +49,7 @@ from .words import is_size, masked_url, size_bytes
 
 SECTIONS = (
     "receivers", "storage", "conversations", "api", "sampling",
-    "judges", "review", "scenarios", "exporters",
+    "judges", "review", "scenarios", "exporters", "simulate", "alerts",
 )
 
 # --------------------------------------------------------------- value types
@@ -540,6 +540,51 @@ class Scenarios(Section):
     redact: ScenarioRedaction = ScenarioRedaction()
 
 
+class SimulatedUserProvider(JudgeProvider):
+    """``judges.provider``'s shape for the simulated user's model."""
+
+    type: Literal["anthropic", "openai_compatible"]
+    """Required once the section is written: without one, ``provider: null`` (judges.provider) is meant."""
+    model: str | None = None
+    """The simulated user's model; else $ANTHROPIC_MODEL or $OPENAI_MODEL, by type. Unlike the judge's, it takes
+    no $TRACEJUDGE_JUDGE_MODEL: the judge's variable never picks (or conjures) the simulated user's model."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _one_temperature(cls, value: float | None) -> float | None:
+        if value is not None:
+            raise ValueError("the simulated user's temperature is simulate.user.temperature")
+        return value
+
+
+class SimulatedUser(Section):
+    provider: SimulatedUserProvider | None = None
+    """Who plays the simulated user; none: judges.provider (``Config.simulated_user_provider``)."""
+    temperature: float = Field(1.0, ge=0, le=2)
+    """The simulated user's sampling temperature; part of its identity, so a new one needs new realism labels."""
+
+
+class Simulate(Section):
+    """The ``simulate:`` section: ``tracejudge simulate`` runs scenarios against the bot with a simulated user."""
+
+    user: SimulatedUser = SimulatedUser()
+    max_turns: int = Field(12, ge=1)
+    """User turns at most in one simulated conversation; reaching it ends it ``turn_limit``."""
+    replicates: int = Field(5, ge=1, le=100)
+    """Conversations per scenario."""
+    min_realism: Rate = 0.8
+    """The simulated user is validated once the lower end of the 95% interval of the share people judged
+    realistic reaches this; until then every figure of the report says "simulated user not validated"."""
+    realism_sample_rate: Rate = 0.2
+    """Share of imported simulated conversations (those carrying ``attributes.simulated_user``) that become
+    blind labelling tasks of the built-in criterion ``simulated_user_realistic``; chosen from the conversation
+    id and ``sampling.seed``; 0 turns it off."""
+    bot_timeout: Duration = Field(60.0, gt=0)
+    """How long the bot may take to answer one user message."""
+    concurrency: int = Field(4, ge=1, le=256)
+    """Conversations simulated at once."""
+
+
 def parse_size(value: Any) -> int:
     """``512MB`` / ``1GiB`` -> bytes."""
     if isinstance(value, bool) or not is_size(str(value)):
@@ -666,6 +711,7 @@ class Config(BaseModel):
     sampling: SamplingSettings = SamplingSettings()
     review: Review = Review()
     scenarios: Scenarios = Field(default_factory=dict, validate_default=True)  # see Scenarios.out_dir
+    simulate: Simulate = Simulate()
     exporters: Annotated[dict[str, Exporter], AfterValidator(_check_exporter_name)] = {}
     """Where every accepted request is forwarded, each by a name of the user's."""
     source: str = "<defaults>"
@@ -693,6 +739,11 @@ class Config(BaseModel):
         return self
 
     @property
+    def simulated_user_provider(self) -> JudgeProvider:
+        """Who plays the simulated user: ``simulate.user.provider``, else ``judges.provider``."""
+        return self.simulate.user.provider or self.judges.provider
+
+    @property
     def forward_dir(self) -> Path:
         """Where the exporters' on-disk queue is kept (``collector.forward.queue``), beside the DuckDB file."""
         return Path(str(self.storage.duckdb.path) + ".forward")
@@ -708,7 +759,8 @@ class Config(BaseModel):
         return Path(str(self.storage.duckdb.path) + ".daemon.json")
 
 
-BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review", "scenarios", "exporters")
+BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review", "scenarios", "exporters",
+         "simulate")
 
 # --------------------------------------------------------------- loading
 

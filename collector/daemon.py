@@ -321,7 +321,7 @@ class Daemon:
         parts.api = api = API(store, metrics, cfg.api, stages=(convs, evaluator, retention, *parts.extra),
                               evaluator=evaluator,
                               reindexer=reindexer, forwarder=parts.forwarder, review_settings=cfg.review,
-                              seed=cfg.sampling.seed)
+                              seed=cfg.sampling.seed, simulate_settings=cfg.simulate)
         parts.api_runner, api_port = await start_site(api.app, cfg.api, "API")
         grpc_addr = http_addr = None
         if rcv.protocols.grpc is not None:

@@ -117,6 +117,10 @@ def test_an_api_on_loopback_needs_no_token(endpoint: str) -> None:
     ("not_a_mapping.yaml", ["the top level must be a mapping"]),
     ("bad_scenarios.yaml", ["scenarios.out-dir: unknown key", "scenarios.max_turns:",
                             "scenarios.redact.patterns.member_id: not a valid regular expression"]),
+    ("bad_simulate.yaml", ["simulate.user.provider.type:", "simulate.user.temperature:", "simulate.user.seed: unknown key",
+                           "simulate.max_turns:", "simulate.replicates:", "simulate.min_realism: a rate is",
+                           "simulate.realism_sample_rate: a rate is", "simulate.bot_timeout: 60 has no unit",
+                           "simulate.concurrency:"]),
     ("bad_hosts.yaml", ["api.allowed_hosts[0]: list each name", "api.allowed_hosts[1]: 'http://tracejudge.internal/' "
                         "is not a host name", "api.allowed_hosts[2]: 'review.example:99999' is not a host name"]),
 ])
@@ -225,3 +229,49 @@ def test_a_bad_lag_warning_names_the_key(value: str, problem: str) -> None:
     assert problem in got, got
     cfg, _ = validate_config({"conversations": {"lag_warning": "2m"}}, Path("."), "t", environ={})
     assert cfg.conversations.lag_warning == 120
+
+
+def test_the_simulate_section_is_read_and_alerts_waits_for_its_version() -> None:
+    cfg, warnings = load_config(TESTDATA / "simulate.yaml", environ={"TRACEJUDGE_JUDGE_MODEL": "judge-env"})
+    sim = cfg.simulate
+    assert sim.user.provider is not None and sim.user.provider.model == "user-model"
+    assert cfg.simulated_user_provider is sim.user.provider
+    assert (sim.user.temperature, sim.max_turns, sim.replicates) == (0.7, 8, 3)
+    assert (sim.min_realism, sim.realism_sample_rate, sim.bot_timeout, sim.concurrency) == (0.9, 0.5, 120.0, 16)
+    assert cfg.judges.provider.model == "judge-model"
+    assert cfg.unbuilt == {"alerts": {"monitors": []}}
+    assert warnings == [f"{TESTDATA / 'simulate.yaml'}: section 'alerts' is not used by this version of tracejudge "
+                        "yet; ignored"]
+
+
+def test_the_simulated_user_falls_back_to_the_judges_provider() -> None:
+    # The judge's model variable is the judge's: it never conjures a provider for the simulated user.
+    env = {"TRACEJUDGE_JUDGE_MODEL": "judge-env"}
+    for raw in ({}, {"simulate": {"user": {"temperature": 0.2}}}, {"simulate": {"user": {"provider": None}}}):
+        cfg, _ = validate_config({"judges": {"provider": {"type": "anthropic"}}, **raw}, Path("."), "t", environ=env)
+        assert cfg.simulate.user.provider is None
+        assert cfg.simulated_user_provider == cfg.judges.provider
+        assert cfg.simulated_user_provider.model == "judge-env"
+    defaults, _ = validate_config({}, Path("."), "t", environ={})
+    sim = defaults.simulate
+    assert (sim.user.temperature, sim.max_turns, sim.replicates, sim.min_realism, sim.realism_sample_rate,
+            sim.bot_timeout, sim.concurrency) == (1.0, 12, 5, 0.8, 0.2, 60.0, 4)
+
+
+def test_the_simulated_user_has_one_temperature() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config({"simulate": {"user": {"provider": {"type": "openai_compatible", "temperature": 0.3}}}},
+                        Path("."), "t", environ={})
+    assert err.value.problems == ["simulate.user.provider.temperature: the simulated user's temperature is "
+                                  "simulate.user.temperature (got 0.3)"]
+    with pytest.raises(ConfigError) as err:
+        validate_config({"simulate": {"user": {"provider": {"model": "claude-y"}}}}, Path("."), "t", environ={})
+    assert err.value.problems == ["simulate.user.provider.type: Field required"]
+
+
+def test_every_simulate_key_has_a_readme_row() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for key in ("simulate.user.provider", "simulate.user.temperature", "simulate.max_turns", "simulate.replicates",
+                "simulate.min_realism", "simulate.realism_sample_rate", "simulate.bot_timeout",
+                "simulate.concurrency"):
+        assert f"| `{key}" in readme, key

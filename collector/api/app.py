@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import math
 import re
 from typing import Any, Callable, Sequence, TypeVar
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..errors import StoreUnavailable, UserError
 from ..background import Stage
 from ..conversations.reindex import AlreadyRunning, Runner
 from ..evals import simulations
+from ..evals.simulated_user import SimulatedUser
 from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
 from ..forward import Forwarder
@@ -36,12 +38,13 @@ from ..metrics import Metrics
 from ..names import clean_name
 from ..review import calibration
 from ..review import page as review_page
+from ..review import realism
 from ..review.identity import Identity
 from ..review import queue as review
 from ..review import stats as review_stats
 from ..store import Store
 from ..store.schema import LOGS, SPANS
-from ..store.transactions import trace_place
+from ..store.transactions import Transaction, trace_place
 from . import export
 from .errors import APIError, error_middleware
 from .guards import REVIEWER, HostCheck, host_check, html_response, origin_check, token_check
@@ -58,12 +61,16 @@ class API:
     def __init__(self, store: Store, metrics: Metrics, settings: config.API,
                  stages: Sequence[Stage] = (), evaluator: Evaluator | None = None,
                  reindexer: Runner | None = None, forwarder: Forwarder | None = None,
-                 review_settings: config.Review | None = None, seed: int = 0) -> None:
+                 review_settings: config.Review | None = None, seed: int = 0,
+                 simulate_settings: config.Simulate | None = None) -> None:
         self.store = store
         self.review_settings = review_settings or config.Review()
+        self.simulate_settings = simulate_settings or config.Simulate()
+        """Its realism sample rate and threshold (``review.realism``)."""
         self.identity = Identity(self.review_settings.reviewers)
         self.seed = seed
-        """``sampling.seed``: the calibration sample a labels export tops up is drawn with it."""
+        """``sampling.seed``: the calibration samples (judged conversations' and imported simulations') are drawn
+        with it."""
         self.forwarder = forwarder
         self.reindexer = reindexer
         self.stages = stages
@@ -88,6 +95,7 @@ class API:
         r.add_get("/api/stats", self.stats)
         r.add_post("/api/evals", self.eval_start)
         r.add_post("/api/simulations", self.simulations_import)
+        r.add_get("/api/simulations/realism", self.simulations_realism)
         r.add_get("/api/evals/{eval_id}", self.eval_progress)
         r.add_post("/api/reindex", self.reindex_start)
         r.add_get("/api/reindex", self.reindex_progress)
@@ -344,11 +352,29 @@ class API:
         except ValidationError as exc:
             e = exc.errors()[0]
             raise APIError(400, "bad_request", f"records: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None
+        rate, seed = self.simulate_settings.realism_sample_rate, self.seed
+
+        def store(cur: Any) -> simulations.Imported:
+            with Transaction(cur):  # the conversations and their realism tasks in one commit
+                done = simulations.store_simulations(cur, convs)
+                calibration.choose_simulated(cur, done.new, rate, seed)
+            return done
+
         try:
-            done = await self.read(lambda cur: simulations.store_simulations(cur, convs))
+            done = await self.read(store)
         except simulations.SimulationError as exc:
             raise APIError(400, "bad_request", str(exc)) from None
         return web.json_response(done.to_dict())
+
+    async def simulations_realism(self, request: web.Request) -> web.Response:
+        """``?provider=&model=&prompt_sha256=&temperature=``: how realistic people found that simulated user
+        (``realism.realism``); with none of the four, ``{"simulated_users": [...]}``: every one's figure."""
+        q, min_realism = request.query, self.simulate_settings.min_realism
+        if not any(k in q for k in _SIMULATED_USER):
+            found = await self.read(lambda cur: realism.realism_by_user(cur, min_realism))
+            return web.json_response({"simulated_users": found})
+        who = _simulated_user(q)
+        return web.json_response(await self.read(lambda cur: realism.realism(cur, who, min_realism)))
 
     async def eval_start(self, request: web.Request) -> web.Response:
         """Start a ``tracejudge eval`` pass: ``{"since": "7d", "criteria": ["id", ...]}`` (both optional)."""
@@ -649,9 +675,12 @@ class API:
 
     async def calibration_page(self, request: web.Request) -> web.Response:
         limit, who = self.review_settings.max_false_pass, self.looking(request)["reviewer"] or None
-        report, waiting = await self._on_cursor(lambda cur: (
-            calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT)))
-        return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting)))
+        min_realism = self.simulate_settings.min_realism
+        report, waiting, figures = await self._on_cursor(lambda cur: (
+            calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT),
+            realism.realism_by_user(cur, min_realism)))
+        return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting),
+                                                            realism=figures))
 
     async def signed_in(self, request: web.Request) -> web.Response:
         """Reached only when no token is needed or the cookie is already there: on to the queue."""
@@ -752,6 +781,27 @@ def _flag(q: Any, key: str) -> bool:
     if text not in ("", "0", "1", "false", "true"):
         raise APIError(400, "bad_parameter", f"{key} must be 1 or 0, not {text[:40]!r}")
     return bool(text in ("1", "true"))
+
+
+_SIMULATED_USER = ("provider", "model", "prompt_sha256", "temperature")
+
+
+def _simulated_user(q: Any) -> SimulatedUser:
+    """The simulated user named by a query string: all four of ``_SIMULATED_USER`` (400 otherwise)."""
+    missing = [k for k in _SIMULATED_USER if not q.get(k)]
+    if missing:
+        raise APIError(400, "bad_parameter", f"a simulated user is named by {', '.join(_SIMULATED_USER)}: "
+                                             f"{', '.join(missing)} missing")
+    try:
+        temperature = float(q["temperature"])
+    except ValueError:
+        temperature = math.nan
+    if not math.isfinite(temperature):
+        raise APIError(400, "bad_parameter", f"temperature must be a number, not {q['temperature'][:40]!r}")
+    try:
+        return SimulatedUser.of({**{k: q[k] for k in _SIMULATED_USER}, "temperature": temperature})
+    except ValueError as exc:
+        raise APIError(400, "bad_parameter", str(exc)) from None
 
 
 def _source(q: Any) -> review_stats.Source:

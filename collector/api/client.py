@@ -16,23 +16,25 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from .. import conversations
-from ..config import Config, Retention, Review
+from ..config import Config, Retention, Review, Simulate
 from ..errors import UserError
 from ..evals import simulations, verdicts
+from ..evals.simulated_user import REALISM, SimulatedUser
 from ..listing import parse_since
 from ..retention import oldest_rows, storage_status
 from ..review import calibration
+from ..review import realism as review_realism
 from ..review import queue as review
 from ..review.identity import Identity
 from ..review import stats as review_stats
 from ..runtime import running_daemon
 from ..store import connect
-from ..store.transactions import one
+from ..store.transactions import Transaction, one
 from . import export
 from .export import Export, ExportFilter
 
@@ -78,6 +80,8 @@ class Client(Protocol):
                    source: str = "production") -> dict[str, Any]: ...
 
     def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]: ...
+
+    def realism(self, who: SimulatedUser) -> dict[str, Any]: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -228,6 +232,13 @@ class APIClient:
         done: dict[str, int] = self.request("/api/simulations", {"records": records}, missing_ok=False)
         return done
 
+    def realism(self, who: SimulatedUser) -> dict[str, Any]:
+        # The daemon's own simulate.min_realism applies: it serves this config.
+        body: dict[str, Any] = self.request("/api/simulations/realism" + _query(
+            provider=who.provider, model=who.model, prompt_sha256=who.prompt_sha256,
+            temperature=repr(who.temperature)), missing_ok=False)
+        return body
+
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = self.get("/api/status")
         body["daemon"] = self.base
@@ -292,10 +303,13 @@ class FileClient:
     """
 
     def __init__(self, path: Path, retention: Retention | None = None, review_settings: Review | None = None,
-                 reviewer_token: str | None = None) -> None:
+                 reviewer_token: str | None = None, simulate: Simulate | None = None, seed: int = 0) -> None:
         self.path = path
         self.retention = retention or Retention()
         self.review_settings = review_settings or Review()
+        self.simulate = simulate or Simulate()
+        self.seed = seed
+        """``sampling.seed``, which draws the realism tasks of an import."""
         self.identity = Identity(self.review_settings.reviewers)
         self.signed_in = self.identity.of_token(reviewer_token)
         if reviewer_token and self.signed_in is None:
@@ -366,13 +380,13 @@ class FileClient:
         return calibration.report(self.con, criterion, max_false_pass)
 
     def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]:
-        if not self._evals():
+        if not self._evals() and not (criterion == REALISM and "simulated_conversations" in self.tables):
             raise review.ReviewInputError(f"no conversation was judged on criterion {criterion!r}")
         return self._writing(lambda con: calibration.export_rows(con, criterion, sample=sample, seed=seed))
 
     def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]:
         self.identity.recorder(self.signed_in, reviewer)  # as a whole: no reviewer's token, or another's name
-        if not self._evals():
+        if "calibration_items" not in self.tables:  # made as conversations are judged, or simulations imported
             raise calibration.LabelImportError([(n, "no calibration item: nothing was judged in this file")
                                                 for n in range(len(rows))])
         return self._writing(lambda con: calibration.import_rows(
@@ -415,8 +429,18 @@ class FileClient:
             self.con.close()
             self._writer = self.con = connect(self.path)
             simulations.ensure_schema(self._writer)
-            self.tables.add("simulated_conversations")
-        return simulations.store_simulations(self._writer, convs).to_dict()
+            self._writer.execute(calibration.SCHEMA)  # for its realism tasks; the review queue's is the daemon's
+            self.tables |= {"simulated_conversations", "calibration_items", "calibration_labels"}
+        writer, rate = self._writer, self.simulate.realism_sample_rate
+        with Transaction(writer):  # the conversations and their realism tasks in one commit
+            done = simulations.store_simulations(writer, convs)
+            calibration.choose_simulated(writer, done.new, rate, self.seed)
+        return done.to_dict()
+
+    def realism(self, who: SimulatedUser) -> dict[str, Any]:
+        if not {"simulated_conversations", "calibration_items", "calibration_labels"} <= self.tables:
+            return review_realism.figure(who, [], self.simulate.min_realism)
+        return review_realism.realism(self.con, who, self.simulate.min_realism)
 
     def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
                              criterion_failed: str | None) -> Export:
@@ -458,10 +482,41 @@ def client(cfg: Config, db: Path | None = None, reviewer_token: str | None = Non
     if info is not None:
         return APIClient(info.api, reviewer_token or cfg.api.auth.bearer_token)
     if db is not None:
-        return FileClient(db, cfg.storage.retention, cfg.review, reviewer_token)
+        return FileClient(db, cfg.storage.retention, cfg.review, reviewer_token, cfg.simulate, cfg.sampling.seed)
     if not cfg.storage.duckdb.path.exists():
         raise UserError(_nothing_found(cfg))
-    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention, cfg.review, reviewer_token)
+    return FileClient(cfg.storage.duckdb.path, cfg.storage.retention, cfg.review, reviewer_token, cfg.simulate,
+                      cfg.sampling.seed)
+
+
+def realism(cfg: Config, identity: Mapping[str, Any]) -> dict[str, Any]:
+    """How realistic people found the simulated user ``identity``: the running daemon's figure when one serves
+    this config's database, else the file's (read-only), else nothing labelled.
+
+    Args:
+        identity: ``attributes.simulated_user`` of the conversations it played: ``provider``, ``model``,
+            ``prompt_sha256`` and ``temperature``, all four (other keys are ignored).
+
+    Returns:
+        ``{"simulated_user", "labelled", "realistic", "share", "lower", "validated", "min_realism",
+        "not_applicable", "unlabelled"}`` (``review.realism.figure``): ``validated`` is true once ``lower``, the
+        Wilson 95% lower bound of the share labelled realistic, reaches ``simulate.min_realism``.
+
+    Raises:
+        UserError: ``identity`` lacks one of the four, the daemon refused or cannot be reached, or the file
+            cannot be read.
+    """
+    try:
+        who = SimulatedUser.of(dict(identity))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if running_daemon(cfg.runtime_file) is None and not cfg.storage.duckdb.path.exists():
+        return review_realism.figure(who, [], cfg.simulate.min_realism)  # nothing stored, nothing labelled
+    c = client(cfg)
+    try:
+        return c.realism(who)
+    finally:
+        c.close()
 
 
 def _nothing_found(cfg: Config) -> str:

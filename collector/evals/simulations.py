@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
@@ -59,6 +59,8 @@ class Imported:
     stored: int = 0
     known: int = 0
     """Already stored under the same id: left as they are."""
+    new: list[Conversation] = field(default_factory=list)
+    """The conversations stored by this import (the first of an id given twice)."""
 
     def to_dict(self) -> dict[str, int]:
         return {"stored": self.stored, "already_imported": self.known}
@@ -134,14 +136,15 @@ def store_simulations(cur: duckdb.DuckDBPyConnection, conversations: Sequence[Co
     with Transaction(cur):
         known = {r[0] for r in cur.execute("SELECT conversation_id FROM simulated_conversations "
                                            "WHERE conversation_id IN (SELECT unnest(?))", [ids]).fetchall()}
-        rows, seen = [], set(known)
+        new, seen = [], set(known)
         for c in conversations:
             if c.id in seen:
                 continue
             seen.add(c.id)
-            rows.append((c.id, c.persona_id, c.ended_by, c.to_json(), at))
-        insert_rows(cur, "INSERT INTO simulated_conversations", COLUMNS, rows)
-    return Imported(stored=len(rows), known=len(conversations) - len(rows))
+            new.append(c)
+        insert_rows(cur, "INSERT INTO simulated_conversations", COLUMNS,
+                    [(c.id, c.persona_id, c.ended_by, c.to_json(), at) for c in new])
+    return Imported(stored=len(new), known=len(conversations) - len(new), new=new)
 
 
 def simulated_record(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> dict[str, Any] | None:

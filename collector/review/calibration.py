@@ -17,6 +17,13 @@ sample size) and ``import_rows``, which checks every row before it stores any.
 regression set (``review.regression``). A person has one label per item,
 however their name is written (``names.reviewer_key``).
 
+One criterion is built in: ``REALISM`` (``simulated_user_realistic``), whose
+tasks are simulated conversations (``choose_simulated``, as they are imported),
+labelled pass when the simulated user reads like a real user. Its item ids name
+simulated conversations, a space of their own; no judge runs it, so it stays out
+of the judge's calibration (``pairs``, ``frozen_items``) and its labels make the
+realism figure of ``review.realism``.
+
 Errors: ``ReviewNotFound`` (no such item), ``ReviewInputError`` (a bad label or
 no reviewer), ``LabelImportError`` (every problem of an import, by row).
 """
@@ -29,11 +36,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import duckdb
+import orjson
 
 from judges import Conversation, Pair, calibrate, render_lines
 
 from ..conversations.record import conversation_record
 from ..evals.sampling import unit_hash
+from ..evals.simulated_user import REALISM, SimulatedUser
+from ..evals.simulations import present as simulations_present
+from ..evals.simulations import simulated_record
 from ..evals.verdicts import where_clause
 from ..listing import iso_utc
 from ..names import clean_name, reviewer_key, spellings
@@ -64,6 +75,22 @@ CREATE TABLE IF NOT EXISTS calibration_labels (
 LABELS = ("pass", "fail", "not_applicable")
 JUDGED = ("pass", "fail", "not_applicable")  # what a person can label too: an error is no verdict
 
+REALISM_TEXT = """\
+Does the simulated user read like a real user: the person its scenario describes, writing to this bot?
+Judge the user's messages only, never the bot's answers.
+Pass: a real person could have written them.
+Fail: something gives the simulation away, for example:
+- messages longer, tidier or more complete than people write (real users send short messages, spread one
+  request over several, make typos, skip punctuation and capitals);
+- facts told before the bot asked for them, or everything told at once;
+- over-cooperative: every question answered fully and politely, never confused, impatient or off the
+  point, whatever the bot proposes accepted;
+- writing like an assistant or a form (lists, headings, restating the bot's words, thanking it at length),
+  or naming the scenario's goal outright;
+- a tone, vocabulary or language that does not fit the persona.
+Not applicable: too little of the user to tell (the conversation broke off before the user said anything)."""
+"""What a labeller reads for ``REALISM``."""
+
 
 class LabelImportError(ReviewInputError):
     """Rows of a label import that cannot be stored; ``problems`` are (row index, message), all of them."""
@@ -90,6 +117,18 @@ def choose(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], rate: flo
                        "AND NOT superseded AND list_contains(?, result)", [list(verdict_ids), list(JUDGED)]
                        ).fetchall()
     picked = [(c, k) for c, k in rows if chosen(c, k, rate, seed)]
+    return _add(cur, picked, now)
+
+
+def choose_simulated(cur: duckdb.DuckDBPyConnection, conversations: Sequence[Conversation], rate: float,
+                     seed: int, *, now: dt.datetime | None = None) -> int:
+    """Make ``REALISM`` items of the simulated conversations just imported that carry a simulated user
+    (``SimulatedUser.of_record``) and that ``chosen`` picks; how many were made.
+
+    Runs in the caller's transaction, if any.
+    """
+    picked = [(c.id, REALISM) for c in conversations
+              if SimulatedUser.of_record(c.attributes) is not None and chosen(c.id, REALISM, rate, seed)]
     return _add(cur, picked, now)
 
 
@@ -129,7 +168,10 @@ def items(cur: duckdb.DuckDBPyConnection, *, criterion: str | None = None, state
                      + f"EXISTS (SELECT 1 FROM calibration_labels l WHERE l.item_id = i.id AND {mine})")
         params += [names] if reviewer else []
     if state == "unlabelled":  # a task whose conversation retention deleted cannot be labelled any more
-        where.append("EXISTS (SELECT 1 FROM conversations c WHERE c.conversation_id = i.conversation_id)")
+        # (retention never deletes a simulated one)
+        where.append("(i.criterion_id = ? OR EXISTS (SELECT 1 FROM conversations c "
+                     "WHERE c.conversation_id = i.conversation_id))")
+        params.append(REALISM)
     rows = cur.execute(
         f"SELECT {', '.join('i.' + c for c in _ITEM)}, "
         "(SELECT count(*) FROM calibration_labels l WHERE l.item_id = i.id), "
@@ -154,6 +196,8 @@ def _item_id(item_id: int | str) -> int:
 
 
 def _criterion(cur: duckdb.DuckDBPyConnection, criterion_id: str) -> dict[str, Any]:
+    if criterion_id == REALISM:
+        return {"id": REALISM, "version": 1, "text": REALISM_TEXT, "severity": None, "group": None}
     row = one(cur.execute("SELECT criterion_version, text, severity, criterion_group FROM criteria "
                       "WHERE criterion_id = ? ORDER BY criterion_version DESC LIMIT 1", [criterion_id]))
     return {"id": criterion_id, "version": row[0] if row else None, "text": row[1] if row else None,
@@ -176,7 +220,14 @@ def item(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str | Non
                               "AND list_contains(?, reviewer)", [found["id"], _spelled(cur, reviewer)]))
         mine = {"label": row[0], "note": row[1], "labelled_at": iso_utc(row[2])} if row else None
     return {"item": found, "criterion": _criterion(cur, found["criterion_id"]),
-            "conversation": conversation_record(cur, found["conversation_id"]), "your_label": mine}
+            "conversation": _record(cur, found["conversation_id"], found["criterion_id"]), "your_label": mine}
+
+
+def _record(cur: duckdb.DuckDBPyConnection, conversation_id: str, criterion_id: str) -> dict[str, Any] | None:
+    """The conversation/v1 record an item of ``criterion_id`` names: simulated for ``REALISM``."""
+    if criterion_id == REALISM:
+        return simulated_record(cur, conversation_id)
+    return conversation_record(cur, conversation_id)
 
 
 def _one(cur: duckdb.DuckDBPyConnection, item_id: int) -> dict[str, Any]:
@@ -228,19 +279,20 @@ def export_rows(cur: duckdb.DuckDBPyConnection, criterion: str, *, sample: int |
                 now: dt.datetime | None = None) -> list[dict[str, Any]]:
     """The spreadsheet rows of a criterion's unlabelled items, for labelling by hand.
 
-    With ``sample``, first tops the criterion's items up to ``sample`` from its judged conversations, in the
-    order of the same hash ``chosen`` uses (so the same ones on every run). Each row: ``item_id``,
-    ``conversation_id``, ``criterion_id``, ``criterion`` (its text), ``transcript`` (one message per line),
-    and empty ``label``, ``reviewer``, ``note``. Nothing of the verdict.
+    With ``sample``, first tops the criterion's items up to ``sample`` from its judged conversations (for
+    ``REALISM``: the simulated conversations that carry a simulated user), in the order of the same hash
+    ``chosen`` uses (so the same ones on every run). Each row: ``item_id``, ``conversation_id``,
+    ``criterion_id``, ``criterion`` (its text), ``transcript`` (one message per line), and empty ``label``,
+    ``reviewer``, ``note``. Nothing of the verdict.
 
     Raises:
-        ReviewInputError: no judged conversation has this criterion.
+        ReviewInputError: no judged conversation has this criterion (no simulated user, for ``REALISM``).
     """
-    judged = [c for (c,) in cur.execute(
-        "SELECT DISTINCT conversation_id FROM verdicts WHERE criterion_id = ? AND NOT superseded "
-        "AND list_contains(?, result)", [criterion, list(JUDGED)]).fetchall()]
+    judged = _pool(cur, criterion)
     if not judged:
-        raise ReviewInputError(f"no conversation was judged on criterion {criterion!r}")
+        raise ReviewInputError(f"no simulated conversation carries attributes.simulated_user: nothing to label on "
+                               f"{REALISM!r}" if criterion == REALISM else
+                               f"no conversation was judged on criterion {criterion!r}")
     if sample is not None:
         have = {c for (c,) in cur.execute("SELECT conversation_id FROM calibration_items WHERE criterion_id = ?",
                                           [criterion]).fetchall()}
@@ -250,11 +302,26 @@ def export_rows(cur: duckdb.DuckDBPyConnection, criterion: str, *, sample: int |
     text = _criterion(cur, criterion)["text"] or ""
     out = []
     for it in items(cur, criterion=criterion, state="unlabelled", limit=sample or 1 << 31):
-        record = conversation_record(cur, it["conversation_id"])
+        record = _record(cur, it["conversation_id"], criterion)
         transcript = "\n".join(render_lines(Conversation.model_validate(record).messages)) if record else ""
         out.append({"item_id": it["id"], "conversation_id": it["conversation_id"], "criterion_id": criterion,
                     "criterion": text, "transcript": transcript, "label": "", "reviewer": "", "note": ""})
     return out
+
+
+def _pool(cur: duckdb.DuckDBPyConnection, criterion: str) -> list[str]:
+    """The conversations a criterion's items may be drawn from: its judged ones, or for ``REALISM`` the
+    simulated ones with a simulated user."""
+    if criterion == REALISM:
+        if not simulations_present(cur):  # a file no daemon of this version has opened
+            return []
+        rows = cur.execute("SELECT conversation_id, json_extract(record, '$.attributes') FROM "
+                           "simulated_conversations").fetchall()
+        return [c for c, attributes in rows
+                if attributes and SimulatedUser.of_record(orjson.loads(attributes)) is not None]
+    return [c for (c,) in cur.execute(
+        "SELECT DISTINCT conversation_id FROM verdicts WHERE criterion_id = ? AND NOT superseded "
+        "AND list_contains(?, result)", [criterion, list(JUDGED)]).fetchall()]
 
 
 def import_rows(cur: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], *, reviewer: str | None = None,
@@ -321,10 +388,16 @@ def _of_criterion(criterion: str | None) -> tuple[list[str], list[Any]]:
     return (["i.criterion_id = ?"], [criterion]) if criterion is not None else ([], [])
 
 
+def _of_judge(criterion: str | None) -> tuple[list[str], list[Any]]:
+    """``_of_criterion`` without ``REALISM``'s items: no judge runs it, so it has no calibration."""
+    where, params = _of_criterion(criterion)
+    return [*where, "i.criterion_id <> ?"], [*params, REALISM]
+
+
 def pairs(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> list[Pair]:
     """Every label beside the judge's current verdict on the same conversation and criterion (None when there
-    is none: the verdict was superseded and not judged again yet)."""
-    where, params = _of_criterion(criterion)
+    is none: the verdict was superseded and not judged again yet); never ``REALISM``'s."""
+    where, params = _of_judge(criterion)
     rows = cur.execute(
         "SELECT i.criterion_id, i.conversation_id, l.reviewer, l.label, "
         "(SELECT v.result FROM verdicts v WHERE v.conversation_id = i.conversation_id "
@@ -352,9 +425,10 @@ def frozen_items(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -
     (retention), is left out and counted.
 
     Returns:
-        ``{"items": [record, ...], "left_out": {"ties": n, "no_transcript": n}}``, in item order.
+        ``{"items": [record, ...], "left_out": {"ties": n, "no_transcript": n}}``, in item order; never
+        ``REALISM``'s (no judge to rerun).
     """
-    where, params = _of_criterion(criterion)
+    where, params = _of_judge(criterion)
     rows = cur.execute(
         "SELECT i.id, i.conversation_id, i.criterion_id, l.reviewer, l.label, l.note "
         f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "

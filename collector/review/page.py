@@ -566,8 +566,10 @@ def _pct(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):.0%}"
 
 
-def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unlabelled: int = 0) -> str:
-    """The calibration page: per criterion, the judge against people on the blind labels."""
+def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unlabelled: int = 0,
+                       realism: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The calibration page: per criterion, the judge against people on the blind labels; then, per simulated
+    user, the share of its conversations people found realistic (``realism.realism_by_user``)."""
     parts = [f'<p><a href="/review">&larr; Review queue</a> &middot; <a href="/review/label">Label blind tasks</a> '
              f'<span class="muted">({_e(unlabelled)} waiting for you)</span></p>']
     criteria = list(report.get("criteria") or [])
@@ -597,4 +599,27 @@ def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unla
             + (f'<p class="muted">Between people: {_e(reviewers.get("items"))} task(s) with several labels, agreement '
                f'{_pct(reviewers.get("agreement"))}</p>' if reviewers.get("items") else "")
             + "</section>")
-    return _page("Calibration", "<h1>Is the judge right? Blind calibration</h1>" + "".join(parts))
+    return _page("Calibration", "<h1>Is the judge right? Blind calibration</h1>" + "".join(parts)
+                 + _realism(realism))
+
+
+def _realism(figures: Sequence[Mapping[str, Any]]) -> str:
+    if not figures:
+        return ""
+    rows = []
+    for f in figures:
+        who = f["simulated_user"]
+        mark = (_badge("pass", "validated") if f["validated"] else
+                _badge("fail", f"not validated: needs a lower bound of {f['min_realism']:.0%}"))
+        rows.append(
+            f'<tr><th scope="row" dir="auto">{_e(who["provider"])} {_e(who["model"])}</th>'
+            f'<td><code>{_e(who["prompt_sha256"][:12])}</code></td><td>{_e(who["temperature"])}</td>'
+            f'<td>{_e(f["realistic"])} of {_e(f["labelled"])}</td><td>{_pct(f["share"])}</td>'
+            f'<td>{_pct(f["lower"])}</td><td>{mark}</td><td>{_e(f["unlabelled"])}</td></tr>')
+    return ('<section class="box" id="realism"><h2>Is the simulated user realistic?</h2>'
+            '<p class="muted">Blind tasks of <code>simulated_user_realistic</code> on imported simulated '
+            'conversations, per simulated user: its labels count for its provider, model, prompt and temperature '
+            'only.</p><table><thead><tr><th scope="col">simulated user</th><th scope="col">prompt</th>'
+            '<th scope="col">temperature</th><th scope="col">realistic</th><th scope="col">share</th>'
+            '<th scope="col">lower 95%</th><th scope="col"></th><th scope="col">unlabelled</th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></section>')
