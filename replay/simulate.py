@@ -406,6 +406,7 @@ class RunFolder:
 
     path: Path
     run_id: str = ""
+    bot: str = ""
     conversations: list[Conversation] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     not_run: list[NotRun] = field(default_factory=list)
@@ -419,7 +420,7 @@ class RunFolder:
             UserError: it holds a run against another bot, or files that are not a run's.
         """
         path.mkdir(parents=True, exist_ok=True)
-        folder = cls(path)
+        folder = cls(path, bot=bot)
         info = path / RUN
         if info.exists():
             try:
@@ -632,11 +633,12 @@ def build_report(folder: RunFolder, scenarios: Sequence[SuiteScenario], criteria
     for v in verdicts:
         _add(judge_tokens, v.usage)
     return {
-        "run": folder.run_id, "out_dir": str(folder.path), "simulated_user": user,
+        "run": folder.run_id, "out_dir": str(folder.path), "bot": folder.bot, "simulated_user": user,
         "scenarios": entries, "criteria": rates,
         "summary": {"scenarios": len(entries), "failing": sum(e["failing"] for e in entries),
                     "not_evaluated": sum(1 for e in entries if e["judged"] == 0)},
-        "tokens": {"simulated_user": user_tokens.model_dump(), "judges": judge_tokens.model_dump()},
+        "tokens": {who: {"input": u.input_tokens, "output": u.output_tokens}
+                   for who, u in (("simulated_user", user_tokens), ("judges", judge_tokens))},
     }
 
 

@@ -19,9 +19,9 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 import duckdb
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from judges import Conversation
+from judges import Conversation, Verdict
 
 from .. import config, conversations
 from ..errors import StoreUnavailable, UserError
@@ -342,21 +342,20 @@ class API:
         return web.json_response(body, dumps=_dumps)
 
     async def simulations_import(self, request: web.Request) -> web.Response:
-        """Store simulated conversations: ``{"records": [conversation/v1, ...]}``; ``{"stored", "already_imported"}``."""
-        body = await _json_object(request, {"records"})
-        records = body.get("records")
-        if not isinstance(records, list):
-            raise APIError(400, "bad_request", "records must be a list of conversation/v1 records")
-        try:
-            convs = [Conversation.model_validate(r) for r in records]
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            raise APIError(400, "bad_request", f"records: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None
+        """Store simulated conversations: ``{"records": [conversation/v1, ...], "verdicts": [...]}`` (verdicts
+        optional: those ``tracejudge simulate`` made); ``{"stored", "already_imported"}``."""
+        body = await _json_object(request, {"records", "verdicts"})
+        records, given = body.get("records"), body.get("verdicts", [])
+        if not isinstance(records, list) or not isinstance(given, list):
+            raise APIError(400, "bad_request", "records must be a list of conversation/v1 records (verdicts too, "
+                                               "if given, a list of verdicts)")
+        convs = _validated("records", Conversation, records)
+        judged = _validated("verdicts", Verdict, given)
         rate, seed = self.simulate_settings.realism_sample_rate, self.seed
 
         def store(cur: Any) -> simulations.Imported:
             with Transaction(cur):  # the conversations and their realism tasks in one commit
-                done = simulations.store_simulations(cur, convs)
+                done = simulations.store_simulations(cur, convs, verdicts=judged)
                 calibration.choose_simulated(cur, done.new, rate, seed)
             return done
 
@@ -845,3 +844,15 @@ def _nano_time(ns: int | None) -> str | None:
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, default=lambda v: str(iso_utc(v)))
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validated(what: str, model: type[M], items: list[Any]) -> list[M]:
+    """``items`` as ``model``s; the first problem is a 400 naming where it is."""
+    try:
+        return [model.model_validate(x) for x in items]
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        raise APIError(400, "bad_request", f"{what}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None

@@ -79,7 +79,8 @@ class Client(Protocol):
     def stats_rows(self, *, since: str | None, criterion: str | None,
                    source: str = "production") -> dict[str, Any]: ...
 
-    def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]: ...
+    def import_simulations(self, records: list[dict[str, Any]],
+                           verdicts: list[dict[str, Any]] | None = None) -> dict[str, int]: ...
 
     def realism(self, who: SimulatedUser) -> dict[str, Any]: ...
 
@@ -228,8 +229,10 @@ class APIClient:
                             "its stats are computed from: upgrade it to merge its figures with other stores'")
         return body
 
-    def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]:
-        done: dict[str, int] = self.request("/api/simulations", {"records": records}, missing_ok=False)
+    def import_simulations(self, records: list[dict[str, Any]],
+                           verdicts: list[dict[str, Any]] | None = None) -> dict[str, int]:
+        done: dict[str, int] = self.request("/api/simulations", {"records": records, "verdicts": verdicts or []},
+                                            missing_ok=False)
         return done
 
     def realism(self, who: SimulatedUser) -> dict[str, Any]:
@@ -421,10 +424,12 @@ class FileClient:
         return review_stats.stats_rows(self.con, since=_since(since), criterion=criterion,
                                        source="simulation" if source == "simulation" else "production")
 
-    def import_simulations(self, records: list[dict[str, Any]]) -> dict[str, int]:
-        from judges import Conversation
+    def import_simulations(self, records: list[dict[str, Any]],
+                           verdicts: list[dict[str, Any]] | None = None) -> dict[str, int]:
+        from judges import Conversation, Verdict
 
         convs = [Conversation.model_validate(r) for r in records]
+        judged = [Verdict.model_validate(v) for v in verdicts or []]
         if self._writer is None:  # one read-write connection for every chunk of an import
             self.con.close()
             self._writer = self.con = connect(self.path)
@@ -433,7 +438,7 @@ class FileClient:
             self.tables |= {"simulated_conversations", "calibration_items", "calibration_labels"}
         writer, rate = self._writer, self.simulate.realism_sample_rate
         with Transaction(writer):  # the conversations and their realism tasks in one commit
-            done = simulations.store_simulations(writer, convs)
+            done = simulations.store_simulations(writer, convs, verdicts=judged)
             calibration.choose_simulated(writer, done.new, rate, self.seed)
         return done.to_dict()
 

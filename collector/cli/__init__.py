@@ -34,6 +34,7 @@ COMMANDS = {
     "scenarios": "collector.cli.scenarios:scenarios",
     "labels": "collector.cli.labels:labels",
     "calibrate": "collector.cli.labels:calibrate",
+    "simulate": "collector.cli.simulate:simulate",
 }
 
 

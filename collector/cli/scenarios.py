@@ -1,4 +1,5 @@
-"""``tracejudge scenarios export``: confirmed failures as scenarios for the offline suite."""
+"""``tracejudge scenarios export|verify``: confirmed failures as scenarios for the offline suite, and whether they
+reproduce."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import click
 
 from ..words import plural
 from .common import config_option, json_option, load
+from .simulate import bot_options, run_simulation
 
 
 @click.group()
@@ -112,3 +114,65 @@ def _report(done: Any) -> None:
                    else "nothing to export: no confirmed failures")
     if done.written and done.exported_before:
         click.echo(f"{plural(len(done.exported_before), 'confirmed failure')} exported before, left as they are")
+
+
+@scenarios.command("verify")
+@click.option("--since", help="Only scenarios confirmed since then: 15m, 2h, 7d or an ISO 8601 time.")
+@bot_options
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="The simulation run's folder [default: simulations/<run id>].")
+@config_option
+@json_option
+def verify_cmd(since: str | None, bot: str | None, bot_url: str | None, bot_model: str,
+               bot_timeout_text: str | None, replicates: int | None, criteria_paths: tuple[Path, ...],
+               concurrency: int | None, budget_tokens: int | None, out: Path | None, config_path: Path | None,
+               as_json: bool) -> None:
+    """Do the scenarios written from production failures reproduce them?
+
+    Runs each scenario of scenarios.out_dir that was written from a confirmed
+    failure and not verified yet (see `tracejudge simulate` for the flags), and
+    records in its YAML file, as source.reproduced, how often the confirmed
+    criterion failed: {failed, replicates, criterion, at, bot}. A scenario that
+    never fails does not reproduce its failure: edit its persona, goal or facts
+    before it joins the suite. Exit 1 when one does not reproduce.
+    """
+    from replay.verify import record, unverified
+
+    from ..errors import UserError
+    from ..listing import parse_since
+
+    cfg = load(config_path)
+    try:
+        when = parse_since(since) if since else None
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    chosen = unverified(cfg.scenarios.out_dir, when)
+    if not chosen:
+        message = f"nothing to verify: no scenario in {cfg.scenarios.out_dir} is waiting for source.reproduced"
+        click.echo(json.dumps({"scenarios": [], "summary": {"verified": 0}}) if as_json else message)
+        return
+    report = run_simulation(cfg, chosen, bot=bot, bot_url=bot_url, bot_model=bot_model,
+                            bot_timeout_text=bot_timeout_text, replicates=replicates, criteria_paths=criteria_paths,
+                            concurrency=concurrency, budget_tokens=budget_tokens, out=out, quiet=as_json)
+    results = record(chosen, report, report["bot"])
+    summary = {"verified": sum(r["reproduced"] is not None for r in results),
+               "reproduce": sum(bool(r.get("reproduces")) for r in results),
+               "do_not_reproduce": sum(r.get("reproduces") is False for r in results),
+               "not_judged": sum(r["reproduced"] is None for r in results)}
+    if as_json:
+        click.echo(json.dumps({"run": report["run"], "out_dir": report["out_dir"], "scenarios": results,
+                               "summary": summary}, indent=2, ensure_ascii=False))
+    else:
+        for r in results:
+            found = r["reproduced"]
+            if found is None:
+                click.echo(f"{r['id']}: {r['problem']}")
+            elif found["failed"]:
+                click.echo(f"{r['id']}: reproduces: {found['criterion']} failed in {found['failed']} of "
+                           f"{found['replicates']} replicates")
+            else:
+                click.echo(f"{r['id']}: does not reproduce: {found['criterion']} failed in 0 of "
+                           f"{found['replicates']} replicates; edit the persona or the facts before it joins the "
+                           f"suite (it is not a regression test)")
+        click.echo(f"recorded in each file's source.reproduced; the run is in {report['out_dir']}")
+    sys.exit(1 if summary["do_not_reproduce"] or summary["not_judged"] else 0)

@@ -26,11 +26,11 @@ from typing import Any
 import duckdb
 import orjson
 
-from judges import Conversation
+from judges import Conversation, Verdict
 
 from ..errors import UserError
 from ..store.transactions import Transaction, insert_rows, one, utc_now
-from .verdicts import UNKEYED, not_run_table, verdicts_table
+from .verdicts import UNKEYED, not_run_table, store_verdicts, verdicts_table
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS simulated_conversations (
@@ -118,8 +118,9 @@ def _surrogate_at(text: str) -> int | None:
 
 
 def store_simulations(cur: duckdb.DuckDBPyConnection, conversations: Sequence[Conversation],
-                      now: dt.datetime | None = None) -> Imported:
-    """Store simulated conversations not stored yet, in one transaction.
+                      now: dt.datetime | None = None, verdicts: Sequence[Verdict] = ()) -> Imported:
+    """Store simulated conversations not stored yet, in one transaction, with the ``verdicts`` of those
+    (``tracejudge simulate`` judged them already: they need not be judged again).
 
     Raises:
         SimulationError: a record is not ``source: simulation``, or holds a lone surrogate.
@@ -144,6 +145,10 @@ def store_simulations(cur: duckdb.DuckDBPyConnection, conversations: Sequence[Co
             new.append(c)
         insert_rows(cur, "INSERT INTO simulated_conversations", COLUMNS,
                     [(c.id, c.persona_id, c.ended_by, c.to_json(), at) for c in new])
+        stored = {c.id for c in new}
+        theirs = [v for v in verdicts if v.conversation_id in stored]
+        if theirs:
+            store_verdicts(cur, theirs, probability=1.0, rule=RULE, now=at, simulated=True)
     return Imported(stored=len(new), known=len(conversations) - len(new), new=new)
 
 

@@ -173,7 +173,7 @@ def test_the_report_names_the_simulated_user_and_counts_its_tokens_apart(tmp_pat
                       replicates=2)
     assert report["simulated_user"] == {"provider": "anthropic", "model": "claude-sim",
                                         "prompt_sha256": PROMPT_SHA256, "temperature": None}
-    assert report["tokens"]["simulated_user"]["input_tokens"] > 0 and report["tokens"]["judges"]["input_tokens"] == 0
+    assert report["tokens"]["simulated_user"]["input"] > 0 and report["tokens"]["judges"]["input"] == 0
     assert report["summary"] == {"scenarios": 1, "failing": 0, "not_evaluated": 0}
 
 

@@ -15,13 +15,14 @@ model would, steered by words in the scenario's persona:
 
 The goal check reaches the goal when a bot line holds the text the goal quotes after ``reached when the bot
 says``; a goal with ``junk check`` gets a reply that is not JSON. The judge fails a conversation whose bot
-said ``carrier will call``, quoting it, and passes the rest.
+said ``carrier will call`` on a criterion that speaks of the carrier, quoting it, and passes the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -162,8 +163,9 @@ def _goal(prompt: str) -> str:
 
 def _judge(prompt: str) -> str:
     lines = _lines(prompt)
+    criterion = re.sub(r"<transcript>.*?</transcript>", "", prompt, flags=re.S)
     bad = next((t for w, t in lines if w == "BOT" and "carrier will call" in t), None)
-    if bad is not None:
+    if bad is not None and "carrier" in criterion.lower():
         return json.dumps({"reasoning": "The bot promised a call from the carrier.", "evidence": [bad],
                            "result": "fail"})
     first = next((t for w, t in lines if w == "USER"), None)
@@ -210,6 +212,13 @@ def flaky(messages: list[dict[str, str]], conversation_id: str) -> Any:
 async def slow(messages: list[dict[str, str]], conversation_id: str) -> str:
     await asyncio.sleep(3600)
     return "too late"
+
+
+async def stalls(messages: list[dict[str, str]], conversation_id: str) -> Any:
+    """``broken``, but with ``$ROLEPLAY_STALL`` set the third replicate never answers (until a Ctrl-C)."""
+    if os.environ.get("ROLEPLAY_STALL") and conversation_id.endswith("/3"):
+        await asyncio.sleep(3600)
+    return shop(messages, conversation_id)
 
 
 class ChatBot(LoopbackServer):

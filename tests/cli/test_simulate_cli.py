@@ -1,0 +1,230 @@
+"""``tracejudge simulate`` and ``scenarios verify`` as a user runs them: the CLI in a subprocess, the simulated
+user and the judge on a loopback model, bots from ``tests.support.roleplay``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_until
+from ..support.roleplay import RolePlayModel
+
+CRITERIA = """\
+criteria:
+  - id: no-carrier-promises
+    version: 1
+    kind: code
+    check: regex
+    role: assistant
+    pattern: "(?i)carrier will call"
+    must: not_match
+  - id: polite
+    version: 1
+    kind: llm
+    prompt: "Fail when the bot is rude."
+"""
+GOAL = 'Learn when the order arrives; reached when the bot says "delayed at the depot".'
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[RolePlayModel]:
+    m = RolePlayModel()
+    yield m
+    m.close()
+
+
+def write_config(folder: Path, model: RolePlayModel, **sections: Any) -> Path:
+    (folder / "criteria.yaml").write_text(CRITERIA, encoding="utf-8")
+    cfg = base_config(folder, judges={"criteria": [str(folder / "criteria.yaml")], "timeout": "30s",
+                                      "provider": {"type": "anthropic", "model": "judge-sim",
+                                                   "base_url": model.url, "api_key": "k"}},
+                      simulate={"user": {"provider": {"type": "openai_compatible", "model": "user-sim",
+                                                      "base_url": model.url + "/v1"}, "temperature": 0.9},
+                                "replicates": 2, "concurrency": 2},
+                      scenarios={"out_dir": str(folder / "incoming")}, **sections)
+    path = folder / "otel-config.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def write_scenarios(folder: Path, *specs: dict[str, Any]) -> Path:
+    suite = folder / "suite"
+    suite.mkdir(exist_ok=True)
+    for spec in specs:
+        data = {"persona": "Writes short messages.", "goal": GOAL, "facts": {"order_number": "B-1042"},
+                "expected": {"criteria": ["no-carrier-promises", "polite"]}, **spec}
+        (suite / f"{data['id']}.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    return suite
+
+
+def simulate(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("simulate", *args, "--config", str(config))
+
+
+def test_a_run_judges_every_replicate_and_reports_as_the_contract_says(tmp_path: Path, model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    suite = write_scenarios(tmp_path, {"id": "late-order"}, {"id": "asks-a-person", "persona": "wants a person"})
+    out = tmp_path / "run"
+    done = simulate(config, str(suite), "--bot", "tests.support.roleplay:broken", "--out", str(out), "--json")
+    assert done.returncode == 1, done.stderr  # late-order fails no-carrier-promises
+    report = json.loads(done.stdout)
+    assert json.loads((out / "report.json").read_text()) == report
+    person, late = report["scenarios"]  # in file name order
+    assert late["id"] == "late-order" and late["replicates"] == 2 and late["failing"]
+    assert late["criteria"]["no-carrier-promises"]["fail"] == 2 and late["criteria"]["polite"]["pass"] == 2
+    assert late["ended_by"]["goal_reached"] == 2
+    assert person["ended_by"]["handover"] == 2 and not person["failing"]
+    assert report["criteria"]["no-carrier-promises"] == {"conversations": 4, "fail": 2, "rate": 0.5,
+                                                         "interval": report["criteria"]["no-carrier-promises"]
+                                                         ["interval"]}
+    assert report["simulated_user"]["model"] == "user-sim" and report["simulated_user"]["temperature"] == 0.9
+    assert report["simulated_user"]["validated"] is False and report["simulated_user"]["realism"] is None
+    assert report["summary"]["scenarios"] == 2 and report["summary"]["failing"] == 1
+    assert report["tokens"]["judges"]["input"] > 0 and report["tokens"]["simulated_user"]["input"] > 0
+    lines = (out / "conversations.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(x)["source"] == "simulation" for x in lines)
+    assert len((out / "verdicts.jsonl").read_text().splitlines()) == 8
+    text = simulate(config, str(suite), "--bot", "tests.support.roleplay:broken", "--out", str(out))
+    assert "late-order  FAILING  (simulated user not validated)" in text.stdout, text.stdout
+    assert "no-carrier-promises: 2 of 4, 50%" in text.stdout
+
+
+def test_a_baseline_says_fixed_broke_and_still_failing(tmp_path: Path, model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    suite = write_scenarios(tmp_path, {"id": "late-order"})
+    before, after = tmp_path / "before", tmp_path / "after"
+    assert simulate(config, str(suite), "--bot", "tests.support.roleplay:broken", "--out", str(before),
+                    "--replicates", "5").returncode == 1
+    fixed = simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed", "--out", str(after),
+                     "--replicates", "5", "--baseline", str(before), "--json")
+    assert fixed.returncode == 0, fixed.stderr
+    report = json.loads(fixed.stdout)
+    block = report["scenarios"][0]["baseline"]
+    assert block["status"] == "fixed" and block["criteria"]["no-carrier-promises"]["fail_before"] == 5
+    assert block["criteria"]["no-carrier-promises"]["fail_now"] == 0
+    assert block["criteria"]["no-carrier-promises"]["p_value"] < 0.01
+    assert report["summary"]["fixed"] == 1 and report["summary"]["broke"] == 0
+    broke = simulate(config, str(suite), "--bot", "tests.support.roleplay:flaky", "--out", str(tmp_path / "b"),
+                     "--replicates", "5", "--baseline", str(after))
+    assert broke.returncode == 1 and "broke" in broke.stdout
+    assert "0/5 -> 1/5 (p = 1.00: cannot be told from chance with 5 replicates)" in broke.stdout, broke.stdout
+    still = simulate(config, str(suite), "--bot", "tests.support.roleplay:broken", "--out", str(tmp_path / "s"),
+                     "--replicates", "5", "--baseline", str(before), "--json")
+    assert json.loads(still.stdout)["scenarios"][0]["baseline"]["status"] == "still_failing"
+
+
+def test_ctrl_c_keeps_what_was_done_and_the_same_command_resumes(tmp_path: Path, model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    suite = write_scenarios(tmp_path, {"id": "late-order"}, {"id": "other-order"})
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "collector", "simulate", str(suite), "--bot", "tests.support.roleplay:stalls",
+            "--out", str(out), "--replicates", "4", "--concurrency", "1", "--config", str(config)]
+    # The third conversation never gets its answer: Ctrl-C comes while it waits, two being done.
+    proc = subprocess.Popen(args, cwd=REPO, env=clean_env(ROLEPLAY_STALL="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (out / "conversations.jsonl").exists() and
+                   len((out / "conversations.jsonl").read_text().splitlines()) >= 2, "two conversations written")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and f"--out {out}" in err
+    kept = len((out / "conversations.jsonl").read_text().splitlines())
+    assert kept == 2
+    again = run_cli(*args[3:])
+    assert f"resuming {out}: {kept} of 8 conversations done before" in again.stderr
+    records = [json.loads(x) for x in (out / "conversations.jsonl").read_text().splitlines()]
+    assert sorted((r["persona_id"], r["attributes"]["replicate"]) for r in records) == \
+        sorted((s, n) for s in ("late-order", "other-order") for n in range(1, 5))
+    assert len({r["attributes"]["run"] for r in records}) == 1
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("id: x\npersona: p\ngoal: g\nfacts: {a: 1}\nexpected: {criteria: no-carrier-promises}\n",
+     "expected: criteria: a list of criterion ids"),
+    ("id: x\npersona: p\nfacts: {a: 1}\n", "goal: Field required"),
+    ("id: x\npersona: p\ngoal: g\npersonna: typo\n", "personna: unknown key"),
+    ("id: x\npersona: p\ngoal: g\nexpected: {criteria: [no-such-criterion]}\n",
+     "expected.criteria: 'no-such-criterion' not in the criteria files"),
+    ("- not a mapping\n", "not a scenario"),
+    ("id: [unclosed\n", "not YAML"),
+])
+def test_a_bad_scenario_file_is_exit_2_naming_the_file_and_key(tmp_path: Path, model: RolePlayModel, text: str,
+                                                               problem: str) -> None:
+    config = write_config(tmp_path, model)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text, encoding="utf-8")
+    done = simulate(config, str(bad), "--bot", "tests.support.roleplay:broken", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and done.stderr.startswith(f"tracejudge: error: {bad}"), done.stderr
+    assert problem in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("args", "problem"), [
+    (["--bot", "no_such_module:reply"], "cannot import no_such_module"),
+    (["--bot", "tests.support.roleplay"], "give MODULE:FUNCTION"),
+    (["--bot", "tests.support.roleplay:nothing"], "has no nothing"),
+    ([], "give the bot"),
+    (["--bot", "tests.support.roleplay:broken", "--bot-url", "http://127.0.0.1:9/v1/chat/completions"],
+     "one of them"),
+])
+def test_a_bad_bot_is_exit_2(tmp_path: Path, model: RolePlayModel, args: list[str], problem: str) -> None:
+    config = write_config(tmp_path, model)
+    suite = write_scenarios(tmp_path, {"id": "late-order"})
+    done = simulate(config, str(suite), *args)
+    assert done.returncode == 2 and problem in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_with_a_daemon_running_the_run_is_stored_as_simulations(tmp_path: Path, model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    cfg = yaml.safe_load(config.read_text())
+    daemon = DaemonProcess(tmp_path, cfg).start()
+    try:
+        suite = write_scenarios(tmp_path, {"id": "late-order"})
+        done = simulate(config, str(suite), "--bot", "tests.support.roleplay:broken", "--out", str(tmp_path / "run"))
+        assert done.returncode == 1 and "stored in the daemon: 2 conversations" in done.stderr, done.stderr
+        stats = run_cli("stats", "--by", "source", "--json", "--config", str(config))
+        assert stats.returncode == 0, stats.stderr
+        figures = json.loads(stats.stdout)["by_source"]["simulation"]
+        crit = {c["criterion_id"]: c for c in figures["criteria"]}
+        assert crit["no-carrier-promises"]["fail"] == 2 and crit["no-carrier-promises"]["judged"] == 2  # simulate's verdicts, not judged again
+        assert daemon.stop() == 0
+    finally:
+        daemon.end()
+
+
+def test_scenarios_verify_records_how_often_the_failure_reproduces(tmp_path: Path, model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    source = {"conversation_id": "c-1", "criterion": "no-carrier-promises", "criterion_version": 1,
+              "evidence": ["BOT: the carrier will call you"], "reviewer": "ana", "confirmed_at": "2026-12-01T10:00:00Z",
+              "review_item": 1, "judge": "code/regex"}
+    for sid, persona in (("prod-no-carrier-promises-aaaaaa", "Writes short messages."),
+                         ("prod-no-carrier-promises-bbbbbb", "wants a person")):
+        (incoming / f"{sid}.yaml").write_text(yaml.safe_dump({
+            "id": sid, "persona": persona, "goal": GOAL, "facts": {"order_number": "B-7781"}, "max_turns": 6,
+            "expected": {"criteria": ["no-carrier-promises"]}, "source": source}, sort_keys=False), encoding="utf-8")
+    (incoming / "mine.yaml").write_text(yaml.safe_dump({"id": "team-own", "persona": "p", "goal": "g"}))
+    done = run_cli("scenarios", "verify", "--bot", "tests.support.roleplay:broken", "--replicates", "3",
+                   "--out", str(tmp_path / "verify"), "--config", str(config))
+    assert done.returncode == 1, done.stderr  # the second one does not reproduce
+    assert "prod-no-carrier-promises-aaaaaa: reproduces: no-carrier-promises failed in 3 of 3" in done.stdout
+    assert "prod-no-carrier-promises-bbbbbb: does not reproduce" in done.stdout and "edit the persona" in done.stdout
+    written = yaml.safe_load((incoming / "prod-no-carrier-promises-aaaaaa.yaml").read_text())
+    found = written["source"]["reproduced"]
+    assert {k: found[k] for k in ("failed", "replicates", "criterion", "bot")} == {
+        "failed": 3, "replicates": 3, "criterion": "no-carrier-promises", "bot": "tests.support.roleplay:broken"}
+    assert written["persona"] == "Writes short messages." and written["source"]["reviewer"] == "ana"
+    assert "reproduced" not in yaml.safe_load((incoming / "mine.yaml").read_text())
+    again = run_cli("scenarios", "verify", "--bot", "tests.support.roleplay:broken", "--config", str(config))
+    assert again.returncode == 0 and "nothing to verify" in again.stdout
