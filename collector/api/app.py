@@ -791,12 +791,15 @@ def _simulated_user(q: Any) -> SimulatedUser:
     if missing:
         raise APIError(400, "bad_parameter", f"a simulated user is named by {', '.join(_SIMULATED_USER)}: "
                                              f"{', '.join(missing)} missing")
-    try:
-        temperature = float(q["temperature"])
-    except ValueError:
-        temperature = math.nan
-    if not math.isfinite(temperature):
-        raise APIError(400, "bad_parameter", f"temperature must be a number, not {q['temperature'][:40]!r}")
+    temperature: float | None = None
+    if q["temperature"] != "none":  # none was sent: Anthropic's models take none
+        try:
+            temperature = float(q["temperature"])
+        except ValueError:
+            temperature = math.nan
+        if not math.isfinite(temperature):
+            raise APIError(400, "bad_parameter", f"temperature must be a number or none, not "
+                                                 f"{q['temperature'][:40]!r}")
     try:
         return SimulatedUser.of({**{k: q[k] for k in _SIMULATED_USER}, "temperature": temperature})
     except ValueError as exc:

@@ -239,7 +239,7 @@ class APIClient:
         # The daemon's own simulate.min_realism applies: it serves this config.
         body: dict[str, Any] = self.request("/api/simulations/realism" + _query(
             provider=who.provider, model=who.model, prompt_sha256=who.prompt_sha256,
-            temperature=repr(who.temperature)), missing_ok=False)
+            temperature="none" if who.temperature is None else repr(who.temperature)), missing_ok=False)
         return body
 
     def status(self) -> dict[str, Any]:

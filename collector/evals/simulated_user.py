@@ -27,14 +27,15 @@ class SimulatedUser:
     provider: str
     model: str
     prompt_sha256: str
-    temperature: float
+    temperature: float | None
+    """None: none was sent (Anthropic's Messages API takes none on current models)."""
 
     @classmethod
     def of(cls, value: Any) -> SimulatedUser:
         """The identity in a mapping (extra keys ignored).
 
         Raises:
-            ValueError: not a mapping, a key missing or empty, or a temperature that is not a number.
+            ValueError: not a mapping, a key missing or empty, or a temperature that is neither a number nor null.
         """
         if not isinstance(value, dict):
             raise ValueError("a simulated user is an object with provider, model, prompt_sha256 and temperature")
@@ -42,10 +43,13 @@ class SimulatedUser:
                    or not value[k].strip()]
         if missing:
             raise ValueError(f"the simulated user's {', '.join(missing)} must be given, as non-empty text")
-        temperature = value.get("temperature")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise ValueError(f"the simulated user's temperature must be a number, not {temperature!r}")
-        return cls(value["provider"], value["model"], value["prompt_sha256"], float(temperature))
+        if "temperature" not in value:
+            raise ValueError("the simulated user's temperature must be given (null when none was sent)")
+        temperature = value["temperature"]
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
+            raise ValueError(f"the simulated user's temperature must be a number or null, not {temperature!r}")
+        return cls(value["provider"], value["model"], value["prompt_sha256"],
+                   None if temperature is None else float(temperature))
 
     @classmethod
     def of_record(cls, attributes: Any) -> SimulatedUser | None:

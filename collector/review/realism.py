@@ -67,5 +67,6 @@ def realism(cur: duckdb.DuckDBPyConnection, who: SimulatedUser, min_realism: flo
 def realism_by_user(cur: duckdb.DuckDBPyConnection, min_realism: float) -> list[dict[str, Any]]:
     """The realism figure of every simulated user with a task, by provider, model, prompt and temperature."""
     found = _tasks(cur)
-    order = sorted(found, key=lambda w: (w.provider, w.model, w.prompt_sha256, w.temperature))
+    order = sorted(found, key=lambda w: (w.provider, w.model, w.prompt_sha256,
+                                         -1.0 if w.temperature is None else w.temperature))
     return [figure(who, found[who], min_realism) for who in order]

@@ -228,3 +228,21 @@ def test_scenarios_verify_records_how_often_the_failure_reproduces(tmp_path: Pat
     assert "reproduced" not in yaml.safe_load((incoming / "mine.yaml").read_text())
     again = run_cli("scenarios", "verify", "--bot", "tests.support.roleplay:broken", "--config", str(config))
     assert again.returncode == 0 and "nothing to verify" in again.stdout
+
+
+def test_the_judges_anthropic_provider_plays_the_user_when_simulate_names_none(tmp_path: Path,
+                                                                               model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    cfg = yaml.safe_load(config.read_text())
+    del cfg["simulate"]["user"]
+    config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    suite = write_scenarios(tmp_path, {"id": "late-order"})
+    before = len(model.of("user"))
+    done = simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed", "--out", str(tmp_path / "r"),
+                    "--json")
+    assert done.returncode == 0, done.stderr
+    who = json.loads(done.stdout)["simulated_user"]
+    assert who["provider"] == "anthropic" and who["model"] == "judge-sim" and who["temperature"] is None
+    assert all(r.api == "anthropic" and "temperature" not in r.body for r in model.of("user")[before:])
+    assert "temperature not sent" in simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed",
+                                              "--out", str(tmp_path / "r")).stdout

@@ -168,6 +168,7 @@ def test_labels_make_the_realism_figure_of_one_simulated_user(daemon: DaemonProc
     assert realism(cfg, {**USER_A, "extra": "ignored"}) == a
     with pytest.raises(UserError, match="temperature must be a number"):
         realism(cfg, {**USER_A, "temperature": "warm"})
+    assert realism(cfg, {**USER_A, "temperature": None})["labelled"] == 0  # none sent (Anthropic): its own user
 
 
 def test_a_bad_simulated_user_gets_the_error_shape(daemon: DaemonProcess) -> None:
