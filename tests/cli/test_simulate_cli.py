@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from ..support.api_http import post_json
 from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_until
 from ..support.roleplay import RolePlayModel
 
@@ -246,3 +247,32 @@ def test_the_judges_anthropic_provider_plays_the_user_when_simulate_names_none(t
     assert all(r.api == "anthropic" and "temperature" not in r.body for r in model.of("user")[before:])
     assert "temperature not sent" in simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed",
                                               "--out", str(tmp_path / "r")).stdout
+
+
+def test_once_people_find_the_simulated_user_realistic_the_report_says_validated(tmp_path: Path,
+                                                                                 model: RolePlayModel) -> None:
+    config = write_config(tmp_path, model)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["simulate"].update({"realism_sample_rate": 1.0, "min_realism": 0.5, "replicates": 5})
+    config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    daemon = DaemonProcess(tmp_path, cfg).start()
+    try:
+        suite = write_scenarios(tmp_path, {"id": "late-order"})
+        out = tmp_path / "run"
+        first = json.loads(simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed", "--out", str(out),
+                                    "--json").stdout)
+        assert first["simulated_user"]["validated"] is False and first["simulated_user"]["realism_labels"] == 0
+        tasks = daemon.get("/api/calibration/items?criterion=simulated_user_realistic&state=all&limit=100")[1]
+        assert len(tasks["items"]) == 5  # every conversation of the run, at a sample rate of 1
+        for task in tasks["items"]:
+            assert post_json(daemon.api, f"/api/calibration/items/{task['id']}/label",
+                             {"label": "pass", "reviewer": "ana"}).status == 200
+        again = json.loads(simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed", "--out", str(out),
+                                    "--json").stdout)  # nothing left to run: the report is made again
+        who = again["simulated_user"]
+        assert who["validated"] is True and who["realism_labels"] == 5 and 0.5 < who["realism"] < 1
+        text = simulate(config, str(suite), "--bot", "tests.support.roleplay:fixed", "--out", str(out)).stdout
+        assert "not validated" not in text and "realistic in at least" in text
+        assert daemon.stop() == 0
+    finally:
+        daemon.end()
