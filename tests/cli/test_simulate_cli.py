@@ -16,17 +16,10 @@ import yaml
 
 from ..support.api_http import post_json
 from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_until
+from ..support import roleplay
 from ..support.roleplay import RolePlayModel
 
-CRITERIA = """\
-criteria:
-  - id: no-carrier-promises
-    version: 1
-    kind: code
-    check: regex
-    role: assistant
-    pattern: "(?i)carrier will call"
-    must: not_match
+CRITERIA = roleplay.CRITERIA + """\
   - id: polite
     version: 1
     kind: llm

@@ -16,18 +16,8 @@ from replay.simulate import (PROMPT_SHA256, ChatCompletionsBot, FunctionBot, Run
                              build_report, run)
 from replay.suite import SuiteScenario
 
-from ..support.roleplay import ChatBot, RolePlayModel
+from ..support.roleplay import CRITERIA, ChatBot, RolePlayModel
 
-CRITERIA = """\
-criteria:
-  - id: no-carrier-promises
-    version: 1
-    kind: code
-    check: regex
-    role: assistant
-    pattern: "(?i)carrier will call"
-    must: not_match
-"""
 
 
 @pytest.fixture(scope="module")

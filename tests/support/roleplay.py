@@ -32,6 +32,17 @@ from aiohttp import web
 from .loopback import LoopbackServer
 
 FLAW = "the carrier will call you tomorrow"
+CRITERIA = """\
+criteria:
+  - id: no-carrier-promises
+    version: 1
+    kind: code
+    check: regex
+    role: assistant
+    pattern: "(?i)carrier will call"
+    must: not_match
+"""
+"""A code check the broken bots fail: what the tests judge simulated conversations on."""
 
 
 @dataclass
