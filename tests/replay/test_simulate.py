@@ -201,3 +201,21 @@ def test_a_run_stopped_half_way_resumes_into_the_same_folder(tmp_path: Path, mod
     assert folder.run_id == "run-1" and sorted(folder.done()) == [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2),
                                                                   ("b", 3)]
     assert len(folder.verdicts) == 6
+
+
+def test_the_token_budget_stops_new_conversations_once_spent(tmp_path: Path, model: RolePlayModel) -> None:
+    criteria_file = tmp_path / "criteria.yaml"
+    criteria_file.write_text(CRITERIA, encoding="utf-8")
+    bot, user = FunctionBot("tests.support.roleplay:fixed"), user_on(model)
+    folder = RunFolder.open(tmp_path / "run", bot.name, "run-1")
+
+    async def go() -> Any:
+        try:
+            return await run([scenario("budget")], load_criteria([criteria_file]), bot, user, None, folder,
+                             Settings(replicates=3, concurrency=1, budget_tokens=1))
+        finally:
+            await user.aclose()
+
+    progress = asyncio.run(go())
+    assert (progress.done, progress.skipped_budget) == (1, 2) and len(folder.conversations) == 1
+    assert progress.tokens.input_tokens > 1  # the one conversation under way finished, over the budget
