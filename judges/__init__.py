@@ -47,6 +47,7 @@ from ._providers import (
     make_provider,
     register_provider,
 )
+from ._retry import Backoff, parse_retry_after
 from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges, with_retries, with_timeout
 from ._stats import Proportion, RateStats, Summary, fisher_exact, summarize, weighted_proportion
 from ._transcript import (
@@ -67,6 +68,7 @@ from ._verdict import CheckResult, JudgeInfo, NotRun, Verdict
 __all__ = [
     "AnthropicProvider",
     "AppliesIf",
+    "Backoff",
     "Budget",
     "CacheKey",
     "CalibrationReport",
@@ -125,6 +127,7 @@ __all__ = [
     "make_provider",
     "parse_conversations",
     "parse_json_object",
+    "parse_retry_after",
     "read_conversations",
     "register_check",
     "register_provider",

@@ -12,16 +12,15 @@ Built-in providers register in ``PROVIDERS`` exactly as outside ones do with
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import os
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 from ._errors import ProviderError, ProviderSetupError
 from ._prompt import JudgeRequest
+from ._retry import parse_retry_after
 from ._transcript import Usage
 
 Stop = Literal["end", "refusal", "max_tokens", "other"]
@@ -71,23 +70,6 @@ def _setting(value: str | None, env: str, environ: Mapping[str, str]) -> str | N
     return value or environ.get(env) or None
 
 
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds from ``retry-after-ms`` or ``retry-after`` (seconds or an HTTP date)."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            return max(0.0, float(value) * scale)
-        except ValueError:
-            pass
-        try:
-            return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-        except (TypeError, ValueError):
-            continue  # unreadable: as if the server had not said
-    return None
-
-
 def _connection_detail(exc: BaseException) -> str:
     """Where a call could not connect to, and why: the innermost cause (the client says "Connection error.")."""
     url = getattr(getattr(exc, "request", None), "url", None)
@@ -105,7 +87,7 @@ def _status_error(status: int, headers: Mapping[str, str], body: str) -> Provide
     retryable = status in (408, 409, 429) or status >= 500
     code = {429: "rate_limited", 529: "overloaded"}.get(status, "server_error" if status >= 500 else "http_error")
     return ProviderError(code, f"HTTP {status}: {body[:300]}", retryable=retryable,
-                         retry_after=_retry_after(headers), raw=body)
+                         retry_after=parse_retry_after(headers), raw=body)
 
 
 class _PerLoop:

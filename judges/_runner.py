@@ -13,7 +13,6 @@ raw reply: never a pass, never cached. Code criteria run in worker processes
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from ._errors import ProviderError
 from ._evidence import EvidenceIndex
 from ._prompt import JudgeRequest, ReplyError, build_request, parse_reply, prompt_sha256
 from ._providers import Provider, ProviderReply
+from ._retry import Backoff
 from ._transcript import Conversation, Usage, block_sha256, render_lines, transcript_block
 from ._verdict import JudgeInfo, NotRun, Verdict
 
@@ -41,7 +41,7 @@ class RetryPolicy:
     attempts: int = 4
     """Calls in all, the first included."""
     base_delay: float = 1.0
-    """Backoff before the second call; doubles each time, with jitter."""
+    """Backoff before the second call; doubles each time, with jitter (``Backoff``: between half and all of it)."""
     max_delay: float = 60.0
     """No wait is longer; a server asking for a longer Retry-After ends the retries."""
 
@@ -49,8 +49,7 @@ class RetryPolicy:
         """Seconds to wait after failed call number ``attempt``, or None to stop."""
         if retry_after is not None:
             return retry_after if retry_after <= self.max_delay else None
-        backoff = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
-        return backoff * (0.5 + random.random() / 2)
+        return Backoff(self.base_delay, self.max_delay, jitter=0.5).delay(attempt)
 
 
 @dataclass(frozen=True)

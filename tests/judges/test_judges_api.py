@@ -10,6 +10,7 @@ import judges
 EXPORTED = [
     "AnthropicProvider",
     "AppliesIf",
+    "Backoff",
     "Budget",
     "CacheKey",
     "CalibrationReport",
@@ -68,6 +69,7 @@ EXPORTED = [
     "make_provider",
     "parse_conversations",
     "parse_json_object",
+    "parse_retry_after",
     "read_conversations",
     "register_check",
     "register_provider",

@@ -241,16 +241,3 @@ def test_make_provider_by_name() -> None:
     make_provider("anthropic", model="m", temperature=0.0, on_unused=dropped.append)
     assert dropped == ["temperature"]
 
-
-def test_retry_after_forms() -> None:
-    from email.utils import format_datetime
-    from datetime import datetime, timedelta, timezone
-
-    from judges._providers import _retry_after
-
-    assert _retry_after({"retry-after": "7"}) == 7.0
-    assert _retry_after({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
-    later = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=120), usegmt=True)
-    assert 60 < (_retry_after({"retry-after": later}) or 0) <= 120
-    assert _retry_after({"retry-after": "soon"}) is None
-    assert _retry_after({}) is None
