@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import duckdb
 
+from judges import Backoff
+
 from .metrics import Metrics
 
 if TYPE_CHECKING:
@@ -46,8 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tracejudge.stages")
 
-RETRY_FIRST = 1.0  # seconds before the next cycle after one failed
-RETRY_MOST = 60.0
+BACKOFF = Backoff(1.0, 60.0)
+"""The wait before a stage's next cycle while cycles keep failing. No jitter: the failure is this daemon's own, with
+no other client to fall in step with."""
 
 
 def _reason(exc: BaseException) -> str:
@@ -131,14 +134,14 @@ class Stage:
     def cycle_failed(self, what: str) -> float:
         """Log the exception being handled with ``what`` and count it; the seconds to wait before the next cycle."""
         self._failures += 1
-        delay = min(RETRY_MOST, RETRY_FIRST * 2 ** (self._failures - 1))
+        delay = BACKOFF.delay(self._failures)
         self.metrics.stage_errors.inc(stage=self.name)
         log.exception("%s stage: %s; it goes on in %.0f s", self.name, what, delay)
         self._fatal()
         return delay
 
     def cycle_ok(self) -> None:
-        """A cycle succeeded: the next failure waits ``RETRY_FIRST`` again."""
+        """A cycle succeeded: the next failure waits ``BACKOFF.first`` again."""
         self._failures = 0
 
     def run_cycles(self, cycle: Callable[[], bool], what: str, interval: float) -> None:

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import duckdb
 
-from ..background import RETRY_FIRST, RETRY_MOST, Stage
+from ..background import BACKOFF, Stage
 from ..config import Conversations as Settings
 from ..memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
 from ..metrics import Metrics
@@ -546,10 +546,10 @@ class StageProcess(Stage):
             why = self._run_child()
             if self.stopping.is_set():
                 return
-            if time.monotonic() - began > RETRY_MOST:
+            if time.monotonic() - began > BACKOFF.most:
                 failures = 0
             failures += 1
-            delay = min(RETRY_MOST, RETRY_FIRST * 2 ** (failures - 1))
+            delay = BACKOFF.delay(failures)
             self.restarts += 1
             self.metrics.stage_errors.inc(stage=self.name)
             log.error("the conversation stage's process ended (%s); it starts again in %.0f s and catches up "

@@ -22,6 +22,7 @@ from typing import Any
 import duckdb
 
 from judges import (
+    Backoff,
     Conversation,
     Criterion,
     JudgeRequest,
@@ -64,7 +65,10 @@ RETRY_DUE = "(p.retry_at IS NOT NULL AND p.revision = c.revision)"
 # their stores take turns: each begins after the other has committed, and sees what it wrote.
 _STORING = threading.Lock()
 
-RETRY_AFTER = (60.0, 600.0, 3600.0)  # seconds before the 2nd, 3rd and 4th attempt on errors
+RETRIES = 3
+"""How many times a conversation's judge errors are judged again."""
+RETRY = Backoff(60.0, 3600.0, factor=10.0)
+"""The wait before each: a minute, 10 minutes, an hour. No jitter: the evaluator's concurrency already paces them."""
 _UTC = dt.timezone.utc
 
 OnStored = Callable[[duckdb.DuckDBPyConnection, list[str], dt.datetime], object]
@@ -292,7 +296,7 @@ class Judging:
 
     def _progress(self, o: Outcome, now: dt.datetime) -> tuple[Any, ...]:
         errors = sum(1 for v in o.run.verdicts if v.result == "error")
-        retry = utc(self.clock() + RETRY_AFTER[o.attempts - 1]) if errors and o.attempts <= len(RETRY_AFTER) else None
+        retry = utc(self.clock() + RETRY.delay(o.attempts)) if errors and o.attempts <= RETRIES else None
         return (o.job.conversation_id, o.job.revision, now, errors, o.attempts, retry)
 
     async def run_job(self, cur: duckdb.DuckDBPyConnection, job: Job, *, progress: bool = True) -> Outcome | None:

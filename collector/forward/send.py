@@ -7,8 +7,9 @@ acknowledged. Answers:
 
 - 2xx: delivered; removed from the queue.
 - a connection error, a timeout, 408, 429, 5xx: retried after an exponential
-  backoff (0.5 s doubling to 30 s), or after ``Retry-After`` when the backend
-  says so (at most 5 minutes); never dropped.
+  backoff (0.5 s doubling to 30 s, each wait cut by up to half at random so that
+  a fleet of daemons does not retry in step), or after ``Retry-After`` when the
+  backend says so (at most 5 minutes); never dropped.
 - any other answer (400, 401, LangWatch's 402 over plan limits, 413...): a
   permanent refusal. A batch of several is sent again one request at a time,
   so that only the request refused is dropped; it is counted by reason
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import email.utils
 import http.client
 import logging
 import multiprocessing
@@ -41,12 +41,14 @@ import signal as unix_signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Connection_
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
+
+from judges import Backoff, parse_retry_after
 
 from ..config import Exporter
 from ..metrics import Counter
@@ -58,7 +60,10 @@ log = logging.getLogger("tracejudge.forward")
 
 MAX_BATCH_BYTES = 4 * 1024 * 1024
 """Queued requests sent together, at most (LangWatch takes bodies up to 10 MiB)."""
-BACKOFF_FIRST, BACKOFF_MAX, RETRY_AFTER_MAX = 0.5, 30.0, 300.0
+BACKOFF = Backoff(0.5, 30.0, jitter=0.5)
+"""The wait before a retry the backend did not time."""
+RETRY_AFTER_MAX = 300.0
+"""The longest ``Retry-After`` honoured; a longer one is cut to it."""
 MAX_REDIRECTS = 5
 START_LIMIT = 120.0
 """Seconds a rewrite process may take to start (its imports) before it counts as dead."""
@@ -128,7 +133,8 @@ T = TypeVar("T")
 
 class Answer(NamedTuple):
     status: int
-    retry_after: str | None
+    retry_after: float | None
+    """Seconds the backend asked to wait (``Retry-After``, at most ``RETRY_AFTER_MAX``), if it did."""
     location: str | None
 
 
@@ -145,7 +151,7 @@ class Connection:
         self._lock = threading.Lock()  # ``post`` on the sender's thread, ``close`` from the loop's or the timer's
 
     def post(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
-        """POST ``body``; the status and the ``Retry-After`` and ``Location`` headers.
+        """POST ``body``; the status, the wait ``Retry-After`` asks for and the ``Location`` header.
 
         Raises:
             TimeoutError: no whole answer within ``timeout``.
@@ -194,7 +200,8 @@ class Connection:
             raise
         if resp.will_close:
             self.close()
-        return Answer(resp.status, resp.getheader("Retry-After"), resp.getheader("Location"))
+        headers = {name.lower(): value for name, value in resp.getheaders()}
+        return Answer(resp.status, parse_retry_after(headers, most=RETRY_AFTER_MAX), headers.get("location"))
 
     def close(self) -> None:
         """Close the connection; an exchange under way on another thread fails at once."""
@@ -321,8 +328,10 @@ class Sender:
     """Sends one exporter's queue (see the module docstring); ``run`` until cancelled, then ``close``."""
 
     def __init__(self, name: str, exp: Exporter, queue: ExporterQueue, *, thread_from: Sequence[str],
-                 key: bytes, counters: Counters) -> None:
+                 key: bytes, counters: Counters, backoff: Backoff = BACKOFF,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.name, self.exp, self.queue = name, exp, queue
+        self.backoff, self.sleep = backoff, sleep  # tests pass a fixed jitter and a recorder
         self.headers = auth_headers(exp)
         self.urls = {"traces": exp.url, "logs": logs_url(exp.url)}
         self.counters = counters
@@ -360,9 +369,9 @@ class Sender:
                 failures = 0
                 continue
             failures += 1
-            wait = delay if delay > 0 else min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1))
+            wait = delay if delay > 0 else self.backoff.delay(failures)
             self.status.state, self.status.retry_in = "retrying", wait
-            await asyncio.sleep(wait)
+            await self.sleep(wait)
 
     def close(self) -> None:
         """After ``run`` was cancelled: cut an exchange or a rewrite under way and wait for the thread."""
@@ -428,7 +437,7 @@ class Sender:
         if 300 <= status < 400:
             return self._redirected(items, url, answer)
         if status in (408, 429) or status >= 500:
-            return self._retry(items, f"http_{status}", f"answered {status}", _retry_after(answer.retry_after))
+            return self._retry(items, f"http_{status}", f"answered {status}", answer.retry_after or 0.0)
         if len(items) > 1:  # find the one refused: each is sent alone
             self._alone.update(i.seq for i in items)
             return None
@@ -486,21 +495,6 @@ class Sender:
 def _origin(url: str) -> tuple[str, str, int | None]:
     u = urlsplit(url)
     return u.scheme.lower(), (u.hostname or "").lower(), u.port or {"http": 80, "https": 443}.get(u.scheme.lower())
-
-
-def _retry_after(value: str | None) -> float:
-    """Seconds from a ``Retry-After`` header (seconds or an HTTP date); 0 when absent or unreadable."""
-    if not value:
-        return 0.0
-    try:
-        return min(RETRY_AFTER_MAX, max(0.0, float(value)))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return min(RETRY_AFTER_MAX, max(0.0, when.timestamp() - time.time()))
 
 
 def state_of(sender: Sender) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pytest
 
 from collector.config import Config
 from collector.evals.evaluator import Evaluator
-from collector.evals.judging import RETRY_AFTER
+from collector.evals.judging import RETRIES, RETRY
 from collector.metrics import Metrics
 from collector.store import Store
 from judges import JudgeRequest, ProviderReply, ScriptedProvider, load_criteria
@@ -33,6 +33,10 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
+
+def test_judge_errors_are_retried_after_1_10_and_60_minutes() -> None:
+    assert [RETRY.delay(n) for n in range(1, RETRIES + 1)] == [60.0, 600.0, 3600.0]
+
 def test_errors_are_retried_later_on_the_criteria_that_errored(store: Store, tmp_path: Path) -> None:
     clock = Clock()
     clock.now = T0 + 10
@@ -45,12 +49,12 @@ def test_errors_are_retried_later_on_the_criteria_that_errored(store: Store, tmp
         rows = query(store, "SELECT criterion_id, result, error_reason FROM verdicts ORDER BY criterion_id")
         assert [(c, r) for c, r, _ in rows] == [("polite", "error"), ("short", "pass")]
         assert rows[0][2].startswith("junk_reply")
-        assert query(store, "SELECT attempts, epoch(retry_at) FROM eval_progress") == [(1, T0 + 10 + RETRY_AFTER[0])]
+        assert query(store, "SELECT attempts, epoch(retry_at) FROM eval_progress") == [(1, T0 + 10 + RETRY.delay(1))]
         assert query(store, "SELECT count(*) FROM review_items") == [(0,)]  # an error is never queued
         scans = ev.scans
         wait_until(lambda: ev.scans >= scans + 2, "a whole scan for retries before their time")
         assert len(provider.requests) == 1  # not before its time
-        clock.now += RETRY_AFTER[0] + 1
+        clock.now += RETRY.delay(1) + 1
         ev.wake()
         wait_until(lambda: ev.judged == 2, "the retry")
         rows = query(store, "SELECT criterion_id, result FROM verdicts ORDER BY criterion_id")

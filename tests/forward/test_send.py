@@ -1,20 +1,26 @@
 """The sender's parts on their own: its HTTP connection (kept alive, made again when the backend closed it,
-cut at shutdown) and its rewrite process (what it sends, and a new one after it dies)."""
+cut at shutdown), its rewrite process (what it sends, and a new one after it dies) and its waits between retries."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from collector.config import Exporter
+from collector.forward.queue import ForwardStore
 from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite_all
-from collector.forward.send import Answer, Connection, Rewriter, RewriteFailed
+from collector.forward.send import BACKOFF, Answer, Connection, Counters, Rewriter, RewriteFailed, Sender
+from collector.metrics import Counter
 
 from ..support.daemon import pool_workers
 from .test_forward import traces
@@ -106,6 +112,46 @@ def test_close_cuts_an_exchange_the_backend_never_answers() -> None:
         release.set()
     assert not t.is_alive()
     assert isinstance(outcome[0], (OSError, ConnectionError)) or type(outcome[0]).__module__ == "http.client"
+
+
+def test_retries_back_off_with_jitter_and_wait_as_retry_after_says_up_to_5_minutes(tmp_path: Path) -> None:
+    answers = [b"503 Service Unavailable\r\nRetry-After: 3600", b"503 Service Unavailable", b"429 Too Many Requests",
+               b"503 Service Unavailable\r\nRetry-After: 7", b"502 Bad Gateway", b"200 OK"]
+
+    def scripted(conn: socket.socket, received: list[bytes]) -> None:
+        received.append(read_request(conn))
+        conn.sendall(b"HTTP/1.1 " + answers[len(received) - 1] + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    async def send_all(sender: Sender) -> None:
+        task = asyncio.create_task(sender.run())
+        async with asyncio.timeout(60):
+            while sender.queue.requests:
+                await asyncio.sleep(0.01)
+        task.cancel()
+
+    store = ForwardStore(tmp_path, [("raw", ("traces",), 1 << 30)])
+    counters = Counters(*(Counter(f"c{n}", "", ("exporter", label)) for n, label in
+                          enumerate(("signal", "reason", "reason", "reason"))))
+    with backend(scripted) as (port, received):
+        exp = Exporter(type="otlphttp", endpoint=f"http://127.0.0.1:{port}/v1/traces")
+        # Jitter fixed at a quarter off each wait: rand() 0.5 of at most half.
+        sender = Sender("raw", exp, store.queues["raw"], thread_from=(), key=b"", counters=counters,
+                        backoff=replace(BACKOFF, rand=lambda: 0.5), sleep=sleep)
+        try:
+            store.put("traces", b"request").result(timeout=30)
+            asyncio.run(send_all(sender))
+        finally:
+            sender.close()
+            store.close()
+    assert received == [b"request"] * 6  # retried until delivered, never dropped
+    # 3600 s asked, 300 s waited; the backoff's 1, 2 and 8 s a quarter short; 7 s as asked.
+    assert waits == [300.0, 0.75, 1.5, 7.0, 6.0]
+    assert sender.status.counts["retried"] == 5 and sender.status.counts["sent"] == 1
 
 
 def children() -> list[int]:
