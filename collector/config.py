@@ -43,6 +43,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .auth import same_secret
+from .backends import BACKENDS, Backend
 from .errors import ConfigError
 from .names import clean_name, reviewer_key
 from .words import is_size, masked_url, size_bytes
@@ -594,14 +595,6 @@ def parse_size(value: Any) -> int:
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
-EXPORTER_TYPES = ("opik", "langsmith", "langwatch", "otlphttp")
-DEFAULT_ENDPOINTS = {
-    "opik": "https://www.comet.com/opik/api/v1/private/otel/v1/traces",
-    "langsmith": "https://api.smith.langchain.com/otel/v1/traces",
-    "langwatch": "https://app.langwatch.ai/api/otel/v1/traces",
-}
-"""The cloud traces URL of each backend type (``../reference/backends.md``); otlphttp has none."""
-
 
 class ExporterQueue(Section):
     max_size: ByteSize = Field(parse_size("1GiB"), gt=0)
@@ -629,8 +622,8 @@ def _redact_shorthand(value: Any) -> Any:
 
 
 class Exporter(Section):
-    type: Literal["opik", "langsmith", "langwatch", "otlphttp"]
-    """Which backend: its auth header and conventions (see the README's Forwarding)."""
+    type: str
+    """Which backend: its auth header and conventions (``collector.backends``, the README's Forwarding)."""
     endpoint: str | None = None
     """The traces URL (ending in /v1/traces); logs go to the same URL with /v1/logs. Each type but otlphttp
     has its cloud URL as default."""
@@ -653,6 +646,13 @@ class Exporter(Section):
     timeout: Duration = Field(10.0, gt=0)
     """How long one send may take before it is retried."""
 
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        if value not in BACKENDS:
+            raise ValueError(f"not a backend type: one of {', '.join(BACKENDS)}")
+        return value
+
     @field_validator("endpoint")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
@@ -667,28 +667,26 @@ class Exporter(Section):
 
     @model_validator(mode="after")
     def _check_backend(self) -> "Exporter":
-        if self.type == "otlphttp" and self.endpoint is None:
-            raise ValueError("an otlphttp exporter needs its endpoint (the traces URL)")
-        key = (self.api_key or "").strip()
-        host = urlsplit(self.url).hostname or ""
-        if not key and (self.type in ("langsmith", "langwatch") or (self.type == "opik" and host.endswith("comet.com"))):
-            raise ValueError(f"api_key is missing or empty: {self.type} refuses requests without one "
-                             "(set it, e.g. api_key: ${env:NAME:-} with NAME set)")
-        if self.type == "opik" and host.endswith("comet.com") and not self.workspace:
-            raise ValueError("workspace is missing: Opik on Comet's cloud needs Comet-Workspace")
+        if (problem := self.backend.problem(self)) is not None:
+            raise ValueError(problem)
         return self
+
+    @property
+    def backend(self) -> Backend:
+        """The conventions of its ``type``."""
+        return BACKENDS[self.type]
 
     @property
     def url(self) -> str:
         """The traces URL."""
-        return self.endpoint or DEFAULT_ENDPOINTS.get(self.type, "")
+        return self.endpoint or self.backend.endpoint or ""
 
     @property
     def sends(self) -> tuple[str, ...]:
         """The signals forwarded (``signals`` or the type's default)."""
         if self.signals is not None:
             return tuple(dict.fromkeys(self.signals))
-        return ("traces", "logs") if self.type in ("langwatch", "otlphttp") else ("traces",)
+        return self.backend.signals
 
 
 def _check_exporter_name(value: dict[str, Any]) -> dict[str, Any]:

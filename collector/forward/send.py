@@ -79,22 +79,8 @@ def logs_url(traces_url: str) -> str:
 
 
 def auth_headers(exp: Exporter) -> dict[str, str]:
-    """The headers of the exporter's backend type (``../reference/backends.md``), then its own."""
-    h = {"Content-Type": "application/x-protobuf"}
-    key = (exp.api_key or "").strip()
-    if exp.type == "opik":
-        if key:
-            h["Authorization"] = key  # the raw key, no "Bearer"
-        if exp.workspace:
-            h["Comet-Workspace"] = exp.workspace
-        if exp.project:
-            h["projectName"] = exp.project
-    elif exp.type == "langsmith":
-        h["x-api-key"] = key
-        if exp.project:
-            h["Langsmith-Project"] = exp.project
-    elif key:  # langwatch, and an otlphttp collector that takes a bearer token
-        h["Authorization"] = f"Bearer {key}"
+    """The headers of the exporter's backend type (``collector.backends``), then its own."""
+    h = {"Content-Type": "application/x-protobuf", **exp.backend.headers(exp)}
     u = urlsplit(exp.url)
     if u.username is not None and "Authorization" not in h:  # credentials in the URL, as curl takes them
         pair = f"{unquote(u.username)}:{unquote(u.password or '')}"
@@ -343,7 +329,7 @@ class Sender:
         r = exp.redact
         redaction = Redaction(tuple(r.keep_attributes), tuple(thread_from), dict(r.patterns), key) \
             if r.mode == "content" else None
-        self._rewrite = Rewriter(name, thread_from if exp.type == "langsmith" else (), redaction, r.timeout)
+        self._rewrite = Rewriter(name, thread_from if exp.backend.thread_attribute else (), redaction, r.timeout)
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -270,12 +270,30 @@ def test_a_full_queue_pushes_back_with_503_and_loses_nothing(tmp_path: Path) -> 
     ({"type": "otlphttp", "endpoint": "http://h/v1/logs"}, "not a traces URL"),
     ({"type": "langwatch", "api_key": "k", "signal": ["logs"]}, "exporters.x.signal: unknown key"),
     ({"type": "opik", "api_key": "k"}, "Comet-Workspace"),
+    ({"type": "opik", "workspace": "w"}, "exporters.x: api_key is missing"),
     ({"type": "datadog"}, "exporters.x.type"),
     ({"type": "otlphttp", "endpoint": "http://h/v1/traces", "queue": {"max_size": "lots"}}, "max_size"),
 ])
 def test_a_bad_exporter_is_an_error_naming_its_key(exporter: dict[str, Any], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem.replace(".", r"\.")):
         validate_config({"exporters": {"x": exporter}}, Path("."), "otel-config.yaml")
+
+
+def test_each_backend_type_has_its_default_endpoint_and_signals() -> None:
+    cfg, _ = validate_config({"exporters": {
+        "opik": {"type": "opik", "api_key": "k", "workspace": "w"},
+        "opik-self-hosted": {"type": "opik", "endpoint": "http://opik.internal/api/v1/private/otel/v1/traces"},
+        "ls": {"type": "langsmith", "api_key": "k"},
+        "lw": {"type": "langwatch", "api_key": "k"},
+        "raw": {"type": "otlphttp", "endpoint": "http://collector.internal/v1/traces", "signals": ["traces"]},
+    }}, Path("."), "otel-config.yaml")
+    assert {name: (e.url, e.sends) for name, e in cfg.exporters.items()} == {
+        "opik": ("https://www.comet.com/opik/api/v1/private/otel/v1/traces", ("traces",)),
+        "opik-self-hosted": ("http://opik.internal/api/v1/private/otel/v1/traces", ("traces",)),
+        "ls": ("https://api.smith.langchain.com/otel/v1/traces", ("traces",)),
+        "lw": ("https://app.langwatch.ai/api/otel/v1/traces", ("traces", "logs")),
+        "raw": ("http://collector.internal/v1/traces", ("traces",)),
+    }
 
 
 def test_rewrite_redacts_content_and_leaves_ids_alone() -> None:
