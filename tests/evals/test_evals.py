@@ -674,12 +674,12 @@ def test_review_page_escapes_everything(cur: duckdb.DuckDBPyConnection) -> None:
     page = render_item(detail, error="<script>x</script>")
     assert page.lower().count("<script") == 1 and '<script src="/review/static/review.js" defer>' in page
     assert "<img" not in page and "onerror=alert(1)&gt;" in page
-    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in page
     assert "Ask about &lt;arm&gt; pain first." in page
     assert "conv-&lt;b&gt;" in page
     listing = render_list(review.list_reviews(cur), filters={"criterion": '"><script>', "service": "<img>"},
                           criteria=["chest-pain"])
-    assert listing.lower().count("<script") == 1 and "&quot;&gt;&lt;script&gt;" in listing and "<img" not in listing
+    assert listing.lower().count("<script") == 1 and "&#34;&gt;&lt;script&gt;" in listing and "<img" not in listing
     assert f'href="/review/{detail["item"]["id"]}"' in listing
 
 
