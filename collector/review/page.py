@@ -16,7 +16,8 @@ form (``application/x-www-form-urlencoded``) posts to ``action`` the fields
 ``decision`` (``confirm`` | ``reject`` | ``unclear`` | ``skip``), ``reviewer``,
 ``note`` and, on an item decided already, ``force`` (``1``); saving goes on to
 the next item of the queue. One same-origin script (``static/review.js``) adds the
-keyboard and local times; without it every page works through its links and forms.
+keyboard (on the queue: ``j`` / ``k`` select a row, ``Enter`` opens it) and
+local times; without it every page works through its links and forms.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ DECISIONS = (("confirm", "c", "Confirm: a real failure"), ("reject", "r", "Rejec
 LABEL_CHOICES = (("pass", "p", "Pass"), ("fail", "f", "Fail"), ("not_applicable", "a", "Not applicable"))
 _LABEL_LOOKS = {"fail": "confirm", "pass": "reject", "not_applicable": "unclear"}
 """A label's button looks like the decision it matches: fail like confirm (red), pass like reject (green)."""
-# The keys review.js answers on the item and label pages, as their help lists them.
+# The keys review.js answers on each page, as its help lists them.
+QUEUE_KEYS = (("j", "select the next item"), ("k", "select the previous item"), ("Enter", "open the selected item"),
+              ("?", "this help"))
 ITEM_KEYS = (("j", "next item"), ("k", "previous item"), ("c", "confirm"), ("r", "reject"),
              ("u", "criterion unclear"), ("s", "skip"), ("n", "write a note"), ("?", "this help"))
+LABEL_KEYS = (("j", "next task"), ("p", "pass"), ("f", "fail"), ("a", "not applicable"), ("n", "write a note"),
+              ("?", "this help"))
 
 _RESULT_WORDS = {"fail": "fail", "pass": "pass", "not_applicable": "not applicable", "error": "error"}
 _ROLE_WORDS = {"user": "User", "assistant": "Bot", "tool": "Tool"}
@@ -137,7 +142,7 @@ def render_list(items: Sequence[Mapping[str, Any]], *, filters: Mapping[str, str
          f.get("flagged", "")),
     ]
     return _render("queue.html", items=items, state=state, selects=selects, filters=f, progress=progress,
-                   message=message, base=base, query=urlencode(f))
+                   message=message, base=base, query=urlencode(f), keys=QUEUE_KEYS)
 
 
 # --- evidence highlighting ----------------------------------------------------------------------------
@@ -324,7 +329,7 @@ def render_label_task(detail: Mapping[str, Any], *, reviewer: str = "", message:
         messages=_shown_messages(list((conv or {}).get("messages") or []), {}),
         action=_item_url("/review/label", item.get("id")), reviewer=reviewer, message=message, error=error,
         next_url=next_url, position=position, signed_in=signed_in, token_needed=token_needed,
-        choices=[(v, k, t, _LABEL_LOOKS[v]) for v, k, t in LABEL_CHOICES], keys=ITEM_KEYS)
+        choices=[(v, k, t, _LABEL_LOOKS[v]) for v, k, t in LABEL_CHOICES], keys=LABEL_KEYS)
 
 
 def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unlabelled: int = 0,

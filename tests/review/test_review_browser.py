@@ -118,6 +118,51 @@ def test_a_reviewer_follows_a_quote_and_confirms_with_the_keyboard_landing_on_th
         daemon.end()
 
 
+PICKED = "rgb(255, 243, 196)"  # --picked: a selected row, like a followed quote's message
+
+
+def selection(driver: Any) -> tuple[list[int], int | None]:
+    """The queue's rows as a person sees them: those highlighted, and the one whose link has the focus."""
+    highlighted, focused = driver.execute_script(
+        "const rows = Array.from(document.querySelectorAll('#queue tbody tr'));"
+        "return [rows.flatMap((r, i) => getComputedStyle(r).backgroundColor === arguments[0] ? [i] : []),"
+        " rows.findIndex(r => r.contains(document.activeElement))];", PICKED)
+    return highlighted, None if focused < 0 else focused
+
+
+def test_the_queue_by_keyboard_j_k_select_enter_opens_and_question_mark_shows_the_help(
+        browser: Any, tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path)
+    try:
+        send_conversations(daemon.grpc, [carrier_conversation(f"br-key-{n}") for n in range(1, 4)])
+        wait_items(daemon, {(f"br-key-{n}", CARRIER) for n in range(1, 4)})
+        load(browser, daemon.api + "/review")
+        links = [a.get_attribute("href") for a in browser.find_elements("css selector", "#queue a.open")]
+        assert len(links) == 3 and selection(browser) == ([], None)
+        assert not by_css(browser, "#help li").is_displayed()
+        keys(browser, "?")
+        wait_until(lambda: by_css(browser, "#help li").is_displayed(), "the help, opened by ?")
+        assert "Enter" in by_css(browser, "#help").text
+
+        for key, row in (("j", 0), ("j", 1), ("j", 2), ("j", 2), ("k", 1)):  # stops at the last row
+            keys(browser, key)
+            wait_until(lambda: selection(browser) == ([row], row), f"row {row} selected after {key}")
+        browser.save_screenshot(str(tmp_path / "review-queue-selected.png"))
+        keys(browser, "\ue007")  # Enter, on the selected row's link
+        wait_until(lambda: browser.current_url == links[1] and loaded(browser), "the selected item opened")
+
+        load(browser, daemon.api + "/review")
+        keys(browser, "k")  # from no selection: the first row
+        wait_until(lambda: selection(browser) == ([0], 0), "row 0 selected after k")
+        browser.execute_script("document.activeElement.blur()")  # a click beside it: the selection stays
+        assert selection(browser) == ([0], None)
+        keys(browser, "\ue007")
+        wait_until(lambda: browser.current_url == links[0] and loaded(browser),
+                   "the selected item opened with the focus elsewhere")
+    finally:
+        daemon.end()
+
+
 def test_at_390_px_the_decision_buttons_are_on_screen(phone: Any, tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path)
     try:
