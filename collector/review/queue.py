@@ -192,16 +192,25 @@ def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], 
 
 
 def progress(cur: duckdb.DuckDBPyConnection, *, now: dt.datetime | None = None) -> dict[str, Any]:
-    """``{"pending", "done_today", "by_reviewer": {name: decisions today}}``, today being the UTC day."""
+    """``{"pending", "done_today", "by_reviewer": {name: items decided today}}``, today being the UTC day of
+    ``now`` (the daemon's clock).
+
+    Both count items, not decisions: an item decided again today counts once. ``done_today`` counts the
+    items that are decided (with ``reviewers_per_item`` above 1, once the last reviewer decides);
+    ``by_reviewer`` the items each reviewer decided, their vote on a still pending one included.
+    """
     day = utc_now(now).replace(hour=0, minute=0, second=0, microsecond=0)
     pending = one(cur.execute("SELECT count(*) FROM review_items WHERE state = 'pending'"))
-    counts: dict[str, tuple[str, int]] = {}  # by reviewer_key: the spelling first decided with today, the count
-    for name, n in cur.execute("SELECT reviewer, count(*) FROM review_history WHERE decided_at >= ? GROUP BY 1 "
-                               "ORDER BY min(id)", [day]).fetchall():
-        first, m = counts.get(reviewer_key(name), (name, 0))
-        counts[reviewer_key(name)] = (first, m + int(n))
-    by = dict(sorted(counts.values(), key=lambda c: (-c[1], c[0])))
-    return {"pending": int(pending[0]) if pending else 0, "done_today": sum(by.values()), "by_reviewer": by}
+    done = one(cur.execute("SELECT count(*) FROM review_items WHERE state <> 'pending' AND decided_at >= ?",
+                           [day]))
+    # By reviewer_key ("Eve" and "eve" are one): the spelling first decided with today, the items.
+    items: dict[str, tuple[str, set[int]]] = {}
+    for name, item_id in cur.execute("SELECT reviewer, item_id FROM review_history WHERE decided_at >= ? "
+                                     "ORDER BY id", [day]).fetchall():
+        items.setdefault(reviewer_key(name), (name, set()))[1].add(int(item_id))
+    by = dict(sorted(((name, len(ids)) for name, ids in items.values()), key=lambda c: (-c[1], c[0])))
+    return {"pending": int(pending[0]) if pending else 0, "done_today": int(done[0]) if done else 0,
+            "by_reviewer": by}
 
 
 def claim(cur: duckdb.DuckDBPyConnection, item_id: int | str, reviewer: str, timeout: float, *,

@@ -476,6 +476,22 @@ def test_the_queue_puts_high_severity_first_then_the_oldest(cur: duckdb.DuckDBPy
         "pending": 2, "done_today": 1, "by_reviewer": {"Ana": 1}}
 
 
+def test_done_today_counts_the_items_decided_today_not_the_decisions(cur: duckdb.DuckDBPyConnection) -> None:
+    cid, sha = fixture_conversation(cur)
+    store(cur, [verdict(cid, c, "fail", sha) for c in ("c1", "c2", "c3", "c4")], probability=1.0, rule=None,
+          now=T0 - dt.timedelta(days=1))
+    yesterday, again, other, voted = (i["id"] for i in review.list_reviews(cur, order="age"))
+    midnight = T0.replace(hour=0)
+    review.decide(cur, yesterday, "confirm", "Ana", now=midnight - dt.timedelta(minutes=1))
+    review.decide(cur, again, "confirm", "Ana", now=midnight)
+    review.decide(cur, again, "reject", "Ben", force=True, now=T0)
+    review.decide(cur, again, "unclear", "ana", force=True, now=T0)  # Ana again, spelled otherwise
+    review.decide(cur, other, "confirm", "Ben", now=T0)
+    review.decide(cur, voted, "confirm", "Ana", reviewers_per_item=2, now=T0)  # one vote of two: still pending
+    assert review.progress(cur, now=T0) == {"pending": 1, "done_today": 2, "by_reviewer": {"Ana": 2, "Ben": 2}}
+    assert review.progress(cur, now=T0 + dt.timedelta(days=1)) == {"pending": 1, "done_today": 0, "by_reviewer": {}}
+
+
 def test_review_item_has_what_a_reviewer_needs(cur: duckdb.DuckDBPyConnection) -> None:
     cid, sha = fixture_conversation(cur)
     crit = LLMCriterion(id="asks-order-number", version=3, prompt="The bot asks for the order number.",
@@ -658,12 +674,12 @@ def test_review_page_escapes_everything(cur: duckdb.DuckDBPyConnection) -> None:
     page = render_item(detail, error="<script>x</script>")
     assert page.lower().count("<script") == 1 and '<script src="/review/static/review.js" defer>' in page
     assert "<img" not in page and "onerror=alert(1)&gt;" in page
-    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in page
     assert "Ask about &lt;arm&gt; pain first." in page
     assert "conv-&lt;b&gt;" in page
     listing = render_list(review.list_reviews(cur), filters={"criterion": '"><script>', "service": "<img>"},
                           criteria=["chest-pain"])
-    assert listing.lower().count("<script") == 1 and "&quot;&gt;&lt;script&gt;" in listing and "<img" not in listing
+    assert listing.lower().count("<script") == 1 and "&#34;&gt;&lt;script&gt;" in listing and "<img" not in listing
     assert f'href="/review/{detail["item"]["id"]}"' in listing
 
 

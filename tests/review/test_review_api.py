@@ -352,7 +352,7 @@ def test_list_page(api: str, ids: dict[tuple[str, str], int]) -> None:
         assert f'href="/review/{item_id}"' in page, key
     assert "rv-script" in page and CARRIER in page
     hostile = assert_page(call(api, "GET", "/review?criterion=" + urllib.parse.quote('"><script>x()</script>')))
-    assert only_our_script(hostile) and "&quot;&gt;&lt;script&gt;" in hostile
+    assert only_our_script(hostile) and "&#34;&gt;&lt;script&gt;" in hostile
     bad = assert_page(call(api, "GET", "/review?state=bogus"), 400)
     assert "bogus" in bad
     assert call(api, "GET", "/").status == 302

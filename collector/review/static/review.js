@@ -21,9 +21,33 @@
     return false;
   }
 
+  // The queue: j / k move a selection over its rows; the row's link takes the focus (screen readers say it, and
+  // Enter follows it); Enter also opens the selected row when the focus has left it (a click on the page).
+  function rows() { return Array.prototype.slice.call(document.querySelectorAll("#queue tbody tr")); }
+
+  function select(step) {
+    var all = rows();
+    if (!all.length) { return false; }
+    var at = all.findIndex(function (r) { return r.classList.contains("selected"); });
+    var to = at < 0 ? 0 : Math.min(Math.max(at + step, 0), all.length - 1);
+    if (at >= 0) { all[at].classList.remove("selected"); all[at].removeAttribute("aria-current"); }
+    all[to].classList.add("selected");
+    all[to].setAttribute("aria-current", "true");
+    all[to].querySelector("a.open").focus({preventScroll: true});
+    all[to].scrollIntoView({block: "nearest"});
+    return true;
+  }
+
+  function open() {
+    var a = document.querySelector("#queue tr.selected a.open");
+    if (a && document.activeElement === document.body) { window.location.href = a.href; return true; }
+    return false;
+  }
+
   var keys = {
-    j: function () { return go("next"); },
-    k: function () { return go("prev"); },
+    j: function () { return go("next") || select(1); },
+    k: function () { return go("prev") || select(-1); },
+    Enter: open,
     c: function () { return press("button[value=confirm]"); },
     r: function () { return press("button[value=reject]"); },
     u: function () { return press("button[value=unclear]"); },
