@@ -48,7 +48,7 @@ from ._providers import (
     register_provider,
 )
 from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges, with_retries, with_timeout
-from ._stats import Proportion, RateStats, Summary, fisher_exact, summarize, weighted_proportion
+from ._stats import MIN_N, Proportion, RateStats, Summary, fisher_exact, summarize, weighted_proportion
 from ._transcript import (
     Conversation,
     Message,
@@ -89,6 +89,7 @@ __all__ = [
     "LABELS",
     "LLMCriterion",
     "Located",
+    "MIN_N",
     "MemoryCache",
     "Message",
     "NotRun",

@@ -678,8 +678,7 @@ class API:
         report, waiting, figures = await self._on_cursor(lambda cur: (
             calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT),
             realism.realism_by_user(cur, min_realism)))
-        return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting),
-                                                            realism=figures))
+        return html_response(review_page.render_calibration(report, unlabelled=len(waiting), realism=figures))
 
     async def signed_in(self, request: web.Request) -> web.Response:
         """Reached only when no token is needed or the cookie is already there: on to the queue."""

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from judges import Located, Message, ToolCall, locate_evidence, tool_call_text
 
 from ..evals.criterion_text import describe_criterion
+from ..words import calibration_rate_text
 
 _STYLE = """
 :root { color-scheme: light; --ink: #1a1a1a; --muted: #4a4a4a; --line: #c8c8c8; --accent: #0b5cad;
@@ -566,7 +567,7 @@ def _pct(value: Any) -> str:
     return "n/a" if value is None else f"{float(value):.0%}"
 
 
-def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unlabelled: int = 0,
+def render_calibration(report: Mapping[str, Any], *, unlabelled: int = 0,
                        realism: Sequence[Mapping[str, Any]] = ()) -> str:
     """The calibration page: per criterion, the judge against people on the blind labels; then, per simulated
     user, the share of its conversations people found realistic (``realism.realism_by_user``)."""
@@ -577,9 +578,9 @@ def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unla
         parts.append('<p class="box">No blind labels yet.</p>')
     for c in criteria:
         ok = c.get("calibrated")
-        mark = (_badge("pass", "calibrated") if ok else
-                _badge("fail", f"not calibrated: false passes may reach above {max_false_pass:.0%}"))
-        fp, ff = c.get("false_pass") or {}, c.get("false_fail") or {}
+        mark = _badge("pass", "calibrated") if ok else _badge("fail", "not calibrated")
+        why = "" if ok else f'<p class="box warn">Not calibrated: {_e(c.get("reason_text"))}</p>'
+        fp, ff = c["false_pass"], c["false_fail"]
         cells = "".join(
             f'<tr><th scope="row">{_e(h)}</th>' + "".join(f"<td>{_e(c['confusion'][h][j])}</td>" for j in
                                                           ("pass", "fail", "not_applicable")) + "</tr>"
@@ -590,9 +591,8 @@ def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unla
             f'<section class="box" id="c-{_e(c["criterion_id"])}"><h2 dir="auto">{_e(c["criterion_id"])} {mark}</h2>'
             f'<p><span class="n">{_e(c["n"])}</span> labelled &middot; agreement {_pct(c.get("agreement"))} &middot; '
             f"Cohen's kappa {_e(kappa)}</p>"
-            f'<p>False pass (people said fail, the judge pass): <strong>{_pct(fp.get("rate"))}</strong> '
-            f'[{_pct(fp.get("low"))}, {_pct(fp.get("high"))}] of {_e(fp.get("n", 0))} &middot; '
-            f'false fail: {_pct(ff.get("rate"))} [{_pct(ff.get("low"))}, {_pct(ff.get("high"))}] of {_e(ff.get("n", 0))}</p>'
+            f'<p>False pass (people said fail, the judge pass): <strong>{_e(calibration_rate_text(fp))}</strong> '
+            f'&middot; false fail: {_e(calibration_rate_text(ff))}</p>{why}'
             '<table class="confusion"><caption class="muted">Rows: what people said; columns: the judge</caption>'
             '<thead><tr><th></th><th scope="col">pass</th><th scope="col">fail</th><th scope="col">not applicable</th>'
             f'</tr></thead><tbody>{cells}</tbody></table>'

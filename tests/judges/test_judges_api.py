@@ -32,6 +32,7 @@ EXPORTED = [
     "LABELS",
     "LLMCriterion",
     "Located",
+    "MIN_N",
     "MemoryCache",
     "Message",
     "NotRun",

@@ -155,9 +155,16 @@ def test_a_spreadsheet_round_trip_then_calibrate(daemon: DaemonProcess, tmp_path
     assert entry["confusion"]["fail"]["fail"] == fails and entry["confusion"]["pass"]["pass"] == 7 - fails
     assert entry["agreement"] == 1.0 and entry["kappa"] == 1.0
     assert entry["false_pass"]["rate"] == 0.0 and entry["false_pass"]["n"] == fails
-    assert entry["calibrated"] is False  # 0 of 3 or 4 fails: the rule of three still allows 75%
+    assert entry["false_pass"]["too_few"] is True and entry["false_pass"]["count"] == 0
+    assert entry["calibrated"] is False and entry["reason"] == "too_few_labels"  # 3 or 4 fails tell nothing
     text = run_cli("calibrate", "--config", cfg, "--criterion", CARRIER).stdout
-    assert f"{CARRIER}: NOT CALIBRATED" in text and "agreement 100%, kappa 1.00" in text
+    assert f"{CARRIER}: NOT CALIBRATED: too few labels: people failed {fails} of the 7 items compared" in text
+    assert "agreement 100%, kappa 1.00" in text
+    assert f"false pass: too few to tell (0 of {fails})   false fail: too few to tell (0 of {7 - fails})" in text
+    assert "at most" not in text  # no rule-of-three bound over a handful
+    page = daemon.get("/calibration")[1]
+    assert f"Not calibrated: too few labels: people failed {fails} of the 7 items compared" in page
+    assert f"<strong>too few to tell (0 of {fails})</strong>" in page
 
 
 def test_an_export_of_a_criterion_nobody_judged_says_so(daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -193,5 +200,6 @@ def test_without_a_daemon_the_file_is_labelled_and_measured(tmp_path: Path) -> N
         entry, = json.loads(run_cli("calibrate", "--config", cfg, "--json").stdout)["criteria"]
         assert entry["confusion"]["pass"]["fail"] == 2 and entry["false_fail"]["rate"] == 1.0
         assert entry["false_pass"]["n"] == 0 and entry["calibrated"] is False
+        assert entry["reason"] == "too_few_labels"  # two labels: too few to say people found no failure
     finally:
         d.end()
