@@ -15,6 +15,7 @@ from click.testing import CliRunner, Result
 from collector.cli import main
 from judges import Conversation
 
+from ..support.daemon import run_cli
 from .conftest import Answer, FakeLLM, chest_pain, verdict_json
 
 CRITERIA = """
@@ -161,6 +162,14 @@ def test_budget_flags(files: Path, fake_llm: FakeLLM) -> None:
                str(files / "convs.jsonl"))
     assert "stopped early: budget spent: 200 tokens of 150" in r.output
     assert "4 not run: budget spent" in r.output
+
+
+def test_a_misspelt_key_in_a_criteria_file_is_named_on_one_line(files: Path) -> None:
+    typo = Path(__file__).parents[1] / "testdata" / "criteria" / "typo_check.yaml"
+    r = run_cli("judge", "--criteria", str(typo), str(files / "convs.jsonl"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "criterion 'order-looked-up': chek: unknown key (did you mean check?)" in r.stderr
+    assert r.stderr.count("check: missing") == 1
 
 
 @pytest.mark.parametrize(("args", "message"), [
