@@ -503,13 +503,15 @@ class API:
         return web.json_response(found, dumps=_dumps)
 
     async def calibration_export(self, request: web.Request) -> web.Response:
-        """``?criterion=C[&sample=N]``: the rows of ``tracejudge labels export``."""
+        """``?criterion=C[&sample=N][&reviewer=NAME]``: the rows of ``tracejudge labels export``."""
         q = request.query
         criterion = q.get("criterion")
         if not criterion:
             raise APIError(400, "bad_request", "criterion is required")
         sample = _int(q, "sample", 1) if "sample" in q else None
-        rows = await self.read(lambda cur: calibration.export_rows(cur, criterion, sample=sample, seed=self.seed))
+        reviewer = q.get("reviewer") or None
+        rows = await self.read(lambda cur: calibration.export_rows(cur, criterion, sample=sample, seed=self.seed,
+                                                                   reviewer=reviewer))
         return web.json_response({"rows": rows}, dumps=_dumps)
 
     async def calibration_import(self, request: web.Request) -> web.Response:

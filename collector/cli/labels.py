@@ -41,9 +41,11 @@ def labels() -> None:
     """Blind labels in a spreadsheet, for experts who prefer one to the review page.
 
     `export` writes a criterion's unlabelled calibration items as CSV (the
-    transcript and the criterion, nothing of the judge's verdict); an expert
-    fills the label column (pass, fail or not_applicable) and `import` reads
-    it back. `tracejudge calibrate` then measures the judge against the labels.
+    transcript and the criterion, nothing of the judge's verdict nor of
+    anyone's label; --for NAME: the items NAME has not labelled, for a second
+    rater); an expert fills the label column (pass, fail or not_applicable)
+    and `import` reads it back. `tracejudge calibrate` then measures the judge
+    against the labels.
     """
 
 
@@ -53,12 +55,20 @@ def labels() -> None:
 @click.option("--sample", type=click.IntRange(1, 100_000),
               help="Top the criterion's calibration items up to N judged conversations (the same ones on every "
                    "run, drawn with sampling.seed) and export the unlabelled ones among them.")
+@click.option("--for", "reviewer", metavar="NAME",
+              help="The items NAME has not labelled yet, those others labelled included (a second rater's sheet), "
+                   "with NAME in the reviewer column; never anyone's label. Without it: the items nobody labelled.")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The CSV file to write ('-' for standard output).")
-def export_cmd(config_path: Path | None, criterion: str, sample: int | None, out: Path) -> None:
-    """Write a criterion's unlabelled blind items as CSV, with an empty label column."""
+@click.option("--bom", is_flag=True,
+              help="Start the file with a UTF-8 byte-order mark: Excel, opening a CSV by double-click, reads "
+                   "accents and non-Latin text right only with one (Python's csv then needs encoding='utf-8-sig').")
+def export_cmd(config_path: Path | None, criterion: str, sample: int | None, reviewer: str | None, out: Path,
+               bom: bool) -> None:
+    """Write a criterion's unlabelled blind items as CSV (UTF-8), with an empty label column."""
     seed = load(config_path).sampling.seed
-    rows = ask(config_path, lambda c: c.export_labels(criterion=criterion, sample=sample, seed=seed))
+    rows = ask(config_path, lambda c: c.export_labels(criterion=criterion, sample=sample, seed=seed,
+                                                      reviewer=reviewer))
     buf = io.StringIO(newline="")
     writer = csv.writer(buf)
     writer.writerow(COLUMNS)
@@ -67,9 +77,10 @@ def export_cmd(config_path: Path | None, criterion: str, sample: int | None, out
     if str(out) == "-":
         sys.stdout.write(buf.getvalue())
         return
-    out.write_text(buf.getvalue(), encoding="utf-8-sig", newline="")  # the BOM: Excel then reads UTF-8
-    click.echo(f"wrote {len(rows)} unlabelled item(s) of {criterion} to {out}; fill the label column with pass, "
-               "fail or not_applicable (and reviewer), then run `tracejudge labels import`", err=True)
+    out.write_text(buf.getvalue(), encoding="utf-8-sig" if bom else "utf-8", newline="")
+    whose = f" by {reviewer}" if reviewer else ""
+    click.echo(f"wrote {len(rows)} item(s) of {criterion} unlabelled{whose} to {out}; fill the label column with "
+               "pass, fail or not_applicable (and reviewer), then run `tracejudge labels import`", err=True)
 
 
 @labels.command("import")

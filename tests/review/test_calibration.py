@@ -167,6 +167,57 @@ def test_a_spreadsheet_round_trip_then_calibrate(daemon: DaemonProcess, tmp_path
     assert f"<strong>too few to tell (0 of {fails})</strong>" in page
 
 
+def test_the_csv_has_no_byte_order_mark_unless_asked(daemon: DaemonProcess, tmp_path: Path) -> None:
+    cfg, plain, excel = str(daemon.config_path), tmp_path / "plain.csv", tmp_path / "excel.csv"
+    for out, extra in ((plain, ()), (excel, ("--bom",))):
+        res = run_cli("labels", "export", "--config", cfg, "--criterion", LOOKUP, "--out", str(out), *extra)
+        assert res.returncode == 0, res.stderr
+    with plain.open(encoding="utf-8", newline="") as f:  # as Python's csv reads a file by default
+        assert csv.DictReader(f).fieldnames == ["item_id", "conversation_id", "criterion_id", "criterion",
+                                                "transcript", "label", "reviewer", "note"]
+    assert excel.read_bytes() == b"\xef\xbb\xbf" + plain.read_bytes()  # what Excel needs to read UTF-8
+    rows = read_csv(excel)
+    for r in rows:
+        r["label"], r["reviewer"] = "not_applicable", "Eli"
+    with excel.open("w", encoding="utf-8-sig", newline="") as f:  # as Excel saves "CSV UTF-8"
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = run_cli("labels", "import", "--config", cfg, str(excel))
+    assert res.returncode == 0 and f"{len(rows)} label(s) added" in res.stdout, res.stderr
+
+
+def test_a_second_rater_exports_what_others_labelled_and_never_their_labels(daemon: DaemonProcess,
+                                                                            tmp_path: Path) -> None:
+    cfg, out = str(daemon.config_path), tmp_path / "second.csv"
+    first = next(i for i in blind(daemon, REFUND) if i["conversation_id"] == "cal-r2")
+    reply = post_json(daemon.api, f"/api/calibration/items/{first['id']}/label",
+                      {"label": "fail", "reviewer": "Cy", "note": "CY-SECRET-NOTE"})
+    assert reply.status == 200, reply.body
+
+    def export(*args: str) -> list[dict[str, str]]:
+        res = run_cli("labels", "export", "--config", cfg, "--criterion", REFUND, "--out", str(out), *args)
+        assert res.returncode == 0, res.stderr
+        return read_csv(out)
+
+    nobody = {r["conversation_id"] for r in export()}
+    assert "cal-r2" not in nobody  # labelled by someone: left out of the first rater's sheet
+    second = export("--for", "Dana")
+    assert {r["conversation_id"] for r in second} == {p.conversation_id for p in CONVERSATIONS}
+    assert all(r["label"] == "" and r["note"] == "" and r["reviewer"] == "Dana" for r in second)
+    text = out.read_text(encoding="utf-8")
+    assert "CY-SECRET-NOTE" not in text and "Cy" not in text  # blind: nothing of another's label
+    assert "cal-r2" not in {r["conversation_id"] for r in export("--for", "cy")}  # Cy's own, however written
+    # Dana labels cal-r2 too: now two people labelled it.
+    second = [r for r in export("--for", "Dana") if r["conversation_id"] == "cal-r2"]
+    second[0]["label"] = "fail"
+    write_csv(out, second)
+    res = run_cli("labels", "import", "--config", cfg, str(out))
+    assert res.returncode == 0 and "1 label(s) added" in res.stdout, res.stderr
+    assert next(i for i in blind(daemon, REFUND) if i["conversation_id"] == "cal-r2")["labels"] == 2
+    assert "cal-r2" not in {r["conversation_id"] for r in export("--for", "Dana")}
+
+
 def test_an_export_of_a_criterion_nobody_judged_says_so(daemon: DaemonProcess, tmp_path: Path) -> None:
     res = run_cli("labels", "export", "--config", str(daemon.config_path), "--criterion", "no-such-thing",
                   "--out", str(tmp_path / "x.csv"))
