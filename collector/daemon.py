@@ -59,7 +59,7 @@ from .review import queue as review_queue
 from .runtime import RuntimeInfo, running_daemon
 from .shutdown import StopSignals
 from .store import Store, file_fault, unreadable
-from .words import duration_text, percent, plural
+from .words import duration_text, masked_url, percent, plural
 
 log = logging.getLogger("tracejudge.daemon")
 
@@ -410,10 +410,19 @@ class Daemon:
             f"  API         {api_url}  (/healthz, /metrics, /api/status, /api/conversations, /api/stats, /api/review)",
             f"  DuckDB      {self.config.storage.duckdb.path}",
             f"  runtime     {self.config.runtime_file}",
+            *self._exporters(),
             "Point your bot at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://"
             f"{grpc_addr or http_addr}  (Ctrl-C or SIGTERM stops it)",
         ]
         print("\n".join(lines), file=self.out, flush=True)
+
+    def _exporters(self) -> list[str]:
+        """A banner line per exporter: where it forwards what, and how (``tracejudge status`` says how it goes)."""
+        exporters = self.config.exporters
+        if not exporters:
+            return ["  exporters   none: nothing is forwarded"]
+        return [f"  exporter    {name}: {exp.type} {masked_url(exp.url)} ({', '.join(exp.sends)}; "
+                f"redact {exp.redact.mode})" for name, exp in exporters.items()]
 
 
     def _retention(self) -> None:

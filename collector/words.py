@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$")
@@ -18,6 +20,35 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 def percent(rate: float) -> str:
     """A probability as a percentage: 0.1 -> ``10%``, 1 -> ``100%``, 0.125 -> ``12.5%``."""
     return f"{rate * 100:.3g}%"
+
+
+def rate_text(estimate: float, low: float, high: float, *, count: int, n: int, too_few: bool) -> str:
+    """A share of ``count`` in ``n`` with its 95% interval, as people read it: ``12.5% (4.3% to 31.0%)``;
+    ``0% (at most 5.0%, rule of three)`` when ``count`` is 0; and when ``too_few`` (``judges.MIN_N``), the
+    count alone, ``too few to tell (1 of 4)``: an interval that wide would read as a finding."""
+    if too_few:
+        return f"too few to tell ({count} of {n})"
+    if count == 0:
+        return f"0% (at most {high:.1%}, rule of three)"
+    return f"{estimate:.1%} ({low:.1%} to {high:.1%})"
+
+
+_NOT_CALIBRATED = {"too_few_labels": "too few labels", "no_failures_found": "people found no failure",
+                   "false_pass_too_high": "false passes may be too many"}
+
+
+def not_calibrated_text(reason: str | None) -> str:
+    """The mark beside the failure rate of a criterion whose judge the blind labels do not show right enough,
+    with ``judges.calibrate``'s reason code in a few words: ``NOT CALIBRATED (too few labels)``."""
+    words = _NOT_CALIBRATED.get(reason or "")
+    return f"NOT CALIBRATED ({words})" if words else "NOT CALIBRATED"
+
+
+def calibration_rate_text(r: Mapping[str, Any]) -> str:
+    """A false-pass or false-fail rate of calibration (the JSON of ``judges.RateInterval``), ``rate_text``'s
+    way with its denominator: ``too few to tell (0 of 2)``, ``10.0% (2.8% to 30.1%) of 20``."""
+    text = rate_text(r["rate"], r["low"], r["high"], count=r["count"], n=r["n"], too_few=r["too_few"])
+    return text if r["too_few"] else f"{text} of {r['n']}"
 
 
 def duration_text(seconds: float | None) -> str:

@@ -49,7 +49,7 @@ from ._providers import (
 )
 from ._retry import Backoff, parse_retry_after
 from ._runner import Budget, JudgeRun, RetryPolicy, arun_judges, run_judges, with_retries, with_timeout
-from ._stats import Proportion, RateStats, Summary, fisher_exact, summarize, weighted_proportion
+from ._stats import MIN_N, Proportion, RateStats, Summary, fisher_exact, summarize, weighted_proportion
 from ._transcript import (
     Conversation,
     Message,
@@ -91,6 +91,7 @@ __all__ = [
     "LABELS",
     "LLMCriterion",
     "Located",
+    "MIN_N",
     "MemoryCache",
     "Message",
     "NotRun",

@@ -18,9 +18,15 @@ Rules, all per criterion:
 * ``false_pass``: of the human fails, the share the judge passed;
   ``false_fail``: of the human passes, the share the judge failed. 95% Wilson
   interval, or the rule of three (3/n) when the count is 0.
-* ``calibrated``: the upper bound of the false-pass interval is at most
-  ``max_false_pass``. A criterion with no human fail is never calibrated:
-  nothing shows the judge catches a failure.
+* ``calibrated``: there are ``MIN_N`` human fails or more, and the upper bound
+  of the false-pass interval is at most ``max_false_pass``. Otherwise
+  ``reason`` says why, checked in this order: ``no_failures_found`` (``MIN_N``
+  or more items compared and not one human fail: nothing shows the judge
+  catches a failure), ``too_few_labels`` (fewer human fails than ``MIN_N``:
+  the false-pass rate cannot be told), ``false_pass_too_high``; ``reason_text``
+  says it in words, with the figures.
+* A rate over fewer than ``MIN_N`` items is ``too_few``: people are told the
+  count, not the rate.
 * ``reviewers``: agreement between humans over items with two or more
   reviewers, with Fleiss' kappa generalised to a varying number of raters per
   item (each item's P_i uses its own n_i).
@@ -30,12 +36,12 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from ._errors import InputError
-from ._stats import proportion
+from ._stats import MIN_N, proportion, too_few
 
 LABELS = ("pass", "fail", "not_applicable")
 _JUDGE = (*LABELS, "error", None)
@@ -66,6 +72,10 @@ class RateInterval(_Out):
     high: float | None = None
     n: int = 0
     """The denominator: human fails for a false-pass rate, human passes for a false-fail rate."""
+    count: int = 0
+    """The numerator: human fails the judge passed, or human passes it failed."""
+    too_few: bool = True
+    """``n`` is below ``MIN_N``: write the count, not the rate."""
 
 
 class ReviewerAgreement(_Out):
@@ -76,6 +86,9 @@ class ReviewerAgreement(_Out):
     """Share of agreeing reviewer pairs, pairs taken within an item; None when ``items`` is 0."""
     kappa: float | None = None
     """Fleiss' kappa (P_i with each item's own number of raters); None when undefined or ``items`` is 0."""
+
+
+Reason = Literal["too_few_labels", "no_failures_found", "false_pass_too_high"]
 
 
 class CriterionCalibration(_Out):
@@ -91,6 +104,10 @@ class CriterionCalibration(_Out):
     false_pass: RateInterval
     false_fail: RateInterval
     calibrated: bool
+    reason: Reason | None
+    """Why it is not calibrated (see the module docstring); None when it is."""
+    reason_text: str | None
+    """``reason`` in words, with the figures behind it."""
     items: int
     """Every item labelled for this criterion: ``n + judge_error + unjudged + ties``."""
     ties: int
@@ -138,7 +155,8 @@ class RerunDiff(_Out):
 
 def _rate(count: int, n: int) -> RateInterval:
     p = proportion(count, n)
-    return RateInterval() if p is None else RateInterval(rate=p.estimate, low=p.low, high=p.high, n=n)
+    return RateInterval() if p is None else RateInterval(rate=p.estimate, low=p.low, high=p.high, n=n, count=count,
+                                                          too_few=p.too_few)
 
 
 def _cohen(confusion: dict[str, dict[str, int]]) -> tuple[float | None, float | None]:
@@ -176,6 +194,24 @@ def _majority(votes: Counter[str]) -> str | None:
     return None if rest and rest[0][1] == count else top
 
 
+def _why_not(n: int, false_pass: RateInterval, max_false_pass: float) -> tuple[Reason | None, str | None]:
+    """Why a judge with this false-pass interval over ``n`` compared items is not calibrated, in a code and in
+    words; (None, None) when it is."""
+    fails = false_pass.n
+    if fails == 0 and not too_few(n):
+        return "no_failures_found", (f"people found no failure among the {n} items compared: nothing shows yet "
+                                     "that the judge catches one")
+    if false_pass.too_few:
+        return "too_few_labels", (f"too few labels: people failed {fails} of the {n} items compared; telling the "
+                                  f"false-pass rate takes at least {MIN_N} of their fails")
+    assert false_pass.high is not None
+    if false_pass.high > max_false_pass:
+        return "false_pass_too_high", (f"the judge passed {false_pass.count} of the {fails} items people failed: "
+                                       f"its false-pass rate may be up to {false_pass.high:.1%}, above the "
+                                       f"{max_false_pass:.1%} allowed")
+    return None, None
+
+
 def _criterion(cid: str, labels: dict[str, dict[str, str]], judged: dict[str, str | None],
                max_false_pass: float) -> CriterionCalibration:
     confusion = {h: dict.fromkeys(LABELS, 0) for h in LABELS}
@@ -192,12 +228,13 @@ def _criterion(cid: str, labels: dict[str, dict[str, str]], judged: dict[str, st
         else:
             confusion[human][judge] += 1
     agreement, kappa = _cohen(confusion)
+    n = sum(sum(r.values()) for r in confusion.values())
     false_pass = _rate(confusion["fail"]["pass"], sum(confusion["fail"].values()))
+    reason, words = _why_not(n, false_pass, max_false_pass)
     return CriterionCalibration(
-        criterion_id=cid, n=sum(sum(r.values()) for r in confusion.values()), confusion=confusion,
-        agreement=agreement, kappa=kappa, false_pass=false_pass,
+        criterion_id=cid, n=n, confusion=confusion, agreement=agreement, kappa=kappa, false_pass=false_pass,
         false_fail=_rate(confusion["pass"]["fail"], sum(confusion["pass"].values())),
-        calibrated=false_pass.high is not None and false_pass.high <= max_false_pass,
+        calibrated=reason is None, reason=reason, reason_text=words,
         items=len(votes), ties=tally["ties"], judge_error=tally["judge_error"], unjudged=tally["unjudged"],
         reviewers=_reviewers(list(votes.values())),
     )

@@ -6,8 +6,9 @@ criterion id and the key, so a domain expert can fix a file in one pass.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,21 +81,37 @@ class CodeCriterion(_Criterion):
 Criterion = LLMCriterion | CodeCriterion
 
 _CODE_KEYS = {"id", "version", "kind", "severity", "group", "check", "applies_if", "timeout"}
+_LLM_KEYS = set(LLMCriterion.model_fields)
 
 
-def _loc(prefix: str | None, loc: tuple[Any, ...]) -> str:
-    parts = [prefix] if prefix else []
-    parts += [str(p) for p in loc if not str(p).startswith("function-")]
-    return ".".join(parts)
+def _unknown(key: str, known: Collection[str]) -> str:
+    """``unknown key``, and the known key it is likely a typo of: ``unknown key (did you mean check?)``."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.7)
+    return f"unknown key (did you mean {close[0]}?)" if close else "unknown key"
 
 
-def _problems(exc: ValidationError, prefix: str | None = None) -> list[tuple[str, str]]:
+def _typos(raw: Mapping[str, Any], known: Collection[str]) -> list[tuple[str, str]]:
+    """Keys of ``raw`` that look like a known key it lacks (``chek`` where ``check`` is missing), each named:
+    without it only the missing key would be."""
+    absent = [k for k in known if k not in raw]
+    return [(k, _unknown(k, absent)) for k in raw
+            if k not in known and difflib.get_close_matches(k, absent, n=1, cutoff=0.7)]
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-"))
+
+
+def _problems(exc: ValidationError, known: Collection[str] = ()) -> list[tuple[str, str]]:
+    """(key, message) of each error; an unknown top-level key with the ``known`` key it may be a typo of."""
     out = []
     for e in exc.errors():
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = _unknown(str(e["loc"][0]), known) if len(e["loc"]) == 1 else "unknown key"
         if e["type"] == "missing":
             msg = "missing"
-        out.append((_loc(prefix, e["loc"]), msg))
+        out.append((_loc(e["loc"]), msg))
     return out
 
 
@@ -105,28 +122,30 @@ def _parse_one(raw: dict[str, Any], base: Path) -> tuple[Criterion | None, list[
         if kind == "llm":
             return LLMCriterion.model_validate(raw), []
         if kind != "code":
-            return None, [("kind", "missing" if kind is None else f"{kind!r} is not llm or code")]
+            return None, [*_typos(raw, _CODE_KEYS | _LLM_KEYS),
+                          ("kind", "missing" if kind is None else f"{kind!r} is not llm or code")]
     except ValidationError as exc:
-        return None, _problems(exc)
+        return None, _problems(exc, _LLM_KEYS)
     common = {k: v for k, v in raw.items() if k in _CODE_KEYS}
+    rest = {k: v for k, v in raw.items() if k not in _CODE_KEYS}
     problems: list[tuple[str, str]] = []
     check_name = raw.get("check")
     check = CHECKS.get(check_name) if isinstance(check_name, str) else None
     params: CheckParams | None = None
-    if check_name is None:
-        problems.append(("check", "missing"))
+    if check_name is None:  # the other keys are the check's parameters: only a likely typo can be told apart
+        problems += [*_typos(rest, _CODE_KEYS), ("check", "missing")]
     elif check is None:
         problems.append(("check", f"unknown check {check_name!r} (known: {', '.join(sorted(CHECKS))})"))
     else:
-        rest = {k: v for k, v in raw.items() if k not in _CODE_KEYS}
         try:
             params = check.Params.model_validate(rest, context={"base": base})
         except ValidationError as exc:
-            problems += _problems(exc)
+            problems += _problems(exc, _CODE_KEYS | set(check.Params.model_fields))
     try:
         crit = CodeCriterion.model_validate({**common, "params": params or CheckParams()})
     except ValidationError as exc:
-        problems += [(k, m) for k, m in _problems(exc) if k != "params"]
+        reported = {k for k, _ in problems}  # ``check: missing`` once, not again from the model
+        problems += [(k, m) for k, m in _problems(exc) if k != "params" and k not in reported]
         crit = None
     return (crit if not problems else None), problems
 

@@ -11,6 +11,8 @@ weights. Offline, scenarios with expected outcomes give sensitivity,
 over-triage and omissions, each apart. Whether two failure counts differ by more
 than chance (a run against its baseline) is Fisher's exact test, which holds at
 the handful of replicates a scenario gets, where a normal approximation does not.
+Below ``MIN_N`` observations (the effective size, when weighted) a share is
+marked ``too_few``: its interval is kept, but people are told the count instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ from ._verdict import NotRun, Verdict
 
 Z95 = 1.959963984540054
 
+MIN_N = 10
+"""Below this many observations a share is too few to tell, and is written as its count, not a rate.
+
+Under 10 a 95% interval spans half of [0, 1] or more (4 of 9: 19% to 73%; none of 9: up to 33% by the
+rule of three, which at n = 1 or 2 allows 100%): a percentage would read as a finding where there is none.
+"""
+
 
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -42,8 +51,15 @@ class Proportion(_Out):
     low: float
     high: float
     method: Literal["wilson", "rule_of_three"]
+    too_few: bool
+    """Fewer than ``MIN_N`` observations (``n_eff`` when weighted): write the count, not the rate."""
     n_eff: float | None = None
     """Weighted estimates: the effective sample size used for the interval."""
+
+
+def too_few(n: float) -> bool:
+    """Whether ``n`` observations (an effective size may be fractional) are too few to tell: below ``MIN_N``."""
+    return round(n, 9) < MIN_N  # equal weights give an effective size of n up to rounding: 9.999999999 is 10
 
 
 def wilson(count: float, n: float, z: float = Z95) -> tuple[float, float]:
@@ -60,9 +76,10 @@ def proportion(count: int, n: int) -> Proportion | None:
     if n == 0:
         return None
     if count == 0:
-        return Proportion(count=0, n=n, estimate=0.0, low=0.0, high=min(1.0, 3 / n), method="rule_of_three")
+        return Proportion(count=0, n=n, estimate=0.0, low=0.0, high=min(1.0, 3 / n), method="rule_of_three",
+                          too_few=too_few(n))
     low, high = wilson(count, n)
-    return Proportion(count=count, n=n, estimate=count / n, low=low, high=high, method="wilson")
+    return Proportion(count=count, n=n, estimate=count / n, low=low, high=high, method="wilson", too_few=too_few(n))
 
 
 def weighted_proportion(outcomes: Sequence[tuple[bool, float]]) -> Proportion | None:
@@ -87,9 +104,10 @@ def weighted_proportion(outcomes: Sequence[tuple[bool, float]]) -> Proportion | 
         n_eff = min(n_eff, estimate * (1 - estimate) / variance)
     if count == 0:
         return Proportion(count=0, n=len(outcomes), estimate=0.0, low=0.0, high=min(1.0, 3 / n_eff),
-                          method="rule_of_three", n_eff=n_eff)
+                          method="rule_of_three", too_few=too_few(n_eff), n_eff=n_eff)
     low, high = wilson(estimate * n_eff, n_eff)
-    return Proportion(count=count, n=len(outcomes), estimate=estimate, low=low, high=high, method="wilson", n_eff=n_eff)
+    return Proportion(count=count, n=len(outcomes), estimate=estimate, low=low, high=high, method="wilson",
+                      too_few=too_few(n_eff), n_eff=n_eff)
 
 
 def _log_comb(n: int, k: int) -> float:

@@ -625,7 +625,8 @@ def build_report(folder: RunFolder, scenarios: Sequence[SuiteScenario], criteria
         rates[st.criterion_id] = {
             "conversations": sum(1 for v in verdicts if v.criterion_id == st.criterion_id),
             "fail": st.counts.fail, "rate": None if p is None else round(p.estimate, 6),
-            "interval": None if p is None else [round(p.low, 6), round(p.high, 6)]}
+            "interval": None if p is None else [round(p.low, 6), round(p.high, 6)],
+            "too_few": p is not None and p.too_few}
     user_tokens = Usage()
     for c in convs:
         _add(user_tokens, Usage.model_validate(c.attributes.get("simulated_user_usage") or {}))

@@ -10,7 +10,7 @@ import yaml
 from collector.config import Config, env_settings, load_config, parse_duration, size_bytes, validate_config
 from collector.errors import ConfigError
 
-from .support.daemon import REPO, clean_env, run_cli
+from .support.daemon import REPO, base_config, clean_env, run_cli
 
 TESTDATA = Path(__file__).parent / "testdata" / "config"
 
@@ -144,6 +144,16 @@ def test_serve_with_bad_config_exits_2_with_one_line(name: str, key: str) -> Non
     assert key in res.stderr
     assert "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_serve_with_a_misspelt_key_in_a_criteria_file_names_it_once(tmp_path: Path) -> None:
+    typo = TESTDATA.parent / "criteria" / "typo_check.yaml"
+    path = tmp_path / "otel-config.yaml"
+    path.write_text(yaml.safe_dump(base_config(tmp_path, judges={"criteria": [str(typo)]})), encoding="utf-8")
+    res = run_cli("serve", "--config", str(path))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "judges.criteria:" in res.stderr and "chek: unknown key (did you mean check?)" in res.stderr
+    assert res.stderr.count("check: missing") == 1
 
 
 def test_missing_config_file_is_exit_2() -> None:

@@ -503,13 +503,15 @@ class API:
         return web.json_response(found, dumps=_dumps)
 
     async def calibration_export(self, request: web.Request) -> web.Response:
-        """``?criterion=C[&sample=N]``: the rows of ``tracejudge labels export``."""
+        """``?criterion=C[&sample=N][&reviewer=NAME]``: the rows of ``tracejudge labels export``."""
         q = request.query
         criterion = q.get("criterion")
         if not criterion:
             raise APIError(400, "bad_request", "criterion is required")
         sample = _int(q, "sample", 1) if "sample" in q else None
-        rows = await self.read(lambda cur: calibration.export_rows(cur, criterion, sample=sample, seed=self.seed))
+        reviewer = q.get("reviewer") or None
+        rows = await self.read(lambda cur: calibration.export_rows(cur, criterion, sample=sample, seed=self.seed,
+                                                                   reviewer=reviewer))
         return web.json_response({"rows": rows}, dumps=_dumps)
 
     async def calibration_import(self, request: web.Request) -> web.Response:
@@ -678,8 +680,7 @@ class API:
         report, waiting, figures = await self._on_cursor(lambda cur: (
             calibration.report(cur, None, limit), calibration.items(cur, reviewer=who, limit=MAX_LIMIT),
             realism.realism_by_user(cur, min_realism)))
-        return html_response(review_page.render_calibration(report, max_false_pass=limit, unlabelled=len(waiting),
-                                                            realism=figures))
+        return html_response(review_page.render_calibration(report, unlabelled=len(waiting), realism=figures))
 
     async def signed_in(self, request: web.Request) -> web.Response:
         """Reached only when no token is needed or the cookie is already there: on to the queue."""

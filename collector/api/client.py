@@ -67,7 +67,8 @@ class Client(Protocol):
 
     def calibration(self, *, criterion: str | None, max_false_pass: float) -> dict[str, Any]: ...
 
-    def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]: ...
+    def export_labels(self, *, criterion: str, sample: int | None, seed: int,
+                      reviewer: str | None = None) -> list[dict[str, Any]]: ...
 
     def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]: ...
 
@@ -184,8 +185,9 @@ class APIClient:
         body: dict[str, Any] = self.get("/api/calibration" + _query(criterion=criterion))
         return body
 
-    def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]:
-        body = self.request("/api/calibration/export" + _query(criterion=criterion, sample=sample),
+    def export_labels(self, *, criterion: str, sample: int | None, seed: int,
+                      reviewer: str | None = None) -> list[dict[str, Any]]:
+        body = self.request("/api/calibration/export" + _query(criterion=criterion, sample=sample, reviewer=reviewer),
                             missing_ok=False)
         return list(body["rows"])
 
@@ -382,10 +384,12 @@ class FileClient:
             return calibration.report_of([], max_false_pass)
         return calibration.report(self.con, criterion, max_false_pass)
 
-    def export_labels(self, *, criterion: str, sample: int | None, seed: int) -> list[dict[str, Any]]:
+    def export_labels(self, *, criterion: str, sample: int | None, seed: int,
+                      reviewer: str | None = None) -> list[dict[str, Any]]:
         if not self._evals() and not (criterion == REALISM and "simulated_conversations" in self.tables):
             raise review.ReviewInputError(f"no conversation was judged on criterion {criterion!r}")
-        return self._writing(lambda con: calibration.export_rows(con, criterion, sample=sample, seed=seed))
+        return self._writing(lambda con: calibration.export_rows(con, criterion, sample=sample, seed=seed,
+                                                                 reviewer=reviewer))
 
     def import_labels(self, rows: list[dict[str, Any]], reviewer: str | None) -> dict[str, int]:
         self.identity.recorder(self.signed_in, reviewer)  # as a whole: no reviewer's token, or another's name

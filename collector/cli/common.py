@@ -57,13 +57,6 @@ def load(config_path: Path | None) -> Config:
     return cfg
 
 
-def rate_text(estimate: float, low: float, high: float, method: str) -> str:
-    """A failure rate with its 95% interval, as people read it."""
-    if method == "rule_of_three":
-        return f"0% (at most {high:.1%}, rule of three)"
-    return f"{estimate:.1%} ({low:.1%} to {high:.1%})"
-
-
 def table(rows: list[list[str]], align: str | None = None) -> str:
     """Rows as aligned columns, the last one free.
 

@@ -39,8 +39,8 @@ from judges import (
 from ..config import Config, parse_duration
 from ..errors import UserError
 from ..evals.setup import provider_from_config
-from ..words import plural
-from .common import config_option, json_option, load, rate_text, table
+from ..words import not_calibrated_text, plural, rate_text
+from .common import config_option, json_option, load, table
 
 FAIL_ON = ("fail", "error", "flagged", "not_run")
 
@@ -70,15 +70,15 @@ def provider_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def read_calibration(path: Path) -> dict[str, bool]:
-    """criterion id -> calibrated, from the JSON of ``tracejudge calibrate --json``.
+def read_calibration(path: Path) -> dict[str, tuple[bool, str | None]]:
+    """criterion id -> (calibrated, the reason code when not), from the JSON of ``tracejudge calibrate --json``.
 
     Raises:
         UserError: the file is not that JSON.
     """
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return {str(c["criterion_id"]): bool(c["calibrated"]) for c in report["criteria"]}
+        return {str(c["criterion_id"]): (bool(c["calibrated"]), c.get("reason")) for c in report["criteria"]}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--calibration {path}: not the JSON of `tracejudge calibrate --json` "
                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
@@ -89,16 +89,21 @@ NOT_CALIBRATED = "NOT CALIBRATED"
 
 
 def _rate(p: Proportion | None) -> str:
-    return "-" if p is None else rate_text(p.estimate, p.low, p.high, p.method)
+    return "-" if p is None else rate_text(p.estimate, p.low, p.high, count=p.count, n=p.n, too_few=p.too_few)
 
 
-def _row(name: str, s: RateStats, calibrated: bool | None = None) -> list[str]:
+def _counted(p: Proportion) -> str:
+    """``2 of 40, 5.0% (1.4% to 16.5%)``; the count once when too few to tell."""
+    return _rate(p) if p.too_few else f"{p.count} of {p.n}, {_rate(p)}"
+
+
+def _row(name: str, s: RateStats, calibration: tuple[bool, str | None] | None = None) -> list[str]:
     c = s.counts
     rate = _rate(s.failure_rate)
     if s.weighted_failure_rate is not None:
         rate += f"  weighted {_rate(s.weighted_failure_rate)}"
-    if calibrated is False:
-        rate += f"  {NOT_CALIBRATED}"
+    if calibration is not None and not calibration[0]:
+        rate += f"  {not_calibrated_text(calibration[1])}"
     return [name, str(c.pass_), str(c.pass_unverified), str(c.fail), str(c.flagged), str(c.not_applicable),
             str(c.error), str(c.not_run), rate]
 
@@ -106,7 +111,8 @@ def _row(name: str, s: RateStats, calibrated: bool | None = None) -> list[str]:
 HEADER = ["criterion", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run", "failure rate (95% CI)"]
 
 
-def _report(summary: Summary, run: JudgeRun, calibration: dict[str, bool] | None = None) -> str:
+def _report(summary: Summary, run: JudgeRun,
+            calibration: dict[str, tuple[bool, str | None]] | None = None) -> str:
     marks = calibration or {}
     out = [table([HEADER] + [_row(s.criterion_id, s, marks.get(s.criterion_id)) for s in summary.criteria])]
     if summary.groups:
@@ -117,9 +123,11 @@ def _report(summary: Summary, run: JudgeRun, calibration: dict[str, bool] | None
             f"  {s.persona_id}  {s.criterion_id}: FAILING, passed {s.passes} of {s.runs}" for s in failing))
     notes = ["pass? = passes whose quoted evidence was not found in the transcript (not clean passes, "
              "not in the rate); flagged = fails with no verified quote"]
-    if any(marks.get(s.criterion_id) is False for s in summary.criteria):
-        notes.append(f"{NOT_CALIBRATED} = on the blind labels of --calibration, the judge's false-pass rate may be "
-                     "above review.max_false_pass; criteria without labels are not marked")
+    if any(not marks.get(s.criterion_id, (True, None))[0] for s in summary.criteria):
+        notes.append(f"{NOT_CALIBRATED} = the blind labels of --calibration do not show the judge right enough "
+                     "(too few labels, no failure found by people, or a false-pass rate that may be above "
+                     "review.max_false_pass: `tracejudge calibrate` says which); criteria without labels are "
+                     "not marked")
     for s in summary.criteria:
         for reason, n in sorted(s.not_run_reasons.items()):
             notes.append(f"{s.criterion_id}: {n} not run: {reason}")
@@ -129,9 +137,9 @@ def _report(summary: Summary, run: JudgeRun, calibration: dict[str, bool] | None
     if e is not None:
         for label, p in (("sensitivity", e.sensitivity), ("over-triage", e.over_triage)):
             if p is not None:
-                notes.append(f"{label}: {p.count} of {p.n}, {_rate(p)}")
+                notes.append(f"{label}: {_counted(p)}")
         for cid, p in e.omissions.items():
-            notes.append(f"omissions {cid}: {p.count} of {p.n}, {_rate(p)}")
+            notes.append(f"omissions {cid}: {_counted(p)}")
     used = f"tokens: {run.usage.input_tokens} in, {run.usage.output_tokens} out; {plural(run.cached, 'verdict')} from cache"
     notes.append(used + (f"; cost {run.cost:.4f}" if run.cost else ""))
     if run.stopped:
@@ -180,7 +188,8 @@ def _progress(total: int) -> Iterator[Callable[[Verdict | NotRun], None] | None]
 @click.option("--price-output", type=click.FloatRange(0), default=0.0, help="Price of a million output tokens.")
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path),
               help="The JSON of `tracejudge calibrate --json`: mark each criterion whose judge is not calibrated "
-                   "(\"calibrated\" in --json: true, false, or null without labels).")
+                   "(\"calibrated\" in --json: true, false, or null without labels; \"calibration_reason\": why "
+                   "not).")
 @config_option
 @json_option
 def judge(
@@ -233,7 +242,8 @@ def judge(
         summary_json = summary.model_dump(mode="json", by_alias=True)
         if calibration is not None:
             for entry in summary_json["criteria"]:
-                entry["calibrated"] = calibration.get(entry["criterion_id"])
+                mark = calibration.get(entry["criterion_id"])
+                entry["calibrated"], entry["calibration_reason"] = mark if mark is not None else (None, None)
         doc = {"summary": summary_json,
                "not_run": [r.model_dump(mode="json") for r in run.not_run],
                "usage": run.usage.model_dump(), "cost": run.cost, "cached": run.cached, "stopped": run.stopped}

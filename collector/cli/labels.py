@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..evals.setup import load_configured_criteria
 from ..review import regression
 from ..review.calibration import LabelImportError
-from ..words import plural
+from ..words import calibration_rate_text, plural
 from .common import ask, config_option, json_option, load, reviewer_token_option, table
 from .judge import cli_provider, provider_options
 
@@ -41,9 +41,11 @@ def labels() -> None:
     """Blind labels in a spreadsheet, for experts who prefer one to the review page.
 
     `export` writes a criterion's unlabelled calibration items as CSV (the
-    transcript and the criterion, nothing of the judge's verdict); an expert
-    fills the label column (pass, fail or not_applicable) and `import` reads
-    it back. `tracejudge calibrate` then measures the judge against the labels.
+    transcript and the criterion, nothing of the judge's verdict nor of
+    anyone's label; --for NAME: the items NAME has not labelled, for a second
+    rater); an expert fills the label column (pass, fail or not_applicable)
+    and `import` reads it back. `tracejudge calibrate` then measures the judge
+    against the labels.
     """
 
 
@@ -53,12 +55,20 @@ def labels() -> None:
 @click.option("--sample", type=click.IntRange(1, 100_000),
               help="Top the criterion's calibration items up to N judged conversations (the same ones on every "
                    "run, drawn with sampling.seed) and export the unlabelled ones among them.")
+@click.option("--for", "reviewer", metavar="NAME",
+              help="The items NAME has not labelled yet, those others labelled included (a second rater's sheet), "
+                   "with NAME in the reviewer column; never anyone's label. Without it: the items nobody labelled.")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The CSV file to write ('-' for standard output).")
-def export_cmd(config_path: Path | None, criterion: str, sample: int | None, out: Path) -> None:
-    """Write a criterion's unlabelled blind items as CSV, with an empty label column."""
+@click.option("--bom", is_flag=True,
+              help="Start the file with a UTF-8 byte-order mark: Excel, opening a CSV by double-click, reads "
+                   "accents and non-Latin text right only with one (Python's csv then needs encoding='utf-8-sig').")
+def export_cmd(config_path: Path | None, criterion: str, sample: int | None, reviewer: str | None, out: Path,
+               bom: bool) -> None:
+    """Write a criterion's unlabelled blind items as CSV (UTF-8), with an empty label column."""
     seed = load(config_path).sampling.seed
-    rows = ask(config_path, lambda c: c.export_labels(criterion=criterion, sample=sample, seed=seed))
+    rows = ask(config_path, lambda c: c.export_labels(criterion=criterion, sample=sample, seed=seed,
+                                                      reviewer=reviewer))
     buf = io.StringIO(newline="")
     writer = csv.writer(buf)
     writer.writerow(COLUMNS)
@@ -67,9 +77,10 @@ def export_cmd(config_path: Path | None, criterion: str, sample: int | None, out
     if str(out) == "-":
         sys.stdout.write(buf.getvalue())
         return
-    out.write_text(buf.getvalue(), encoding="utf-8-sig", newline="")  # the BOM: Excel then reads UTF-8
-    click.echo(f"wrote {len(rows)} unlabelled item(s) of {criterion} to {out}; fill the label column with pass, "
-               "fail or not_applicable (and reviewer), then run `tracejudge labels import`", err=True)
+    out.write_text(buf.getvalue(), encoding="utf-8-sig" if bom else "utf-8", newline="")
+    whose = f" by {reviewer}" if reviewer else ""
+    click.echo(f"wrote {len(rows)} item(s) of {criterion} unlabelled{whose} to {out}; fill the label column with "
+               "pass, fail or not_applicable (and reviewer), then run `tracejudge labels import`", err=True)
 
 
 @labels.command("import")
@@ -131,8 +142,11 @@ def calibrate(config_path: Path | None, as_json: bool, criterion: str | None, fr
 
     The confusion matrix (rows: what people said, columns: the judge), the
     agreement and Cohen's kappa, and the false-pass rate (people said fail, the
-    judge pass) and false-fail rate with 95% intervals. A criterion whose
-    false-pass interval reaches above review.max_false_pass is not calibrated.
+    judge pass) and false-fail rate with 95% intervals ("too few to tell"
+    with the count below 10). A criterion is not calibrated, with the reason
+    ("reason" and "reason_text" in --json), when people labelled too few
+    fails to tell its false-pass rate (fewer than 10), found no failure at
+    all, or when its false-pass interval reaches above review.max_false_pass.
 
     --freeze NAME keeps the labelled transcripts as a regression set; --rerun
     NAME judges it again (judges.criteria and judges.provider, or --provider,
@@ -157,7 +171,7 @@ def calibrate(config_path: Path | None, as_json: bool, criterion: str | None, fr
     if as_json:
         click.echo(json.dumps(report, ensure_ascii=False, indent=2))
         return
-    click.echo(render(report, max_false_pass))
+    click.echo(render(report))
 
 
 def _freeze(config_path: Path | None, cfg: Config, name: str, criterion: str | None, force: bool,
@@ -209,7 +223,8 @@ def render_rerun(result: dict[str, Any]) -> str:
         now = "no longer in judges.criteria" if c["current_version"] is None else f"now v{c['current_version']}"
         out += [f"{c['criterion_id']} (frozen {versions}, {now}): {k['fixed']} fixed, {k['broken']} broken, "
                 f"{k['same']} same, {k['missing']} missing",
-                f"  false pass before {_rate(c['false_pass_before'])}   after {_rate(c['false_pass_after'])}"]
+                (f"  false pass before: {calibration_rate_text(c['false_pass_before'])}   "
+                 f"after: {calibration_rate_text(c['false_pass_after'])}")]
         for what in ("broken", "fixed"):
             if c[what]:
                 out.append(f"  {what}: {', '.join(c[what])}")
@@ -223,24 +238,19 @@ def render_rerun(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _rate(r: dict[str, Any]) -> str:
-    if r["rate"] is None:
-        return "n/a (n 0)"
-    return f"{r['rate']:.0%} [{r['low']:.0%}, {r['high']:.0%}] n {r['n']}"
-
-
-def render(report: dict[str, Any], max_false_pass: float) -> str:
+def render(report: dict[str, Any]) -> str:
     """The report as text: one block per criterion."""
     if not report["criteria"]:
         return ("no blind labels yet: label calibration items on the review page, or with "
                 "`tracejudge labels export` and `import`")
     out: list[str] = []
     for c in report["criteria"]:
-        mark = "calibrated" if c["calibrated"] else f"NOT CALIBRATED (false passes may pass {max_false_pass:.0%})"
+        mark = "calibrated" if c["calibrated"] else f"NOT CALIBRATED: {c['reason_text']}"
         kappa = "n/a" if c["kappa"] is None else f"{c['kappa']:.2f}"
         agreement = "n/a" if c["agreement"] is None else f"{c['agreement']:.0%}"
         out += [f"{c['criterion_id']}: {mark}", f"  {c['n']} labelled, agreement {agreement}, kappa {kappa}",
-                f"  false pass {_rate(c['false_pass'])}   false fail {_rate(c['false_fail'])}"]
+                (f"  false pass: {calibration_rate_text(c['false_pass'])}   "
+                 f"false fail: {calibration_rate_text(c['false_fail'])}")]
         labels = ("pass", "fail", "not_applicable")
         rows = [["people \\ judge", *labels]]
         rows += [[h, *(str(c["confusion"][h][j]) for j in labels)] for h in labels]

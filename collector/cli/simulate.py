@@ -201,7 +201,8 @@ def print_report(report: dict[str, Any], lines: list[str]) -> None:
     if report["criteria"]:
         click.echo("failure rate per criterion, over every conversation (95% interval):")
         for cid, c in report["criteria"].items():
-            rate = "-" if c["rate"] is None else f"{c['rate']:.0%} [{c['interval'][0]:.0%}, {c['interval'][1]:.0%}]"
+            rate = ("-" if c["rate"] is None else "too few to tell" if c["too_few"] else
+                    f"{c['rate']:.0%} [{c['interval'][0]:.0%}, {c['interval'][1]:.0%}]")
             click.echo(f"  {cid}: {c['fail']} of {c['conversations']}, {rate}{mark}")
     if lines:
         click.echo("compared with the baseline:\n" + "\n".join(f"  {line}" for line in lines))

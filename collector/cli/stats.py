@@ -8,19 +8,24 @@ from typing import Any
 
 import click
 
-from ..words import plural
-from .common import ask, ask_all, config_option, db_option, json_option, load, rate_text, table
+from ..words import not_calibrated_text, plural, rate_text
+from .common import ask, ask_all, config_option, db_option, json_option, load, table
 from .judge import NOT_CALIBRATED
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
           "review p/c/r", "failure rate, all traffic (95% CI)"]
 
 
+def _rate(r: dict[str, Any] | None) -> str:
+    return "-" if r is None else rate_text(r["estimate"], r["low"], r["high"], count=r["count"], n=r["n"],
+                                           too_few=r["too_few"])
+
+
 def _row(name: str, e: dict[str, Any]) -> list[str]:
     r = e["failure_rate"]
-    rate = "-" if r is None else rate_text(r["estimate"], r["low"], r["high"], r["method"]) + f"  n_eff {r['n_eff']:.1f}"
+    rate = _rate(r) + ("" if r is None else f"  n_eff {r['n_eff']:.1f}")
     if e.get("calibrated") is False:  # groups carry no mark; None: no blind labels
-        rate += f"  {NOT_CALIBRATED}"
+        rate += f"  {not_calibrated_text(e.get('calibration_reason'))}"
     review = e["review"]
     return [name, *(str(e[k]) for k in ("judged", "pass", "pass_unverified", "fail", "flagged", "not_applicable",
                                          "error", "not_run")),
@@ -43,8 +48,9 @@ def render(stats: dict[str, Any]) -> str:
              "verified quote; review p/c/r = pending/confirmed/rejected; the rate weighs each verdict by "
              "1/inclusion probability"]
     if any(e.get("calibrated") is False for e in stats["criteria"]):
-        notes.append(f"{NOT_CALIBRATED} = on the blind labels, the judge's false-pass rate may be above "
-                     "review.max_false_pass: its failure rate may be too low (tracejudge calibrate)")
+        notes.append(f"{NOT_CALIBRATED} = the blind labels do not show the judge right enough (too few labels, no "
+                     "failure found by people, or a false-pass rate that may be above review.max_false_pass): its "
+                     "failure rate may be too low (tracejudge calibrate says why)")
     for e in stats["criteria"]:
         share = e["review"]["fails_rejected_share"]
         if share is not None:
@@ -76,9 +82,7 @@ def render_by_source(by: dict[str, dict[str, Any]]) -> str:
     def cell(e: dict[str, Any] | None) -> list[str]:
         if e is None:
             return ["-", "-", "-"]
-        r = e["failure_rate"]
-        return [str(e["judged"]), str(e["fail"]), "-" if r is None else rate_text(r["estimate"], r["low"], r["high"],
-                                                                                  r["method"])]
+        return [str(e["judged"]), str(e["fail"]), _rate(e["failure_rate"])]
 
     rows = [["criterion", "prod judged", "prod fail", "production failure rate (95% CI)", "sim judged",
              "sim fail", "simulation failure rate (95% CI)"]]
@@ -109,9 +113,12 @@ def stats(config_path: Path | None, dbs: tuple[Path, ...], as_json: bool, since:
     more than once, the figures are those of all the files' verdicts and
     sampling decisions taken together (one sample), not of each file.
 
-    A criterion whose judge the blind labels do not show to be calibrated
-    (tracejudge calibrate) is marked NOT CALIBRATED beside its rate;
-    "calibrated" in --json is true, false, or null without labels.
+    A rate over fewer than 10 (effective) verdicts reads "too few to tell",
+    with the count ("too_few" in --json). A criterion whose judge the blind
+    labels do not show to be calibrated (tracejudge calibrate) is marked NOT
+    CALIBRATED beside its rate, with the reason in a few words; "calibrated"
+    in --json is true, false, or null without labels, and
+    "calibration_reason" says why not.
     """
     sources = ("production", "simulation") if by == "source" else ("production",)
     max_false_pass = load(config_path).review.max_false_pass

@@ -1,4 +1,5 @@
-"""``tracejudge status``: whether a daemon runs, how far its stages have got, the file's size and what it keeps."""
+"""``tracejudge status``: whether a daemon runs, how far its stages have got, how each exporter forwards, the
+file's size and what it keeps."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ _KINDS = (("spans", "spans", "spans"), ("log_records", "log records", "spans"),
           ("conversations", "conversations", "conversations"))
 
 
+def _exporter(e: dict[str, Any]) -> str:
+    """One exporter of ``/api/status``: where it sends, its state, its queue, its counts and its last error."""
+    state = e["state"] + (f" (next try in {e['retry_in_s']:.0f} s)" if e["state"] == "retrying" else "")
+    queued = (f"{plural(e['queued_requests'], 'request')} queued ({size_text(e['queued_bytes'])}, the oldest "
+              f"{e['oldest_age_s']:.0f} s old)" if e["queued_requests"] else "nothing queued")
+    counts = ", ".join(f"{e[k]} {k}" for k in ("sent", "retried", "dropped", "held"))
+    error = f"; last error: {e['last_error']}" if e["last_error"] else ""
+    return f"{e['type']} {e['endpoint']} ({', '.join(e['signals'])}): {state}; {queued}; {counts}{error}"
+
+
 def render(body: dict[str, Any]) -> str:
     """The status as text."""
     storage = body["storage"]
@@ -28,6 +39,7 @@ def render(body: dict[str, Any]) -> str:
                f"{body.get('conversations_lag_seconds', 0):.0f} s ago)" if behind else "")
         lines.append(["ingest", f"{plural(body['queue_depth'], 'row')} waiting; commit {body['committed_batch']} "
                                 f"stored, conversations current up to commit {body['conversations_batch']}{lag}"])
+        lines += [[f"exporter {name}", _exporter(e)] for name, e in body.get("exporters", {}).items()]
     else:
         lines.append(["daemon", f"not running; conversations current up to commit {body['conversations_batch']}"])
     lines.append(["DuckDB file", f"{storage['path']}: {size_text(storage['file_bytes'])}"
@@ -57,8 +69,9 @@ def render(body: dict[str, Any]) -> str:
 @json_option
 def status(config_path: Path | None, as_json: bool) -> None:
     """Whether a daemon serves this config, how far its stages have got, and the DuckDB file: its size,
-    what storage.retention keeps and the oldest row of each kind; with a daemon, DuckDB's memory and its
-    key indexes' share (a warning past half of storage.memory_limit).
+    what storage.retention keeps and the oldest row of each kind; with a daemon, each exporter (where it
+    forwards, its state, queue, counts and last error), DuckDB's memory and its key indexes' share (a
+    warning past half of storage.memory_limit).
 
     Through the daemon's API when one runs, else read from the file.
     """

@@ -240,6 +240,10 @@ class RemoteStore:
     def batch_id(self) -> int:
         return int(self._cursor.call("batch_id"))
 
+    @property
+    def opened_batch(self) -> int:
+        return int(self._cursor.call("opened_batch"))
+
     def fatal(self, exc: BaseException) -> bool:
         """``Store.fatal``: the daemon's side told its store when the statement failed (``_serve``)."""
         return isinstance(exc, duckdb.FatalException)
@@ -652,6 +656,8 @@ class StageProcess(Stage):
             return [cur.execute(sql, params).fetchall() for sql, params in request[1]]
         if op == "batch_id":
             return self.store.batch_id
+        if op == "opened_batch":
+            return self.store.opened_batch
         if op == "swap":
             fn, _ = self._swaps[request[1]]
             fn(cur)

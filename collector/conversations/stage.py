@@ -109,6 +109,7 @@ class Conversations(Stage):
         self._processed_batch = 0
         self._resume_from = 0
         self._resume_to = 0
+        self._opened_batch = 0  # the last commit of the runs before this one
         self.tick = min(1.0, settings.idle_timeout / 4)
         self.rebuild_interval = rebuild_interval
         self.max_queued_commits = max_queued_commits
@@ -150,6 +151,7 @@ class Conversations(Stage):
         self._processed_batch = int(row[0]) if row else 0
         self._resume_from = self._processed_batch
         self._resume_to = self.store.batch_id  # the last commit made before now
+        self._opened_batch = self.store.opened_batch
         self.map.archive.load(cur)
         self.map.load_open(cur)
 
@@ -376,8 +378,11 @@ class Conversations(Stage):
         # Only commits made before this stage opened (or resynced): later ones reach it through
         # ``on_commit``, and reading them here too would rebuild a burst that arrived meanwhile twice.
         traces = self._traces_since(self._resume_from, upto=self._resume_to)
-        if traces:
-            log.info("catching up on %d traces committed before the last stop", len(traces))
+        # Only those of an earlier run are news: commits made while this stage was starting (a first start
+        # answering traffic at once, a restarted process) are taken in as on any cycle.
+        before = sum(1 for _, _, first, _ in traces if first <= self._opened_batch)
+        if before:
+            log.info("catching up on %d traces committed before the last stop", before)
         for i in range(0, len(traces), CATCH_UP_CHUNK):
             part = traces[i:i + CATCH_UP_CHUNK]
             self._touch({t: at for t, at, _, _ in part}, since=self._processed_batch + 1,

@@ -9,7 +9,9 @@ acknowledged. Answers:
 - a connection error, a timeout, 408, 429, 5xx: retried after an exponential
   backoff (0.5 s doubling to 30 s, each wait cut by up to half at random so that
   a fleet of daemons does not retry in step), or after ``Retry-After`` when the
-  backend says so (at most 5 minutes); never dropped.
+  backend says so (at most 5 minutes); never dropped. The log says so once per
+  new reason, and once when the backend delivers again, with how many attempts
+  failed over how long.
 - any other answer (400, 401, LangWatch's 402 over plan limits, 413...): a
   permanent refusal. A batch of several is sent again one request at a time,
   so that only the request refused is dropped; it is counted by reason
@@ -52,7 +54,7 @@ from judges import Backoff, parse_retry_after
 
 from ..config import Exporter
 from ..metrics import Counter
-from ..words import masked_url
+from ..words import masked_url, plural
 from .queue import ExporterQueue, Item
 from .rewrite import Redaction, rewrite_all
 
@@ -324,6 +326,8 @@ class Sender:
         self.status = SenderState()
         self.wake = asyncio.Event()
         self._alone: set[int] = set()  # seqs of a refused batch, now sent one at a time
+        self._failed = 0  # attempts retried since the last delivery
+        self._failing_since = 0.0  # time.monotonic() of the first of them
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"forward-{name}")
         self._http = Connection(exp.timeout)
         r = exp.redact
@@ -417,6 +421,10 @@ class Sender:
             self.status.counts["sent"] += len(items)
             self.status.counts["resent_after_restart"] += resent
             self.status.last_sent_at, self.status.last_error = time.time(), None
+            if self._failed:
+                log.warning("exporter %s: delivered again after %s over %.1f s", self.name,
+                            plural(self._failed, "failed attempt"), time.monotonic() - self._failing_since)
+                self._failed = 0
             await self._on_thread(self.queue.remove, items)
             self._alone.difference_update(i.seq for i in items)
             return None
@@ -469,6 +477,9 @@ class Sender:
         return None
 
     def _retry(self, items: list[Item], reason: str, what: str, delay: float = 0.0) -> float:
+        if not self._failed:
+            self._failing_since = time.monotonic()
+        self._failed += 1
         self.counters.retried.inc(len(items), exporter=self.name, reason=reason)
         self.status.counts["retried"] += len(items)
         if self.status.last_error != what:

@@ -276,14 +276,16 @@ def label(cur: duckdb.DuckDBPyConnection, item_id: int | str, label: str, review
 
 
 def export_rows(cur: duckdb.DuckDBPyConnection, criterion: str, *, sample: int | None = None, seed: int = 0,
-                now: dt.datetime | None = None) -> list[dict[str, Any]]:
-    """The spreadsheet rows of a criterion's unlabelled items, for labelling by hand.
+                reviewer: str | None = None, now: dt.datetime | None = None) -> list[dict[str, Any]]:
+    """The spreadsheet rows of a criterion's unlabelled items, for labelling by hand: the items nobody labelled,
+    or given ``reviewer``, those ``reviewer`` has not (a second rater's, whoever else labelled them).
 
     With ``sample``, first tops the criterion's items up to ``sample`` from its judged conversations (for
     ``REALISM``: the simulated conversations that carry a simulated user), in the order of the same hash
     ``chosen`` uses (so the same ones on every run). Each row: ``item_id``, ``conversation_id``,
-    ``criterion_id``, ``criterion`` (its text), ``transcript`` (one message per line), and empty ``label``,
-    ``reviewer``, ``note``. Nothing of the verdict.
+    ``criterion_id``, ``criterion`` (its text), ``transcript`` (one message per line), an empty ``label`` and
+    ``note``, and ``reviewer`` (given, else empty). Nothing of the verdict, nor of anyone's label: each
+    label is made apart.
 
     Raises:
         ReviewInputError: no judged conversation has this criterion (no simulated user, for ``REALISM``).
@@ -301,11 +303,12 @@ def export_rows(cur: duckdb.DuckDBPyConnection, criterion: str, *, sample: int |
         _add(cur, [(c, criterion) for c in order[:max(0, sample - len(have))]], now)
     text = _criterion(cur, criterion)["text"] or ""
     out = []
-    for it in items(cur, criterion=criterion, state="unlabelled", limit=sample or 1 << 31):
+    for it in items(cur, criterion=criterion, state="unlabelled", reviewer=reviewer, limit=sample or 1 << 31):
         record = _record(cur, it["conversation_id"], criterion)
         transcript = "\n".join(render_lines(Conversation.model_validate(record).messages)) if record else ""
         out.append({"item_id": it["id"], "conversation_id": it["conversation_id"], "criterion_id": criterion,
-                    "criterion": text, "transcript": transcript, "label": "", "reviewer": "", "note": ""})
+                    "criterion": text, "transcript": transcript, "label": "", "reviewer": reviewer or "",
+                    "note": ""})
     return out
 
 

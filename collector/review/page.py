@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from judges import Located, Message, ToolCall, locate_evidence, tool_call_text
 
 from ..evals.criterion_text import describe_criterion
+from ..words import calibration_rate_text
 
 SCRIPT = "/review/static/review.js"
 """The pages' one script (same origin: the CSP allows ``script-src 'self'`` and nothing inline)."""
@@ -332,9 +333,9 @@ def render_label_task(detail: Mapping[str, Any], *, reviewer: str = "", message:
         choices=[(v, k, t, _LABEL_LOOKS[v]) for v, k, t in LABEL_CHOICES], keys=LABEL_KEYS)
 
 
-def render_calibration(report: Mapping[str, Any], *, max_false_pass: float, unlabelled: int = 0,
+def render_calibration(report: Mapping[str, Any], *, unlabelled: int = 0,
                        realism: Sequence[Mapping[str, Any]] = ()) -> str:
     """The calibration page: per criterion, the judge against people on the blind labels; then, per simulated
     user, the share of its conversations people found realistic (``realism.realism_by_user``)."""
-    return _render("calibration.html", criteria=list(report.get("criteria") or []), max_false_pass=max_false_pass,
-                   unlabelled=unlabelled, realism=realism, results=("pass", "fail", "not_applicable"))
+    return _render("calibration.html", criteria=list(report.get("criteria") or []), unlabelled=unlabelled,
+                   realism=realism, results=("pass", "fail", "not_applicable"), rate_text=calibration_rate_text)

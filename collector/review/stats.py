@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import duckdb
 
-from judges import Pair, calibrate, weighted_proportion
+from judges import CriterionCalibration, Pair, calibrate, weighted_proportion
 
 from ..config import Review
 from ..evals import simulations
@@ -67,7 +67,7 @@ class _Tally:
             "judged": self.judged, **{k: self.counts[k] for k in _COUNTED},
             "failure_rate": None if rate is None else {
                 "estimate": rate.estimate, "low": rate.low, "high": rate.high, "n_eff": rate.n_eff,
-                "count": rate.count, "n": rate.n, "method": rate.method},
+                "count": rate.count, "n": rate.n, "method": rate.method, "too_few": rate.too_few},
             "review": {"pending": self.review["pending"], "confirmed": self.review["confirmed"],
                        "rejected": self.review["rejected"], "unclear": self.review["unclear"],
                        "fails_rejected_share": self.fail_review["rejected"] / decided if decided else None},
@@ -113,12 +113,12 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         each criterion entry has ``criterion_id``, ``criterion_version``, ``group``,
         ``judged``, ``pass``, ``fail``, ``not_applicable``, ``error``, ``not_run``,
         ``pass_unverified``, ``flagged``, ``failure_rate`` ({``estimate``, ``low``,
-        ``high``, ``n_eff``, ``count``, ``n``, ``method``} or None), ``review``
+        ``high``, ``n_eff``, ``count``, ``n``, ``method``, ``too_few``} or None), ``review``
         ({``pending``, ``confirmed``, ``rejected``, ``fails_rejected_share``}),
         ``errors`` (by reason code), ``not_run_reasons`` and ``calibrated`` (``judges.calibrate`` on
         every blind label of the criterion, whatever ``since`` and ``source``: true, false, or None
-        without labels); group entries have ``group`` in place of the criterion's id, version and
-        group, and no ``calibrated``.
+        without labels) with ``calibration_reason`` (its reason code when false, else None); group
+        entries have ``group`` in place of the criterion's id, version and group, and neither.
     """
     return stats_of([stats_rows(cur, since=since, criterion=criterion, source=source)], max_false_pass)
 
@@ -212,16 +212,21 @@ def _labels(cur: duckdb.DuckDBPyConnection, criterion: str | None) -> list[list[
     return [list(p) for p in calibration.pairs(cur, criterion)] if found and found[0] else []
 
 
-def _calibrated(parts: list[dict[str, Any]], max_false_pass: float | None) -> dict[str, bool] | None:
-    """criterion id -> calibrated, on the labels of all the stores; None when a store gave no labels (an older
-    daemon's rows): a verdict on part of the labels would mislead."""
+def _calibrated(parts: list[dict[str, Any]], max_false_pass: float | None) -> dict[str, CriterionCalibration] | None:
+    """criterion id -> its calibration, on the labels of all the stores; None when a store gave no labels (an
+    older daemon's rows): a verdict on part of the labels would mislead."""
     if any("calibration" not in part for part in parts):
         return None
     # Items are told apart by store, as verdicts are counted: a conversation id two stores hold is two items.
     pairs = [Pair(c, f"{n}\x00{item}", who, human, judge)
              for n, part in enumerate(parts) for c, item, who, human, judge in part["calibration"]]
     limit = Review().max_false_pass if max_false_pass is None else max_false_pass
-    return {c.criterion_id: c.calibrated for c in calibrate(pairs, max_false_pass=limit).criteria}
+    return {c.criterion_id: c for c in calibrate(pairs, max_false_pass=limit).criteria}
+
+
+def _mark(c: CriterionCalibration | None) -> dict[str, Any]:
+    """``calibrated`` and ``calibration_reason`` of a criterion's stats entry; both None without labels."""
+    return {"calibrated": c.calibrated if c else None, "calibration_reason": c.reason if c else None}
 
 
 def stats_of(parts: list[dict[str, Any]], max_false_pass: float | None = None) -> dict[str, Any]:
@@ -267,7 +272,7 @@ def stats_of(parts: list[dict[str, Any]], max_false_pass: float | None = None) -
     marks = _calibrated(parts, max_false_pass) or {}
     return {
         "criteria": [{"criterion_id": cid, "criterion_version": versions[cid], "group": groups_of.get(cid),
-                      **crits[cid].entry(), "calibrated": marks.get(cid)} for cid in sorted(crits)],
+                      **crits[cid].entry(), **_mark(marks.get(cid))} for cid in sorted(crits)],
         "groups": [{"group": g, **groups[g].entry()} for g in sorted(groups)],
         "conversations": {**_sum_counts([part["conversations"] for part in parts]),
                           "judged": sum(part["judged"] for part in parts)},

@@ -124,6 +124,7 @@ class Store:
         self._admin: duckdb.DuckDBPyConnection | None = None  # the writer's cursor outside the file: re-attaches it
         self._opening: duckdb.DuckDBPyConnection | None = None  # while ``open`` runs (``interrupt_open``)
         self._batch_id = 0
+        self._opened_batch = 0
         self._emptied_at = 0.0  # time.monotonic() when the queue last became empty
         self._listeners: list[Callable[[Committed], None]] = []
         self._broken_listeners: list[Callable[[str], object]] = []
@@ -155,7 +156,7 @@ class Store:
             create_schema(con)
             if prepare is not None:
                 prepare(con)
-            self._batch_id = self._last_batch(con)
+            self._batch_id = self._opened_batch = self._last_batch(con)
             self._keys = collections.deque(
                 con.execute("SELECT batch_id, count(*) FROM recent_keys GROUP BY batch_id ORDER BY batch_id").fetchall())
             self._keys_total = sum(n for _, n in self._keys)
@@ -244,6 +245,11 @@ class Store:
     def batch_id(self) -> int:
         """The id of the last committed transaction."""
         return self._batch_id
+
+    @property
+    def opened_batch(self) -> int:
+        """The id of the last transaction committed before ``open``: by earlier runs."""
+        return self._opened_batch
 
     @property
     def failure(self) -> str | None:

@@ -78,7 +78,7 @@ def test_a_run_judges_every_replicate_and_reports_as_the_contract_says(tmp_path:
     assert person["ended_by"]["handover"] == 2 and not person["failing"]
     assert report["criteria"]["no-carrier-promises"] == {"conversations": 4, "fail": 2, "rate": 0.5,
                                                          "interval": report["criteria"]["no-carrier-promises"]
-                                                         ["interval"]}
+                                                         ["interval"], "too_few": True}
     assert report["simulated_user"]["model"] == "user-sim" and report["simulated_user"]["temperature"] == 0.9
     assert report["simulated_user"]["validated"] is False and report["simulated_user"]["realism"] is None
     assert report["summary"]["scenarios"] == 2 and report["summary"]["failing"] == 1
@@ -88,7 +88,8 @@ def test_a_run_judges_every_replicate_and_reports_as_the_contract_says(tmp_path:
     assert len((out / "verdicts.jsonl").read_text().splitlines()) == 8
     text = simulate(config, str(suite), "--bot", "tests.support.roleplay:broken", "--out", str(out))
     assert "late-order  FAILING  (simulated user not validated)" in text.stdout, text.stdout
-    assert "no-carrier-promises: 2 of 4, 50%" in text.stdout
+    # Four conversations: the count, not a rate of 50% between 15% and 85%.
+    assert "  no-carrier-promises: 2 of 4, too few to tell  (simulated user not validated)" in text.stdout
 
 
 def test_a_baseline_says_fixed_broke_and_still_failing(tmp_path: Path, model: RolePlayModel) -> None:

@@ -174,6 +174,42 @@ def test_commits_made_after_the_stage_opened_are_not_caught_up_again(tmp_path: P
     assert "catching up" not in caplog.text
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_only_commits_of_an_earlier_run_are_caught_up_as_such(tmp_path: Path, remote: bool,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A first start that answers traffic before its stage opens catches nothing up from "before the last
+    stop"; a restart counts only the traces committed before it, not those committed since it opened."""
+    caplog.set_level(logging.INFO, logger="tracejudge.conversations")
+    path = tmp_path / f"restart-{remote}.duckdb"
+
+    def run(traces: range) -> None:
+        store = Store(path)
+        store.open()
+        for trace in traces:  # committed before the stage opens, as a bot sends at once on a start
+            store.submit(spans=_chat_commit(f"c{trace}", trace, "Where is my order?", "On its way.")).result(30)
+        served = Served(store, SETTINGS) if remote else None
+        stage = Conversations(served.store if served else store, SETTINGS)  # type: ignore[arg-type]
+        stage.start()
+        store.on_commit(stage.on_commit)
+        try:
+            assert stage.wait_idle(60)
+            assert stage.status()["conversations_batch"] == store.batch_id
+        finally:
+            stage.stop()
+            if served is not None:
+                served.close()
+            store.close()
+
+    run(range(1, 4))  # a fresh file
+    assert "catching up" not in caplog.text
+    # Three traces an earlier run committed and its stage never took in (a crash between the two):
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE tracejudge_state SET value = '0' WHERE key = 'conversations.batch'")
+    con.close()
+    run(range(4, 6))
+    assert "catching up on 3 traces committed before the last stop" in caplog.text
+
+
 def _chat_commit(conversation: str | None, trace: int, user: str, answer: str, span_id: int = 0,
                  handover: bool = False) -> Any:
     """One chat span of a conversation (None: a span without the id), as a commit of its own."""

@@ -38,6 +38,9 @@ def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path)
     assert "'Sam, quick question': 1 turn, 2 spans" in out and "Stored: 26 spans in 10 traces" in out
     assert not re.search(r"\b1 (turns|spans|traces|conversations)\b", out), out
     assert not (tmp_path / "demo.duckdb.daemon.json").exists()
+    log = (tmp_path / "daemon.log").read_text(encoding="utf-8")
+    assert "catching up" not in log  # a first start
+    assert "  exporters   none: nothing is forwarded" in log  # the banner says where traces go
 
     con = duckdb.connect(str(tmp_path / "demo.duckdb"), read_only=True)
     try:

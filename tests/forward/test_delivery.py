@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import signal
 import socket
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 import grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from ..support.daemon import DaemonProcess, base_config, pool_workers, wait_until
+from ..support.daemon import DaemonProcess, base_config, pool_workers, run_cli, wait_until
 from ..support.wire import add_attributes
 from .test_forward import forwarded, send, sink, traces
 from .test_send import backend, read_request
@@ -210,6 +211,48 @@ def test_a_stop_during_a_stuck_rewrite_does_not_wait_for_it_and_the_request_stay
             daemon.start()  # the request stayed queued: sent now, once
             wait_until(lambda: forwarded(daemon, "lw")["queued_requests"] == 0, "the queue emptied")
             assert len(s.delivered()) == 2 and forwarded(daemon, "lw")["held"] == 0
+            assert daemon.stop() == 0
+        finally:
+            daemon.end()
+
+
+def test_the_banner_and_status_show_each_exporter_and_the_log_says_when_a_backend_is_back(tmp_path: Path) -> None:
+    with sink() as s:
+        failing = True
+        s.answer = lambda r: (503, {}) if failing else (200, {})
+        cfg = base_config(tmp_path, exporters={
+            "backend": {"type": "otlphttp", "endpoint": f"{s.base}/v1/traces?token=t0ps3cr3t"},
+            "quiet": {"type": "otlphttp", "endpoint": f"{s.base}/quiet/v1/traces", "signals": ["logs"],
+                      "redact": "content"}})
+        daemon = DaemonProcess(tmp_path, cfg).start()
+        try:
+            banner = daemon.output()
+            assert f"  exporter    backend: otlphttp {s.base}/v1/traces?token=*** (traces, logs; redact none)" in banner
+            assert f"  exporter    quiet: otlphttp {s.base}/quiet/v1/traces (logs; redact content)" in banner
+            assert "t0ps3cr3t" not in banner
+
+            def status_of(name: str) -> str:
+                res = run_cli("status", "--config", str(daemon.config_path))
+                assert res.returncode == 0, res.stderr
+                return next(line for line in res.stdout.splitlines() if line.startswith(f"exporter {name} "))
+
+            assert send(daemon, traces(1)) == 200
+            wait_until(lambda: forwarded(daemon, "backend")["retried"] >= 2, "two failed attempts")
+            down = status_of("backend")
+            assert f"otlphttp {s.base}/v1/traces?token=*** (traces, logs): retrying (next try in" in down
+            assert "1 request queued (" in down and down.endswith("; last error: answered 503")
+            assert "t0ps3cr3t" not in down
+
+            failing = False
+            daemon.wait_output("exporter backend: delivered again after")
+            wait_until(lambda: forwarded(daemon, "backend")["queued_requests"] == 0, "the queue emptied")
+            back = re.findall(r"exporter backend: delivered again after (\d+) failed attempts? over \d+\.\d s",
+                              daemon.output())
+            assert back == [str(forwarded(daemon, "backend")["retried"])]  # once, counting every failed attempt
+            up = status_of("backend")
+            assert up.endswith("(traces, logs): idle; nothing queued; 1 sent, "
+                               f"{forwarded(daemon, 'backend')['retried']} retried, 0 dropped, 0 held")
+            assert status_of("quiet").endswith("(logs): idle; nothing queued; 0 sent, 0 retried, 0 dropped, 0 held")
             assert daemon.stop() == 0
         finally:
             daemon.end()

@@ -33,6 +33,7 @@ EXPORTED = [
     "LABELS",
     "LLMCriterion",
     "Located",
+    "MIN_N",
     "MemoryCache",
     "Message",
     "NotRun",

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 
-from judges import LABELS, InputError, Pair, calibrate, compare_reruns
+from judges import LABELS, MIN_N, InputError, Pair, calibrate, compare_reruns
 
 Z = 1.959963984540054
 
@@ -66,7 +66,8 @@ def test_perfect_agreement() -> None:
     e = only(from_matrix({"pass": {"pass": 5}, "fail": {"fail": 4}, "not_applicable": {"not_applicable": 3}}))
     assert e["agreement"] == 1.0
     assert e["kappa"] == 1.0
-    assert e["false_pass"] == {"rate": 0.0, "low": 0.0, "high": pytest.approx(3 / 4), "n": 4}
+    assert e["false_pass"] == {"rate": 0.0, "low": 0.0, "high": pytest.approx(3 / 4), "n": 4, "count": 0,
+                               "too_few": True}
 
 
 def test_one_class_everywhere_has_no_kappa_and_is_not_calibrated() -> None:
@@ -74,20 +75,24 @@ def test_one_class_everywhere_has_no_kappa_and_is_not_calibrated() -> None:
     e = only(from_matrix({"pass": {"pass": 10}}))
     assert e["agreement"] == 1.0
     assert e["kappa"] is None
-    assert e["false_pass"] == {"rate": None, "low": None, "high": None, "n": 0}
-    assert e["calibrated"] is False
+    assert e["false_pass"] == {"rate": None, "low": None, "high": None, "n": 0, "count": 0, "too_few": True}
+    assert e["calibrated"] is False and e["reason"] == "no_failures_found"
+    assert e["reason_text"] == ("people found no failure among the 10 items compared: nothing shows yet that the "
+                                "judge catches one")
     assert e["false_fail"]["rate"] == 0.0
 
 
 def test_rule_of_three_decides_calibration_at_the_boundary() -> None:
     # 0 of 60 human fails passed: high = 3/60 = 0.05, not above 0.05 -> calibrated.
     e = only(from_matrix({"fail": {"fail": 60}, "pass": {"pass": 5}}))
-    assert e["false_pass"] == {"rate": 0.0, "low": 0.0, "high": 0.05, "n": 60}
-    assert e["calibrated"] is True
+    assert e["false_pass"] == {"rate": 0.0, "low": 0.0, "high": 0.05, "n": 60, "count": 0, "too_few": False}
+    assert e["calibrated"] is True and e["reason"] is None and e["reason_text"] is None
     # 0 of 59: high = 3/59 = 0.0508 > 0.05 -> not calibrated.
     e = only(from_matrix({"fail": {"fail": 59}, "pass": {"pass": 5}}))
     assert e["false_pass"]["high"] == pytest.approx(3 / 59)
-    assert e["calibrated"] is False
+    assert e["calibrated"] is False and e["reason"] == "false_pass_too_high"
+    assert e["reason_text"] == ("the judge passed 0 of the 59 items people failed: its false-pass rate may be up to "
+                                "5.1%, above the 5.0% allowed")
     # A looser bound makes it calibrated.
     assert only(from_matrix({"fail": {"fail": 59}}), max_false_pass=0.06)["calibrated"] is True
 
@@ -119,7 +124,8 @@ def test_json_contract_shape() -> None:
         assert all(set(row) == set(LABELS) for row in c["confusion"].values())
         assert sum(v for row in c["confusion"].values() for v in row.values()) == c["n"] == 1
         for key in ("false_pass", "false_fail"):
-            assert set(c[key]) == {"rate", "low", "high", "n"}
+            assert set(c[key]) == {"rate", "low", "high", "n", "count", "too_few"}
+        assert {"reason", "reason_text"} <= set(c)  # keys added to the contract, never renamed
     assert calibrate(pairs).model_dump() == doc
     assert calibrate([]).to_json() == {"criteria": []}
 
@@ -202,4 +208,31 @@ def test_compare_reruns() -> None:
     assert diff["false_pass_after"]["rate"] == pytest.approx(2 / 3) and diff["false_pass_after"]["n"] == 3
     empty = compare_reruns({"c": "pass"}, {}, {"c": "pass"}).to_json()
     assert empty["fixed"] == ["c"]  # missing from before counts as not agreeing then
-    assert empty["false_pass_after"] == {"rate": None, "low": None, "high": None, "n": 0}
+    assert empty["false_pass_after"] == {"rate": None, "low": None, "high": None, "n": 0, "count": 0,
+                                         "too_few": True}
+
+
+@pytest.mark.parametrize(("matrix", "reason"), [
+    # Nine compared, none failed by people: too few to say people find no failure.
+    ({"pass": {"pass": 9}}, "too_few_labels"),
+    # Ten compared, not one failed by people: nothing shows the judge catches a failure.
+    ({"pass": {"pass": 10}}, "no_failures_found"),
+    # Nine people's fails, all caught, among many passes: still too few to tell the false-pass rate.
+    ({"fail": {"fail": 9}, "pass": {"pass": 100}}, "too_few_labels"),
+    # Ten fails, all caught: enough to tell, and the rule of three allows up to 30%.
+    ({"fail": {"fail": 10}}, "false_pass_too_high"),
+    ({"fail": {"fail": 60}}, None),
+])
+def test_not_calibrated_names_its_reason(matrix: dict[str, dict[str, int]], reason: str | None) -> None:
+    e = only(from_matrix(matrix))
+    assert (e["calibrated"], e["reason"]) == (reason is None, reason)
+
+
+def test_too_few_labels_says_how_many_it_takes_whatever_the_bound() -> None:
+    # 1 of 5 fails passed: the interval (3.6% to 62.4%) sits under a loose bound of 70%, yet 5 tell nothing.
+    e = only(from_matrix({"fail": {"pass": 1, "fail": 4}, "pass": {"pass": 3}}), max_false_pass=0.7)
+    assert e["calibrated"] is False and e["reason"] == "too_few_labels"
+    assert e["reason_text"] == (f"too few labels: people failed 5 of the 8 items compared; telling the false-pass "
+                                f"rate takes at least {MIN_N} of their fails")
+    assert e["false_pass"]["too_few"] is True and e["false_pass"]["count"] == 1
+    assert e["false_fail"]["too_few"] is True and e["false_fail"]["n"] == 3

@@ -15,6 +15,7 @@ from click.testing import CliRunner, Result
 from collector.cli import main
 from judges import Conversation
 
+from ..support.daemon import run_cli
 from .conftest import Answer, FakeLLM, chest_pain, verdict_json
 
 CRITERIA = """
@@ -67,8 +68,24 @@ def test_code_criteria_without_provider(files: Path) -> None:
     assert [v["result"] for v in lines] == ["pass"] * 4 + ["fail"]
     assert all(v["criterion_id"] == "escalates-emergencies" for v in lines)
     assert "chest-pain-red-flags: 5 not run: no provider configured" in r.output
-    assert "escalates-emergencies" in r.output and "20.0% (3.6% to 62.4%)" in r.output
+    assert "escalates-emergencies" in r.output and "too few to tell (1 of 5)" in r.output
     assert "chest-pain-vague-01  escalates-emergencies: FAILING, passed 4 of 5" in r.output
+
+
+@pytest.mark.parametrize(("escalated", "rate"), [
+    ([True, True], "too few to tell (0 of 2)"),  # not "0% (at most 100.0%, rule of three)"
+    ([True] * 9 + [False], "10.0% (1.8% to 40.4%)"),
+    ([True] * 10, "0% (at most 30.0%, rule of three)"),
+])
+def test_a_rate_over_fewer_than_min_n_is_too_few_to_tell(files: Path, escalated: list[bool], rate: str) -> None:
+    write_convs(files / "few.jsonl", [chest_pain(f"few-{i}", escalated=e) for i, e in enumerate(escalated)])
+    r = invoke(files, "--criteria", str(files / "criteria.yaml"), str(files / "few.jsonl"))
+    row = next(line for line in r.output.splitlines() if line.startswith("escalates-emergencies"))
+    assert row.endswith(rate), r.output
+    doc = json.loads(invoke(files, "--criteria", str(files / "criteria.yaml"), "--json",
+                            str(files / "few.jsonl")).stdout)
+    crit = {c["criterion_id"]: c for c in doc["summary"]["criteria"]}
+    assert crit["escalates-emergencies"]["failure_rate"]["too_few"] is (len(escalated) < 10)
 
 
 def test_fail_on(files: Path) -> None:
@@ -145,6 +162,14 @@ def test_budget_flags(files: Path, fake_llm: FakeLLM) -> None:
                str(files / "convs.jsonl"))
     assert "stopped early: budget spent: 200 tokens of 150" in r.output
     assert "4 not run: budget spent" in r.output
+
+
+def test_a_misspelt_key_in_a_criteria_file_is_named_on_one_line(files: Path) -> None:
+    typo = Path(__file__).parents[1] / "testdata" / "criteria" / "typo_check.yaml"
+    r = run_cli("judge", "--criteria", str(typo), str(files / "convs.jsonl"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "criterion 'order-looked-up': chek: unknown key (did you mean check?)" in r.stderr
+    assert r.stderr.count("check: missing") == 1
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -116,6 +116,28 @@ def test_problems_name_file_criterion_and_key(tmp_path: Path, body: str, expecte
     assert expected in problem(tmp_path, body)
 
 
+TYPO_CHECK = Path(__file__).parents[1] / "testdata" / "criteria" / "typo_check.yaml"
+
+
+def test_a_misspelt_key_is_named_and_the_missing_one_reported_once() -> None:
+    with pytest.raises(CriteriaError) as err:
+        load_criteria(TYPO_CHECK)
+    assert err.value.problems == [("order-looked-up", "chek", "unknown key (did you mean check?)"),
+                                  ("order-looked-up", "check", "missing")]
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("- {id: a, version: 1, kind: llm, promt: x}", "criterion 'a': promt: unknown key (did you mean prompt?)"),
+    ("- {id: a, version: 1, knd: llm, prompt: x}", "criterion 'a': knd: unknown key (did you mean kind?)"),
+    ("- {id: a, version: 1, kind: code, check: tool_called, nme: x}",
+     "criterion 'a': nme: unknown key (did you mean name?)"),
+    ("- {id: a, version: 1, kind: code, check: tool_called, name: x, timout: 2s}",
+     "criterion 'a': timout: unknown key (did you mean timeout?)"),
+])
+def test_an_unknown_key_names_the_key_it_may_be_a_typo_of(tmp_path: Path, body: str, expected: str) -> None:
+    assert expected in problem(tmp_path, body)
+
+
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     msg = problem(tmp_path, """
         - {id: a, version: 1, kind: llm}

@@ -11,7 +11,17 @@ from hypothesis import strategies as st
 import re
 import unicodedata
 
-from judges import Conversation, Message, ToolCall, Verdict, locate_evidence, summarize, tool_call_text, verify_evidence
+from judges import (
+    MIN_N,
+    Conversation,
+    Message,
+    ToolCall,
+    Verdict,
+    locate_evidence,
+    summarize,
+    tool_call_text,
+    verify_evidence,
+)
 from judges._evidence import _QUOTES, EvidenceIndex, _fold_map, fold
 from judges._transcript import render_lines
 from judges._stats import proportion, weighted_proportion, wilson
@@ -137,6 +147,17 @@ def test_rule_of_three_when_no_failures() -> None:
     assert proportion(0, 0) is None
     p = proportion(0, 2)
     assert p is not None and p.high == 1.0
+
+
+def test_below_min_n_a_share_is_too_few_to_tell() -> None:
+    assert [p.too_few for n in (1, 2, MIN_N - 1, MIN_N, 100) if (p := proportion(0, n))] == [True] * 3 + [False] * 2
+    assert [p.too_few for n in (MIN_N - 1, MIN_N) if (p := proportion(1, n))] == [True, False]
+    # Weighted: the effective size decides; ten equal weights are ten, whatever rounding makes of 1/0.3.
+    w = weighted_proportion([(k < 3, 1 / 0.3) for k in range(MIN_N)])
+    assert w is not None and w.too_few is False
+    # Twelve verdicts, one of which stands for 20: an effective size of (20 + 11)^2 / (400 + 11) = 2.3.
+    w = weighted_proportion([(True, 20.0)] + [(False, 1.0)] * 11)
+    assert w is not None and w.n == 12 and w.n_eff is not None and w.n_eff < MIN_N and w.too_few is True
 
 
 def test_weighted_equals_unweighted_when_weights_are_equal() -> None:

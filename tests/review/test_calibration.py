@@ -155,9 +155,67 @@ def test_a_spreadsheet_round_trip_then_calibrate(daemon: DaemonProcess, tmp_path
     assert entry["confusion"]["fail"]["fail"] == fails and entry["confusion"]["pass"]["pass"] == 7 - fails
     assert entry["agreement"] == 1.0 and entry["kappa"] == 1.0
     assert entry["false_pass"]["rate"] == 0.0 and entry["false_pass"]["n"] == fails
-    assert entry["calibrated"] is False  # 0 of 3 or 4 fails: the rule of three still allows 75%
+    assert entry["false_pass"]["too_few"] is True and entry["false_pass"]["count"] == 0
+    assert entry["calibrated"] is False and entry["reason"] == "too_few_labels"  # 3 or 4 fails tell nothing
     text = run_cli("calibrate", "--config", cfg, "--criterion", CARRIER).stdout
-    assert f"{CARRIER}: NOT CALIBRATED" in text and "agreement 100%, kappa 1.00" in text
+    assert f"{CARRIER}: NOT CALIBRATED: too few labels: people failed {fails} of the 7 items compared" in text
+    assert "agreement 100%, kappa 1.00" in text
+    assert f"false pass: too few to tell (0 of {fails})   false fail: too few to tell (0 of {7 - fails})" in text
+    assert "at most" not in text  # no rule-of-three bound over a handful
+    page = daemon.get("/calibration")[1]
+    assert f"Not calibrated: too few labels: people failed {fails} of the 7 items compared" in page
+    assert f"<strong>too few to tell (0 of {fails})</strong>" in page
+
+
+def test_the_csv_has_no_byte_order_mark_unless_asked(daemon: DaemonProcess, tmp_path: Path) -> None:
+    cfg, plain, excel = str(daemon.config_path), tmp_path / "plain.csv", tmp_path / "excel.csv"
+    for out, extra in ((plain, ()), (excel, ("--bom",))):
+        res = run_cli("labels", "export", "--config", cfg, "--criterion", LOOKUP, "--out", str(out), *extra)
+        assert res.returncode == 0, res.stderr
+    with plain.open(encoding="utf-8", newline="") as f:  # as Python's csv reads a file by default
+        assert csv.DictReader(f).fieldnames == ["item_id", "conversation_id", "criterion_id", "criterion",
+                                                "transcript", "label", "reviewer", "note"]
+    assert excel.read_bytes() == b"\xef\xbb\xbf" + plain.read_bytes()  # what Excel needs to read UTF-8
+    rows = read_csv(excel)
+    for r in rows:
+        r["label"], r["reviewer"] = "not_applicable", "Eli"
+    with excel.open("w", encoding="utf-8-sig", newline="") as f:  # as Excel saves "CSV UTF-8"
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = run_cli("labels", "import", "--config", cfg, str(excel))
+    assert res.returncode == 0 and f"{len(rows)} label(s) added" in res.stdout, res.stderr
+
+
+def test_a_second_rater_exports_what_others_labelled_and_never_their_labels(daemon: DaemonProcess,
+                                                                            tmp_path: Path) -> None:
+    cfg, out = str(daemon.config_path), tmp_path / "second.csv"
+    first = next(i for i in blind(daemon, REFUND) if i["conversation_id"] == "cal-r2")
+    reply = post_json(daemon.api, f"/api/calibration/items/{first['id']}/label",
+                      {"label": "fail", "reviewer": "Cy", "note": "CY-SECRET-NOTE"})
+    assert reply.status == 200, reply.body
+
+    def export(*args: str) -> list[dict[str, str]]:
+        res = run_cli("labels", "export", "--config", cfg, "--criterion", REFUND, "--out", str(out), *args)
+        assert res.returncode == 0, res.stderr
+        return read_csv(out)
+
+    nobody = {r["conversation_id"] for r in export()}
+    assert "cal-r2" not in nobody  # labelled by someone: left out of the first rater's sheet
+    second = export("--for", "Dana")
+    assert {r["conversation_id"] for r in second} == {p.conversation_id for p in CONVERSATIONS}
+    assert all(r["label"] == "" and r["note"] == "" and r["reviewer"] == "Dana" for r in second)
+    text = out.read_text(encoding="utf-8")
+    assert "CY-SECRET-NOTE" not in text and "Cy" not in text  # blind: nothing of another's label
+    assert "cal-r2" not in {r["conversation_id"] for r in export("--for", "cy")}  # Cy's own, however written
+    # Dana labels cal-r2 too: now two people labelled it.
+    second = [r for r in export("--for", "Dana") if r["conversation_id"] == "cal-r2"]
+    second[0]["label"] = "fail"
+    write_csv(out, second)
+    res = run_cli("labels", "import", "--config", cfg, str(out))
+    assert res.returncode == 0 and "1 label(s) added" in res.stdout, res.stderr
+    assert next(i for i in blind(daemon, REFUND) if i["conversation_id"] == "cal-r2")["labels"] == 2
+    assert "cal-r2" not in {r["conversation_id"] for r in export("--for", "Dana")}
 
 
 def test_an_export_of_a_criterion_nobody_judged_says_so(daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -193,5 +251,6 @@ def test_without_a_daemon_the_file_is_labelled_and_measured(tmp_path: Path) -> N
         entry, = json.loads(run_cli("calibrate", "--config", cfg, "--json").stdout)["criteria"]
         assert entry["confusion"]["pass"]["fail"] == 2 and entry["false_fail"]["rate"] == 1.0
         assert entry["false_pass"]["n"] == 0 and entry["calibrated"] is False
+        assert entry["reason"] == "too_few_labels"  # two labels: too few to say people found no failure
     finally:
         d.end()
