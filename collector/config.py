@@ -45,7 +45,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from .auth import same_secret
 from .errors import ConfigError
 from .names import clean_name, reviewer_key
-from .words import is_size, masked_url, size_bytes
+from .words import is_size, masked_url, parse_duration, size_bytes
 
 SECTIONS = (
     "receivers", "storage", "conversations", "api", "sampling",
@@ -60,22 +60,6 @@ class Env:
     """Field metadata: the environment variable a setting takes when the config file leaves it unset."""
 
     name: str
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(value: Any) -> float:
-    """``500ms`` / ``10s`` / ``15m`` / ``1h`` / ``1d`` -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 500ms, 10s, 15m or 1h")
-    if isinstance(value, (int, float)):
-        raise ValueError(f"{value!r} has no unit; write it like 500ms, 10s, 15m or 1h")
-    m = _DURATION.match(str(value))
-    if not m:
-        raise ValueError(f"{value!r} is not a duration; write it like 500ms, 10s, 15m or 1h")
-    return float(m.group(1)) * _UNIT[m.group(2)]
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]

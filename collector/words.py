@@ -1,13 +1,16 @@
-"""How counts, rates, sizes and URLs are written for people, in the CLI's output, the daemon's log and its config."""
+"""How counts, rates, sizes, durations and URLs are written for people: the CLI's output, the log, the config."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$")
 _UNITS = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
           "TB": 1000**4, "TiB": 1024**4}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -18,6 +21,18 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 def percent(rate: float) -> str:
     """A probability as a percentage: 0.1 -> ``10%``, 1 -> ``100%``, 0.125 -> ``12.5%``."""
     return f"{rate * 100:.3g}%"
+
+
+def parse_duration(value: Any) -> float:
+    """``500ms`` / ``10s`` / ``15m`` / ``1h`` / ``1d`` -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 500ms, 10s, 15m or 1h")
+    if isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} has no unit; write it like 500ms, 10s, 15m or 1h")
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ValueError(f"{value!r} is not a duration; write it like 500ms, 10s, 15m or 1h")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
 
 
 def duration_text(seconds: float | None) -> str:

@@ -14,39 +14,26 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-from judges import (
-    Budget,
-    DiskCache,
-    InputError,
-    JudgeRun,
-    NotRun,
-    Proportion,
-    Provider,
-    RateStats,
-    Summary,
-    Verdict,
-    escape_line_breaks,
-    load_criteria,
-    read_conversations,
-    run_judges,
-    summarize,
-)
-
-from ..config import Config, parse_duration
 from ..errors import UserError
-from ..evals.setup import provider_from_config
-from ..words import plural
-from .common import config_option, json_option, load, rate_text, table
+from ..words import parse_duration, plural
+from .common import NOT_CALIBRATED, config_option, json_option, load, rate_text, table
+
+if TYPE_CHECKING:
+    from judges import JudgeRun, NotRun, Proportion, Provider, RateStats, Summary, Verdict
+
+    from ..config import Config
 
 FAIL_ON = ("fail", "error", "flagged", "not_run")
 
 
 def cli_provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
     """The provider from the flags, else the config; None when neither names one."""
+    from ..evals.setup import provider_from_config
+
     chosen = type_ or cfg.judges.provider.type
 
     def unused(key: str) -> None:
@@ -82,10 +69,6 @@ def read_calibration(path: Path) -> dict[str, bool]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--calibration {path}: not the JSON of `tracejudge calibrate --json` "
                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
-
-
-NOT_CALIBRATED = "NOT CALIBRATED"
-"""Beside the failure rate of a criterion whose judge blind labels did not show to be right enough."""
 
 
 def _rate(p: Proportion | None) -> str:
@@ -197,6 +180,9 @@ def judge(
     scenario: a scenario that fails once is shown as failing. Exit 1 when
     --fail-on matches, 2 on bad input.
     """
+    from judges import (Budget, DiskCache, InputError, escape_line_breaks, load_criteria, read_conversations,
+                        run_judges, summarize)
+
     cfg = load(config_path)
     paths = list(criteria_paths) or list(cfg.judges.criteria)
     if not paths:

@@ -9,8 +9,7 @@ from typing import Any
 import click
 
 from ..words import plural
-from .common import ask, ask_all, config_option, db_option, json_option, load, rate_text, table
-from .judge import NOT_CALIBRATED
+from .common import NOT_CALIBRATED, ask, ask_all, config_option, db_option, json_option, load, rate_text, table
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
           "review p/c/r", "failure rate, all traffic (95% CI)"]
