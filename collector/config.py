@@ -311,7 +311,8 @@ class Conversations(Section):
 
 class JudgeProvider(Section):
     type: Literal["anthropic", "openai_compatible"] | None = None
-    """Which provider judges ``kind: llm`` criteria; none means they are reported as not run."""
+    """Which provider judges ``kind: llm`` criteria; none: the daemon reports them as not run, and the command line
+    takes the one the environment gives (``evals.setup.provider_type_from_env``)."""
     model: Annotated[str | None, Env("TRACEJUDGE_JUDGE_MODEL")] = None
     """The judge model; else $ANTHROPIC_MODEL or $OPENAI_MODEL, by type."""
     base_url: str | None = None

@@ -9,6 +9,7 @@ criterion with counts and 95% intervals (``--json`` for machines).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -28,18 +29,25 @@ if TYPE_CHECKING:
     from ..config import Config
 
 FAIL_ON = ("fail", "error", "flagged", "not_run")
+SET_A_PROVIDER = ("set ANTHROPIC_API_KEY and ANTHROPIC_MODEL (or OPENAI_BASE_URL and OPENAI_MODEL), pass --provider, "
+                  "or set judges.provider in the config")
 
 
 def cli_provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
-    """The provider from the flags, else the config; None when neither names one."""
-    from ..evals.setup import provider_from_config
+    """The provider from the flags, else the config, else the environment (as ``judges`` reads it); None when none
+    names one.
 
-    chosen = type_ or cfg.judges.provider.type
+    Raises:
+        UserError: the provider cannot be built, or the environment names two.
+    """
+    from ..evals.setup import provider_from_config, provider_type_from_env
+
+    chosen = type_ or cfg.judges.provider.type or provider_type_from_env(os.environ)
 
     def unused(key: str) -> None:
         click.echo(f"tracejudge: warning: judges.provider.{key} is not used by the {chosen} provider", err=True)
 
-    return provider_from_config(cfg.judges.provider, type_=type_, model=model, base_url=base_url, on_unused=unused,
+    return provider_from_config(cfg.judges.provider, type_=chosen, model=model, base_url=base_url, on_unused=unused,
                                 flags={"model": "--model", "base_url": "--base-url"})
 
 
@@ -47,7 +55,9 @@ def provider_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--provider``, ``--model`` and ``--base-url``, for ``cli_provider``."""
     for option in reversed((
         click.option("--provider", "provider_type", envvar="TRACEJUDGE_JUDGE_PROVIDER", show_envvar=True,
-                     help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type]."),
+                     help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type, "
+                          "else anthropic when $ANTHROPIC_API_KEY or $ANTHROPIC_BASE_URL is set, openai_compatible "
+                          "when $OPENAI_BASE_URL is]."),
         click.option("--model", envvar="TRACEJUDGE_JUDGE_MODEL", show_envvar=True,
                      help="Judge model [default: judges.provider.model]."),
         click.option("--base-url", envvar="TRACEJUDGE_JUDGE_BASE_URL", show_envvar=True,
@@ -89,7 +99,8 @@ def _row(name: str, s: RateStats, calibrated: bool | None = None) -> list[str]:
 HEADER = ["criterion", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run", "failure rate (95% CI)"]
 
 
-def _report(summary: Summary, run: JudgeRun, calibration: dict[str, bool] | None = None) -> str:
+def _report(summary: Summary, run: JudgeRun, llm: int, calibration: dict[str, bool] | None = None) -> str:
+    """The text report; ``llm`` is how many LLM criteria were to run."""
     marks = calibration or {}
     out = [table([HEADER] + [_row(s.criterion_id, s, marks.get(s.criterion_id)) for s in summary.criteria])]
     if summary.groups:
@@ -119,6 +130,10 @@ def _report(summary: Summary, run: JudgeRun, calibration: dict[str, bool] | None
     notes.append(used + (f"; cost {run.cost:.4f}" if run.cost else ""))
     if run.stopped:
         notes.append(f"stopped early: {run.stopped}")
+    if run.not_run:  # last, where it is seen: those criteria have no verdict, and no failure rate
+        missed = {n.criterion_id for n in run.not_run}
+        notes.append(f"NOT RUN: {len(missed)} of {plural(llm, 'LLM criterion', 'LLM criteria')} "
+                     f"({plural(len(run.not_run), 'judgement')}): {'; '.join(sorted({n.reason for n in run.not_run}))}")
     out.append("\n".join(notes))
     return "\n\n".join(out)
 
@@ -200,6 +215,10 @@ def judge(
         raise UserError(str(exc)) from None
     calibration = read_calibration(calibration_path) if calibration_path else None
     provider = cli_provider(cfg, provider_type, model, base_url)
+    llm = sum(c.kind == "llm" for c in criteria)
+    if provider is None and llm:
+        click.echo(f"tracejudge: warning: no judge provider, so the LLM criteria do not run: {SET_A_PROVIDER}",
+                   err=True)
     cache = None
     if not no_cache:
         cache = DiskCache(cache_path or (out.parent if out else Path.cwd()) / ".tracejudge-cache.jsonl")
@@ -225,7 +244,7 @@ def judge(
                "usage": run.usage.model_dump(), "cost": run.cost, "cached": run.cached, "stopped": run.stopped}
         click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
     else:
-        click.echo(_report(summary, run, calibration))
+        click.echo(_report(summary, run, llm, calibration))
     hits = {
         "fail": any(v.result == "fail" for v in run.verdicts),
         "error": any(v.result == "error" for v in run.verdicts),
