@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
-import regex
 import yaml
 from pydantic import (
     AfterValidator,
@@ -346,6 +345,8 @@ Rate = Annotated[float, AfterValidator(_check_rate)]
 
 
 def _check_regex(value: str) -> str:
+    import regex  # here: only sampling rules with `matches` need it, and every command reads the config
+
     try:
         regex.compile(value)  # the engine sampling matches with (it has time limits)
     except regex.error as exc:
