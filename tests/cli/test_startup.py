@@ -16,10 +16,11 @@ from collector.cli import COMMANDS
 from ..support.daemon import REPO, DaemonProcess, clean_env
 
 # What no command needs before it runs: DuckDB, gRPC and OpenTelemetry (the daemon's), the judges and their
-# clients, the replay engine, plotting, and the stdlib's slow loaders (HTTP, asyncio).
+# clients, the replay engine, plotting, the stages.
 STAGES = ("duckdb", "grpc", "google.protobuf", "opentelemetry", "judges", "anthropic", "aiohttp", "replay",
           "numpy", "matplotlib", "orjson", "collector.store", "collector.evals", "collector.conversations",
           "collector.api.file_client", "collector.review.queue")
+# Help needs no config either, nor the stdlib's slower loaders (HTTP, asyncio).
 HELP_ALSO = ("pydantic", "yaml", "collector.config", "collector.api", "asyncio", "urllib.request", "http.client")
 
 
