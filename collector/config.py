@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
-import regex
 import yaml
 from pydantic import (
     AfterValidator,
@@ -46,7 +45,7 @@ from .auth import same_secret
 from .backends import BACKENDS, Backend
 from .errors import ConfigError
 from .names import clean_name, reviewer_key
-from .words import is_size, masked_url, size_bytes
+from .words import is_size, masked_url, parse_duration, size_bytes
 
 SECTIONS = (
     "receivers", "storage", "conversations", "api", "sampling",
@@ -61,22 +60,6 @@ class Env:
     """Field metadata: the environment variable a setting takes when the config file leaves it unset."""
 
     name: str
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(value: Any) -> float:
-    """``500ms`` / ``10s`` / ``15m`` / ``1h`` / ``1d`` -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 500ms, 10s, 15m or 1h")
-    if isinstance(value, (int, float)):
-        raise ValueError(f"{value!r} has no unit; write it like 500ms, 10s, 15m or 1h")
-    m = _DURATION.match(str(value))
-    if not m:
-        raise ValueError(f"{value!r} is not a duration; write it like 500ms, 10s, 15m or 1h")
-    return float(m.group(1)) * _UNIT[m.group(2)]
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -328,7 +311,8 @@ class Conversations(Section):
 
 class JudgeProvider(Section):
     type: Literal["anthropic", "openai_compatible"] | None = None
-    """Which provider judges ``kind: llm`` criteria; none means they are reported as not run."""
+    """Which provider judges ``kind: llm`` criteria; none: the daemon reports them as not run, and the command line
+    takes the one the environment gives (``evals.setup.provider_type_from_env``)."""
     model: Annotated[str | None, Env("TRACEJUDGE_JUDGE_MODEL")] = None
     """The judge model; else $ANTHROPIC_MODEL or $OPENAI_MODEL, by type."""
     base_url: str | None = None
@@ -362,6 +346,8 @@ Rate = Annotated[float, AfterValidator(_check_rate)]
 
 
 def _check_regex(value: str) -> str:
+    import regex  # here: only sampling rules with `matches` need it, and every command reads the config
+
     try:
         regex.compile(value)  # the engine sampling matches with (it has time limits)
     except regex.error as exc:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-
-from .config import parse_duration
+from .words import parse_duration
 
 MAX_LIMIT = 100_000
 """The most rows a listing returns at once (``limit``), in the API and the CLI."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+DEMO_DIR = Path("tracejudge-demo")
+"""Where ``tracejudge demo`` keeps its config and data (its daemon's runtime file among them) unless told
+otherwise."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ def pid_alive(pid: int) -> bool:
 
 def healthy(api: str, token: str | None = None, timeout: float = 2.0) -> bool:
     """True when the API at ``api`` answers /healthz."""
+    import urllib.error  # here: every subcommand's help loads this module, urllib.request takes a while to load
+    import urllib.request
+
     req = urllib.request.Request(api.rstrip("/") + "/healthz")
     if token:
         req.add_header("Authorization", f"Bearer {token}")

@@ -1,4 +1,4 @@
-"""How counts, rates, sizes and URLs are written for people, in the CLI's output, the daemon's log and its config."""
+"""How counts, rates, sizes, durations and URLs are written for people: the CLI's output, the log, the config."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from urllib.parse import urlsplit, urlunsplit
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*$")
 _UNITS = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3,
           "TB": 1000**4, "TiB": 1024**4}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -49,6 +51,18 @@ def calibration_rate_text(r: Mapping[str, Any]) -> str:
     way with its denominator: ``too few to tell (0 of 2)``, ``10.0% (2.8% to 30.1%) of 20``."""
     text = rate_text(r["rate"], r["low"], r["high"], count=r["count"], n=r["n"], too_few=r["too_few"])
     return text if r["too_few"] else f"{text} of {r['n']}"
+
+
+def parse_duration(value: Any) -> float:
+    """``500ms`` / ``10s`` / ``15m`` / ``1h`` / ``1d`` -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 500ms, 10s, 15m or 1h")
+    if isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} has no unit; write it like 500ms, 10s, 15m or 1h")
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ValueError(f"{value!r} is not a duration; write it like 500ms, 10s, 15m or 1h")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
 
 
 def duration_text(seconds: float | None) -> str:

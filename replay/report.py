@@ -5,7 +5,8 @@ matplotlib (its SVG backend, text drawn as paths, so no font, script, CDN or
 other resource is fetched). Each distribution is a pair of histograms side by
 side, simulated left and real right, on the same bins and the same scale (the
 share of values in each bin), with the median marked. matplotlib is imported
-here only, when a report is written.
+here only, when a report is written: it is an extra (``tracejudge[plots]``),
+and ``require_plots`` says how to install it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,29 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from collector.errors import UserError
+
 from .compare import DISTRIBUTIONS, number_text, rows
 
 SIM_COLOR, REAL_COLOR = "#4c72b0", "#dd8452"
 MAX_CATEGORIES = 10
 """Categories of a mix plotted; the rest are summed as ``other``."""
+
+
+PLOTS_MISSING = ("the HTML report draws its plots with matplotlib, which is not installed: "
+                 "pip install 'tracejudge[plots]'")
+
+
+def require_plots() -> None:
+    """Check that matplotlib can be imported.
+
+    Raises:
+        UserError: it cannot; the message gives the install command.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError(PLOTS_MISSING) from None
 
 
 def _svg(fig: Any, salt: str) -> str:
@@ -154,7 +173,12 @@ state or symptom.</p>
 
 
 def write_html(result: dict[str, Any], path: str | Path) -> None:
-    """Write the report to ``path`` (whole or not at all: a temporary file renamed over it)."""
+    """Write the report to ``path`` (whole or not at all: a temporary file renamed over it).
+
+    Raises:
+        UserError: matplotlib is not installed (``require_plots``).
+    """
+    require_plots()
     given = Path(path)
     text = render(result)
     if given.exists() and not given.is_file():  # a device or a pipe: written as a stream, never replaced

@@ -1,4 +1,9 @@
-"""Options shared by subcommands, as decorators."""
+"""Options shared by subcommands, as decorators, and what their output shares.
+
+Every subcommand module imports this one to build its options, and ``tracejudge --help``
+imports every subcommand module: nothing here loads the config's models (pydantic) or
+the stages before a command runs.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
-from ..config import Config, load_config
 from ..errors import UserError
 
 if TYPE_CHECKING:
     from ..api.client import Client
+    from ..config import Config
 
 T = TypeVar("T")
 
@@ -51,6 +56,8 @@ def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def load(config_path: Path | None) -> Config:
     """Load the config, printing its warnings to stderr (errors propagate as ConfigError)."""
+    from ..config import load_config
+
     cfg, warnings = load_config(config_path)
     for w in warnings:
         click.echo(f"tracejudge: warning: {w}", err=True)
@@ -82,7 +89,7 @@ def ask(config_path: Path | None, fn: Callable[["Client"], T], db: Path | None =
         UserError: ``fn`` ``records`` decisions or labels, ``review.reviewers`` is set and no token was given
             (they carry the token's reviewer, never a name typed).
     """
-    from ..api.client import client  # not at import time: `tracejudge judge` never loads DuckDB
+    from ..api.client import client
 
     cfg = load(config_path)
     if records and cfg.review.reviewers and not reviewer_token:

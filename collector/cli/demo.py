@@ -10,14 +10,16 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import click
 
-from ..api.client import DEMO_DIR, APIClient
-from ..config import load_config
 from ..errors import UserError
-from ..runtime import RuntimeInfo, running_daemon
+from ..runtime import DEMO_DIR, RuntimeInfo, running_daemon
 from ..words import plural
+
+if TYPE_CHECKING:
+    from ..api.client import APIClient
 
 DEMO_CONFIG = """\
 # tracejudge demo configuration (written by `tracejudge demo`; edit freely).
@@ -166,6 +168,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     handover to a person. It ends by printing where to look, and keeps the
     daemon serving until Ctrl-C (or stops it with --exit).
     """
+    from ..config import load_config
     from ..demo import PERSONAS, send_demo_traffic
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -192,6 +195,8 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
         sent = send_demo_traffic(info.grpc, progress=click.echo)
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
+    from ..api.client import APIClient
+
     client = APIClient(info.api, cfg.api.auth.bearer_token)
     counts = client.get("/api/spans/count?traces=true")
     api = info.api

@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-from ..api.client import APIClient
-from ..config import Config
 from ..errors import UserError
-from ..evals.backfill import Backfill, backfill_jobs, run_backfill
-from ..evals.judging import Judging, ensure_schema
-from ..evals.setup import daemon_provider, load_configured_criteria
-from ..evals.verdicts import store_criteria
 from ..listing import parse_since
-from ..review import queue as review_queue
 from ..runtime import running_daemon
-from ..store import connect
 from ..words import plural
 from .common import config_option, json_option, load
+
+if TYPE_CHECKING:
+    from ..api.client import APIClient
+    from ..config import Config
+    from ..evals.backfill import Backfill
 
 
 class _Bar:
@@ -62,6 +58,15 @@ def _through_daemon(api: APIClient, since: str | None, criteria: list[str], simu
 
 
 def _in_process(cfg: Config, since: str | None, criteria: list[str], simulated: bool, bar: _Bar) -> dict[str, Any]:
+    import asyncio
+
+    from ..evals.backfill import Backfill, backfill_jobs, run_backfill
+    from ..evals.judging import Judging, ensure_schema
+    from ..evals.setup import daemon_provider, load_configured_criteria
+    from ..evals.verdicts import store_criteria
+    from ..review import queue as review_queue
+    from ..store import connect
+
     when = parse_since(since) if since else None
     all_criteria = load_configured_criteria(cfg)
     if not all_criteria:
@@ -129,6 +134,8 @@ def eval_cmd(config_path: Path | None, as_json: bool, since: str | None, criteri
     info = running_daemon(cfg.runtime_file)
     run: Callable[[], dict[str, Any]]
     if info is not None:
+        from ..api.client import APIClient
+
         run = lambda: _through_daemon(APIClient(info.api, cfg.api.auth.bearer_token), since, list(criteria),
                                       simulated, bar)
     else:

@@ -9,50 +9,45 @@ criterion with counts and 95% intervals (``--json`` for machines).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-from judges import (
-    Budget,
-    DiskCache,
-    InputError,
-    JudgeRun,
-    NotRun,
-    Proportion,
-    Provider,
-    RateStats,
-    Summary,
-    Verdict,
-    escape_line_breaks,
-    load_criteria,
-    read_conversations,
-    run_judges,
-    summarize,
-)
-
-from ..config import Config, parse_duration
 from ..errors import UserError
-from ..evals.setup import provider_from_config
-from ..words import not_calibrated_text, plural, rate_text
+from ..words import not_calibrated_text, parse_duration, plural, rate_text
 from .common import config_option, json_option, load, table
 
+if TYPE_CHECKING:
+    from judges import JudgeRun, NotRun, Proportion, Provider, RateStats, Summary, Verdict
+
+    from ..config import Config
+
 FAIL_ON = ("fail", "error", "flagged", "not_run")
+SET_A_PROVIDER = ("set ANTHROPIC_API_KEY and ANTHROPIC_MODEL (or OPENAI_BASE_URL and OPENAI_MODEL), pass --provider, "
+                  "or set judges.provider in the config")
 
 
 def cli_provider(cfg: Config, type_: str | None, model: str | None, base_url: str | None) -> Provider | None:
-    """The provider from the flags, else the config; None when neither names one."""
-    chosen = type_ or cfg.judges.provider.type
+    """The provider from the flags, else the config, else the environment (as ``judges`` reads it); None when none
+    names one.
+
+    Raises:
+        UserError: the provider cannot be built, or the environment names two.
+    """
+    from ..evals.setup import provider_from_config, provider_type_from_env
+
+    chosen = type_ or cfg.judges.provider.type or provider_type_from_env(os.environ)
 
     def unused(key: str) -> None:
         click.echo(f"tracejudge: warning: judges.provider.{key} is not used by the {chosen} provider", err=True)
 
-    return provider_from_config(cfg.judges.provider, type_=type_, model=model, base_url=base_url, on_unused=unused,
+    return provider_from_config(cfg.judges.provider, type_=chosen, model=model, base_url=base_url, on_unused=unused,
                                 flags={"model": "--model", "base_url": "--base-url"})
 
 
@@ -60,7 +55,9 @@ def provider_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--provider``, ``--model`` and ``--base-url``, for ``cli_provider``."""
     for option in reversed((
         click.option("--provider", "provider_type", envvar="TRACEJUDGE_JUDGE_PROVIDER", show_envvar=True,
-                     help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type]."),
+                     help="Judge provider type, e.g. anthropic or openai_compatible [default: judges.provider.type, "
+                          "else anthropic when $ANTHROPIC_API_KEY or $ANTHROPIC_BASE_URL is set, openai_compatible "
+                          "when $OPENAI_BASE_URL is]."),
         click.option("--model", envvar="TRACEJUDGE_JUDGE_MODEL", show_envvar=True,
                      help="Judge model [default: judges.provider.model]."),
         click.option("--base-url", envvar="TRACEJUDGE_JUDGE_BASE_URL", show_envvar=True,
@@ -82,10 +79,6 @@ def read_calibration(path: Path) -> dict[str, tuple[bool, str | None]]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--calibration {path}: not the JSON of `tracejudge calibrate --json` "
                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
-
-
-NOT_CALIBRATED = "NOT CALIBRATED"
-"""Beside the failure rate of a criterion whose judge blind labels did not show to be right enough."""
 
 
 def _rate(p: Proportion | None) -> str:
@@ -111,8 +104,9 @@ def _row(name: str, s: RateStats, calibration: tuple[bool, str | None] | None = 
 HEADER = ["criterion", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run", "failure rate (95% CI)"]
 
 
-def _report(summary: Summary, run: JudgeRun,
+def _report(summary: Summary, run: JudgeRun, llm: int,
             calibration: dict[str, tuple[bool, str | None]] | None = None) -> str:
+    """The text report; ``llm`` is how many LLM criteria were to run."""
     marks = calibration or {}
     out = [table([HEADER] + [_row(s.criterion_id, s, marks.get(s.criterion_id)) for s in summary.criteria])]
     if summary.groups:
@@ -124,7 +118,7 @@ def _report(summary: Summary, run: JudgeRun,
     notes = ["pass? = passes whose quoted evidence was not found in the transcript (not clean passes, "
              "not in the rate); flagged = fails with no verified quote"]
     if any(not marks.get(s.criterion_id, (True, None))[0] for s in summary.criteria):
-        notes.append(f"{NOT_CALIBRATED} = the blind labels of --calibration do not show the judge right enough "
+        notes.append(f"{not_calibrated_text(None)} = the blind labels of --calibration do not show the judge right enough "
                      "(too few labels, no failure found by people, or a false-pass rate that may be above "
                      "review.max_false_pass: `tracejudge calibrate` says which); criteria without labels are "
                      "not marked")
@@ -144,6 +138,10 @@ def _report(summary: Summary, run: JudgeRun,
     notes.append(used + (f"; cost {run.cost:.4f}" if run.cost else ""))
     if run.stopped:
         notes.append(f"stopped early: {run.stopped}")
+    if run.not_run:  # last, where it is seen: those criteria have no verdict, and no failure rate
+        missed = {n.criterion_id for n in run.not_run}
+        notes.append(f"NOT RUN: {len(missed)} of {plural(llm, 'LLM criterion', 'LLM criteria')} "
+                     f"({plural(len(run.not_run), 'judgement')}): {'; '.join(sorted({n.reason for n in run.not_run}))}")
     out.append("\n".join(notes))
     return "\n\n".join(out)
 
@@ -206,6 +204,9 @@ def judge(
     scenario: a scenario that fails once is shown as failing. Exit 1 when
     --fail-on matches, 2 on bad input.
     """
+    from judges import (Budget, DiskCache, InputError, escape_line_breaks, load_criteria, read_conversations,
+                        run_judges, summarize)
+
     cfg = load(config_path)
     paths = list(criteria_paths) or list(cfg.judges.criteria)
     if not paths:
@@ -223,6 +224,10 @@ def judge(
         raise UserError(str(exc)) from None
     calibration = read_calibration(calibration_path) if calibration_path else None
     provider = cli_provider(cfg, provider_type, model, base_url)
+    llm = sum(c.kind == "llm" for c in criteria)
+    if provider is None and llm:
+        click.echo(f"tracejudge: warning: no judge provider, so the LLM criteria do not run: {SET_A_PROVIDER}",
+                   err=True)
     cache = None
     if not no_cache:
         cache = DiskCache(cache_path or (out.parent if out else Path.cwd()) / ".tracejudge-cache.jsonl")
@@ -249,7 +254,7 @@ def judge(
                "usage": run.usage.model_dump(), "cost": run.cost, "cached": run.cached, "stopped": run.stopped}
         click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
     else:
-        click.echo(_report(summary, run, calibration))
+        click.echo(_report(summary, run, llm, calibration))
     hits = {
         "fail": any(v.result == "fail" for v in run.verdicts),
         "error": any(v.result == "error" for v in run.verdicts),

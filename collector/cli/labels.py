@@ -8,18 +8,17 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..config import Config
 from ..errors import UserError
-from ..evals.setup import load_configured_criteria
-from ..review import regression
-from ..review.calibration import LabelImportError
 from ..words import calibration_rate_text, plural
 from .common import ask, config_option, json_option, load, reviewer_token_option, table
 from .judge import cli_provider, provider_options
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 COLUMNS = ("item_id", "conversation_id", "criterion_id", "criterion", "transcript", "label", "reviewer", "note")
 _FORMULA = ("=", "+", "-", "@", "\t", "\r")
@@ -95,6 +94,8 @@ def import_cmd(config_path: Path | None, path: Path, reviewer: str | None, revie
     Importing the same file again changes nothing. With review.reviewers, the
     labels are the reviewer's of --token: a row naming someone else is a problem.
     """
+    from ..review.calibration import LabelImportError
+
     rows, problems = _read(path)
     if not problems:
         try:
@@ -176,6 +177,8 @@ def calibrate(config_path: Path | None, as_json: bool, criterion: str | None, fr
 
 def _freeze(config_path: Path | None, cfg: Config, name: str, criterion: str | None, force: bool,
             as_json: bool) -> None:
+    from ..review import regression
+
     path = regression.set_path(cfg.calibration_dir, name)
     if path.exists() and not force:  # before asking: a refused name costs no read
         raise UserError(f"{path} exists: give another name, or --force to replace it")
@@ -199,6 +202,9 @@ def _freeze(config_path: Path | None, cfg: Config, name: str, criterion: str | N
 
 def _rerun(cfg: Config, name: str, criterion: str | None, provider_type: str | None, model: str | None,
            base_url: str | None, as_json: bool) -> None:
+    from ..evals.setup import load_configured_criteria
+    from ..review import regression
+
     frozen = regression.read_set(regression.set_path(cfg.calibration_dir, name))
     if criterion is not None:
         frozen = [f for f in frozen if f.criterion_id == criterion]

@@ -14,8 +14,6 @@ import heapq
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 if TYPE_CHECKING:
     from ..api.export import Export
 
@@ -58,6 +56,8 @@ class MergedExport:
         self.lines = self._lines()
 
     def _lines(self) -> Iterator[bytes]:
+        import orjson  # here: every subcommand's help loads this module, and orjson takes 25 ms to load
+
         seen: set[str] = set()  # the ids of the stores read so far
         for e in self.exports:
             ids: set[str] = set()

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from ..config import Config, size_bytes
 from ..runtime import running_daemon
-from ..words import plural
+from ..words import plural, size_bytes
 from .common import config_option, load
 
 if TYPE_CHECKING:
+    from ..config import Config
     from ..conversations.reindex import Reindex
 
 POLL = 0.5  # seconds between two looks at a daemon's reindex

@@ -1,7 +1,7 @@
 """``tracejudge replay export|compare|import``: production conversations out as conversation/v1, simulated beside real.
 
 A thin shell over ``replay.export`` and ``replay.compare``; ``replay`` (and
-matplotlib, for ``--html``) is imported only when one of them runs.
+matplotlib, for ``--html``, an extra: ``tracejudge[plots]``) is imported only when one of them runs.
 """
 
 from __future__ import annotations
@@ -126,16 +126,17 @@ def compare_cmd(sim: str, real: str, html_path: Path | None, config_path: Path |
     """
     from judges import ConversationError
     from replay.compare import compare, table_text
+    from replay.report import require_plots, write_html
 
+    if html_path is not None:  # before reading the files, which may take a while
+        require_plots()
+        if not html_path.parent.is_dir():
+            raise UserError(f"{html_path}: the folder {html_path.parent} does not exist")
     try:
         result: dict[str, Any] = compare(sim, real)
     except ConversationError as exc:
         raise UserError(str(exc)) from None
     if html_path is not None:
-        from replay.report import write_html
-
-        if not html_path.parent.is_dir():
-            raise UserError(f"{html_path}: the folder {html_path.parent} does not exist")
         try:
             write_html(result, html_path)
         except OSError as exc:

@@ -10,8 +10,7 @@ from typing import Any
 import click
 
 from ..listing import MAX_LIMIT
-from ..review.page import locate_quotes, mark_ranges
-from ..review.queue import REVIEW_STATES
+from ..review import REVIEW_STATES
 from .common import ask, config_option, json_option, reviewer_token_option, table
 from .conversations import render
 
@@ -99,6 +98,8 @@ def render_item(detail: dict[str, Any]) -> str:
     if conversation is None:
         lines.append("(the conversation is no longer stored)")
     else:
+        from ..review.page import locate_quotes, mark_ranges
+
         _, marks = locate_quotes(conversation["messages"], evidence)
         lines.append(render(conversation, mark=lambda n, text: mark_ranges(text, marks.get((n, -1), ()),
                                                                           before=before, after=after)))

@@ -8,23 +8,23 @@ and asks it (or the DuckDB file) how realistic the simulated user was found.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from judges import CriteriaError, Provider, load_criteria
-
-from ..config import Config, parse_duration
 from ..errors import UserError
-from ..evals.setup import provider_from_config
-from ..words import plural
+from ..words import parse_duration, plural
 from .common import config_option, json_option, load
 from .judge import cli_provider
+
+if TYPE_CHECKING:
+    from judges import Provider
+
+    from ..config import Config
 
 
 def user_providers(cfg: Config) -> tuple[Provider, Provider, float | None]:
@@ -34,6 +34,8 @@ def user_providers(cfg: Config) -> tuple[Provider, Provider, float | None]:
     Raises:
         UserError: neither ``simulate.user.provider`` nor ``judges.provider`` names a provider.
     """
+    from ..evals.setup import provider_from_config
+
     section = cfg.simulated_user_provider
     key = "simulate.user.provider" if cfg.simulate.user.provider is not None else "judges.provider"
     if section.type is None:
@@ -54,6 +56,8 @@ def user_providers(cfg: Config) -> tuple[Provider, Provider, float | None]:
 
 
 def _criteria(cfg: Config, paths: tuple[Path, ...]) -> list[Any]:
+    from judges import CriteriaError, load_criteria
+
     chosen = list(paths) or list(cfg.judges.criteria)
     if not chosen:
         raise UserError("no criteria: pass --criteria FILE or set judges.criteria in the config")
@@ -103,6 +107,8 @@ def run_simulation(cfg: Config, scenarios: list[Any], *, bot: str | None, bot_ur
                    concurrency: int | None, budget_tokens: int | None, out: Path | None,
                    quiet: bool) -> dict[str, Any]:
     """Run (or resume) a simulation into ``out``; the report (not yet compared with a baseline)."""
+    import asyncio
+
     from replay.simulate import RunFolder, Settings, SimulatedUser, build_report, new_run_id, run, write_report
 
     criteria = _criteria(cfg, criteria_paths)

@@ -10,7 +10,6 @@ import click
 
 from ..words import not_calibrated_text, plural, rate_text
 from .common import ask, ask_all, config_option, db_option, json_option, load, table
-from .judge import NOT_CALIBRATED
 
 HEADER = ["criterion", "judged", "pass", "pass?", "fail", "flagged", "n/a", "error", "not run",
           "review p/c/r", "failure rate, all traffic (95% CI)"]
@@ -48,7 +47,7 @@ def render(stats: dict[str, Any]) -> str:
              "verified quote; review p/c/r = pending/confirmed/rejected; the rate weighs each verdict by "
              "1/inclusion probability"]
     if any(e.get("calibrated") is False for e in stats["criteria"]):
-        notes.append(f"{NOT_CALIBRATED} = the blind labels do not show the judge right enough (too few labels, no "
+        notes.append(f"{not_calibrated_text(None)} = the blind labels do not show the judge right enough (too few labels, no "
                      "failure found by people, or a false-pass rate that may be above review.max_false_pass): its "
                      "failure rate may be too low (tracejudge calibrate says why)")
     for e in stats["criteria"]:

@@ -20,6 +20,10 @@ log = logging.getLogger("tracejudge.judging")
 NO_PROVIDER = ("no provider configured", "no API key")
 """How the not-run reasons of a missing provider (``daemon_provider``, ``judges``) begin: a provider fixes them."""
 
+PROVIDER_ENV = {"anthropic": ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"), "openai_compatible": ("OPENAI_BASE_URL",)}
+"""Provider type -> the variables, among those its ``judges`` class reads, that say it is there to use: a key or
+an endpoint (the model and the rest are read by the class itself)."""
+
 
 def load_configured_criteria(cfg: Config) -> list[Criterion]:
     """The criteria files of ``judges.criteria``; a problem in one is a ``UserError`` naming it."""
@@ -66,6 +70,19 @@ def provider_from_config(section: JudgeProvider, *, type_: str | None = None, mo
         raise UserError(f"judges.provider: {exc}") from None
 
 
+def provider_type_from_env(environ: Mapping[str, str]) -> str | None:
+    """The provider type ``environ`` gives (``PROVIDER_ENV``), as ``judges`` would read it; None when it gives none.
+
+    Raises:
+        UserError: it gives more than one (which one to use is the user's choice).
+    """
+    found = [t for t, names in PROVIDER_ENV.items() if any(environ.get(n) for n in names)]
+    if len(found) > 1:
+        given = " and ".join(next(f"${n}" for n in PROVIDER_ENV[t] if environ.get(n)) for t in found)
+        raise UserError(f"{given} are both set: pass --provider {' or --provider '.join(found)}")
+    return found[0] if found else None
+
+
 def daemon_provider(cfg: Config) -> tuple[Provider | None, str | None]:
     """The provider the daemon judges with, and why there is none.
 
@@ -77,8 +94,8 @@ def daemon_provider(cfg: Config) -> tuple[Provider | None, str | None]:
     section = cfg.judges.provider
     if section.type is None:
         return None, "no provider configured (judges.provider.type)"
-    if section.type == "anthropic" and not (section.api_key or os.environ.get("ANTHROPIC_API_KEY")
-                                            or section.base_url or os.environ.get("ANTHROPIC_BASE_URL")):
+    if section.type == "anthropic" and not (section.api_key or section.base_url
+                                            or any(os.environ.get(n) for n in PROVIDER_ENV["anthropic"])):
         return None, "no API key: set ANTHROPIC_API_KEY (or judges.provider.api_key)"
     return provider_from_config(section, on_unused=lambda key: log.warning(
         "judges.provider.%s is not used by the %s provider", key, section.type)), None

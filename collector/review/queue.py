@@ -16,13 +16,13 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import duckdb
 
 from ..config import Config
 from ..conversations.record import conversation_record
-from . import calibration
+from . import REVIEW_STATES, ReviewState, calibration
 from .errors import ReviewConflict, ReviewInputError, ReviewNotFound
 from .errors import ReviewError as ReviewError  # re-exported: the API catches it here
 from ..evals.verdicts import VERDICT_COLUMNS, verdict_dict, where_clause
@@ -65,8 +65,6 @@ CREATE TABLE IF NOT EXISTS review_history (
 );
 """
 
-ReviewState = Literal["pending", "confirmed", "rejected", "unclear"]
-REVIEW_STATES: tuple[ReviewState, ...] = ("pending", "confirmed", "rejected", "unclear")
 _DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected", "unclear": "unclear"}
 """``unclear``: the reviewer cannot say, because the criterion is ambiguous (neither a confirmed failure nor a
 judge error; the criterion's authors have work to do)."""

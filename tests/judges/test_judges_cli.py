@@ -49,8 +49,9 @@ def write_convs(path: Path, convs: list[Conversation]) -> None:
     path.write_text("".join(c.to_json() + "\n" for c in convs), encoding="utf-8")
 
 
-def invoke(folder: Path, *args: str) -> Result:
-    return CliRunner().invoke(main, ["judge", *args], catch_exceptions=False, env={"TRACEJUDGE_CONFIG": None})
+def invoke(folder: Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    return CliRunner().invoke(main, ["judge", *args], catch_exceptions=False,
+                              env={"TRACEJUDGE_CONFIG": None, **(env or {})})
 
 
 def write_config(folder: Path, provider: dict[str, object]) -> Path:
@@ -131,6 +132,51 @@ def test_flags_override_the_config(files: Path, fake_llm: FakeLLM) -> None:
     assert r.exit_code == 0, r.output
     assert {p for p, _, _ in fake_llm.requests} == {"/v1/chat/completions"}
     assert fake_llm.requests[0][1]["model"] == "small"
+
+
+# The variables the library's providers read (AnthropicProvider(), OpenAICompatibleProvider()) for a server at a
+# URL, and the path each posts to.
+FROM_ENV = {
+    "anthropic": (lambda url: {"ANTHROPIC_API_KEY": "env-key", "ANTHROPIC_BASE_URL": url,
+                               "ANTHROPIC_MODEL": "env-model"}, "/v1/messages"),
+    "openai_compatible": (lambda url: {"OPENAI_API_KEY": "env-key", "OPENAI_BASE_URL": url + "/v1",
+                                       "OPENAI_MODEL": "env-model"}, "/v1/chat/completions"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FROM_ENV))
+def test_without_provider_or_config_the_provider_comes_from_the_environment(files: Path, fake_llm: FakeLLM,
+                                                                          kind: str) -> None:
+    env, path = FROM_ENV[kind]
+    fake_llm.reset(*[Answer(verdict_json("pass", ["Does the pain spread to your arm, jaw or back?"]))] * 5)
+    out = files / "v.jsonl"
+    r = invoke(files, "--criteria", str(files / "criteria.yaml"), "--no-cache", "--out", str(out), "--fail-on",
+               "not_run", str(files / "convs.jsonl"), env=env(fake_llm.url))
+    assert r.exit_code == 0, r.output
+    llm = [json.loads(x) for x in out.read_text().splitlines() if "chest-pain-red-flags" in x]
+    assert [v["result"] for v in llm] == ["pass"] * 5
+    assert llm[0]["judge"] == {"provider": kind, "model": "env-model"}
+    assert [(p, h["Authorization"]) for p, _, h in fake_llm.requests] == [(path, "Bearer env-key")] * 5
+    assert r.stderr == "" and "NOT RUN" not in r.stdout
+
+
+def test_with_no_provider_anywhere_it_says_how_to_set_one(files: Path) -> None:
+    args = ["--criteria", str(files / "criteria.yaml"), str(files / "convs.jsonl")]
+    r = invoke(files, *args)
+    assert r.exit_code == 0  # the code criterion's fail is not asked about
+    assert r.stderr == ("tracejudge: warning: no judge provider, so the LLM criteria do not run: set "
+                        "ANTHROPIC_API_KEY and ANTHROPIC_MODEL (or OPENAI_BASE_URL and OPENAI_MODEL), pass --provider, "
+                        "or set judges.provider in the config\n")
+    assert r.stdout.rstrip().endswith("NOT RUN: 1 of 1 LLM criterion (5 judgements): no provider configured")
+    assert invoke(files, *args, "--fail-on", "not_run").exit_code == 1
+
+
+def test_two_providers_in_the_environment_is_a_usage_error(files: Path) -> None:
+    r = invoke(files, "--criteria", str(files / "criteria.yaml"), str(files / "convs.jsonl"),
+               env={"ANTHROPIC_API_KEY": "k", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
+    assert r.exit_code == 2
+    assert r.stderr == ("tracejudge: error: $ANTHROPIC_API_KEY and $OPENAI_BASE_URL are both set: pass --provider "
+                        "anthropic or --provider openai_compatible\n")
 
 
 def test_the_summary_names_the_cause_of_errors(files: Path) -> None:

@@ -185,6 +185,19 @@ def test_the_html_report_is_one_file_that_works_offline(world: tuple[Path, list[
     assert "py3langid" in page and "clauses-v1" in page
 
 
+def test_without_matplotlib_the_html_report_says_what_to_install(tmp_path: Path) -> None:
+    jsonl(tmp_path / "sim.jsonl", [GOOD])
+    # As in an install without the plots extra: a module set to None in sys.modules cannot be imported.
+    code = ("import sys; sys.modules['matplotlib'] = None; from collector.cli import main; "
+            "main(['replay', 'compare', sys.argv[1], sys.argv[1], '--html', sys.argv[2]])")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sim.jsonl"), str(tmp_path / "r.html")],
+                         capture_output=True, text=True, env=clean_env(), timeout=120, cwd=REPO)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert res.stderr == ("tracejudge: error: the HTML report draws its plots with matplotlib, which is not "
+                          "installed: pip install 'tracejudge[plots]'\n")
+    assert res.stdout == "" and not (tmp_path / "r.html").exists()
+
+
 def test_facts_and_questions_are_counted_as_the_readme_says() -> None:
     # A point, comma or colon between digits does not split a clause.
     assert clauses("I ordered 3.5 kg, at 10:30, for 1,200 euros. Where is it?\nThanks") == [
