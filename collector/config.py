@@ -511,7 +511,7 @@ class Review(Section):
 class ScenarioRedaction(Section):
     patterns: dict[str, Regex] = {}
     """Extra values to mask before a scenario is drafted or written: name -> regular expression
-    (placeholder ``<NAME_n>``), beside the built-in detectors (see the README's Redaction)."""
+    (placeholder ``<NAME_n>``), beside the built-in detectors (see docs/scenarios.md, Redaction)."""
 
 
 class Scenarios(Section):
@@ -594,7 +594,7 @@ class ExporterRedaction(Section):
     mode: Literal["none", "content"] = "none"
     """content: every string that leaves (attribute values at any depth, span and event names, status and
     exception messages, log bodies, verdict explanations) passes through the redaction module, but for the
-    structural attributes of the README's list and ``keep_attributes``; none: requests leave as they came."""
+    structural attributes of docs/forwarding.md's list and ``keep_attributes``; none: requests leave as they came."""
     keep_attributes: list[str] = []
     """Attribute keys (``*`` ends a prefix) whose values leave as they are, beside the built-in list."""
     patterns: dict[str, Regex] = {}
@@ -609,7 +609,7 @@ def _redact_shorthand(value: Any) -> Any:
 
 class Exporter(Section):
     type: str
-    """Which backend: its auth header and conventions (``collector.backends``, the README's Forwarding)."""
+    """Which backend: its auth header and conventions (``collector.backends``, docs/forwarding.md)."""
     endpoint: str | None = None
     """The traces URL (ending in /v1/traces); logs go to the same URL with /v1/logs. Each type but otlphttp
     has its cloud URL as default."""

@@ -5,7 +5,7 @@ GenAI conventions: an ``invoke_agent`` span, ``chat`` spans whose
 ``gen_ai.input.messages`` resend the whole history, and ``execute_tool`` spans
 for tool calls. The ``invoke_agent`` span carries ``gen_ai.conversation.id``;
 on the demo's providers every other span does too, set by a span processor from
-a context variable, as the README's scale-out section advises
+a context variable, as docs/scaling.md advises
 (behind the Collector's ``load_balancing`` exporter a trace is routed by one
 span's attributes). The bot is a script, not a model, so the
 demo needs no API key; the telemetry is exactly what a real one would send.

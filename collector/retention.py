@@ -29,7 +29,7 @@ still to send (``collector.forward.queue``), so no delete here takes one from it
 DuckDB marks deleted rows and, at its next checkpoint, frees row groups left
 empty and rewrites ones mostly deleted; the freed blocks are reused by later
 writes, so the file stops growing once deletion keeps up with arrival, but it
-never shrinks (README, "Disk").
+never shrinks (docs/operations.md, "Disk").
 """
 
 from __future__ import annotations

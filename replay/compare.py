@@ -299,7 +299,7 @@ def compare(sim: str | Path, real: str | Path) -> dict[str, Any]:
 
     Returns:
         ``{"version", "language_detector", "fact_heuristic", "sim": {...}, "real": {...}}``, each side
-        with the keys the README lists (its ``--json`` contract).
+        with the keys docs/scenarios.md lists (its ``--json`` contract).
 
     Raises:
         ConversationError: a file that cannot be read or a bad line, naming the file and the line.
@@ -380,4 +380,4 @@ def table_text(result: dict[str, Any]) -> str:
     w1 = max(len(r[1]) for r in lines)
     text = "\n".join(f"{a.ljust(w0)}  {b.ljust(w1)}  {c}".rstrip() for a, b, c in lines)
     return (text + f"\n\nlanguages: {result['language_detector']} (und: too short or unsure); "
-            f"facts: {result['fact_heuristic']} heuristic (see the README)")
+            f"facts: {result['fact_heuristic']} heuristic (see docs/scenarios.md)")

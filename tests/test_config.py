@@ -74,8 +74,9 @@ def test_env_vars_apply_with_no_config_file(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_every_env_var_is_documented_and_shipped() -> None:
-    """Each setting with a variable: the README row names it and otel-config.yaml writes ${env:VAR:-}."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    """Each setting with a variable: the configuration reference's row names it and otel-config.yaml writes
+    ${env:VAR:-}."""
+    readme = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     shipped = yaml.safe_load((REPO / "otel-config.yaml").read_text(encoding="utf-8"))
     found = dict(env_settings())
     assert found == {"receivers.otlp.auth.bearer_token": "TRACEJUDGE_INGEST_TOKEN",
@@ -279,8 +280,8 @@ def test_the_simulated_user_has_one_temperature() -> None:
     assert err.value.problems == ["simulate.user.provider.type: Field required"]
 
 
-def test_every_simulate_key_has_a_readme_row() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+def test_every_simulate_key_has_a_row_in_the_configuration_reference() -> None:
+    readme = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     for key in ("simulate.user.provider", "simulate.user.temperature", "simulate.max_turns", "simulate.replicates",
                 "simulate.min_realism", "simulate.realism_sample_rate", "simulate.bot_timeout",
                 "simulate.concurrency"):

@@ -46,3 +46,48 @@ def test_readme_environment_block_turns_on_the_current_genai_conventions() -> No
     block = block[: block.index("```")]
     assert "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental" in block
     assert "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY" in block
+
+
+def test_the_readme_reads_in_ten_minutes() -> None:
+    assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) < 300
+
+
+def _keys(model: type, where: str) -> list[str]:
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+        if name in ("source", "unbuilt"):
+            continue
+        sub = field.annotation
+        args = getattr(sub, "__args__", ())
+        if getattr(sub, "__origin__", None) is list:
+            out.append(f"{where}{name}")  # a list of objects: its row says what each holds
+            continue
+        if getattr(sub, "__origin__", None) is dict:
+            value = args[1] if len(args) == 2 else None
+            if isinstance(value, type) and issubclass(value, BaseModel):  # entries named by the user
+                out += _keys(value, f"{where}{name}.NAME.")
+                continue
+        target = next((a for a in (sub, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        out += _keys(target, f"{where}{name}.") if target is not None else [f"{where}{name}"]
+    return out
+
+
+def test_the_configuration_reference_has_a_row_for_every_key() -> None:
+    from collector.config import Config
+
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    # A row names one key, a key of each protocol (`*`), or several of one section (`api.tls.cert_file`,
+    # `.key_file`).
+    names = []
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            first, *more = re.findall(r"`([^`]+)`", line.split("|")[1])
+            names += [first, *(first.rpartition(".")[0] + m if m.startswith(".") else m for m in more)]
+    named = re.compile("|".join(re.escape(k).replace(r"\*", r"[^.]+") for k in names))
+    # simulate.user.provider has the shape of judges.provider, and its row says so.
+    missing = [key for key in _keys(Config, "")
+               if not named.fullmatch(key.replace("simulate.user.provider.", "judges.provider."))]
+    assert not missing, missing
+    assert "| `alerts`" in text

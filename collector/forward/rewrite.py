@@ -24,7 +24,7 @@ The request is decoded and encoded again whole. Adding the attribute on the
 wire instead (copying every span's bytes but those that get it) was measured
 and dropped: with the default ``conversations.id_attributes`` it cost as much as
 the whole decode when one span in four carries an id, and twice as much when
-every span does, as the README advises. The rewrite runs in the exporter's
+every span does, as docs/scaling.md advises. The rewrite runs in the exporter's
 rewrite process (``send.Rewriter``), never on the receivers' interpreter.
 """
 

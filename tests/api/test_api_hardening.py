@@ -116,7 +116,7 @@ def test_a_listener_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
 
 
 def test_token_env_vars_apply_when_the_config_has_no_auth_key(tmp_path: Path) -> None:
-    """README: the token settings default to $TRACEJUDGE_API_TOKEN and $TRACEJUDGE_INGEST_TOKEN."""
+    """The configuration reference: the token settings default to $TRACEJUDGE_API_TOKEN and $TRACEJUDGE_INGEST_TOKEN."""
     api_token, ingest_token = "api-from-env", "ingest-from-env"
     config = base_config(tmp_path)
     assert "auth" not in config["api"] and "auth" not in config["receivers"]["otlp"]

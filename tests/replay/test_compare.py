@@ -121,12 +121,12 @@ def test_the_json_keys_are_the_documented_contract(tmp_path: Path) -> None:
         assert set(out["sim"][key]) == DISTRIBUTION_KEYS and set(out["sim"][key]["histogram"]) == {"edges", "counts"}
     assert out["real"]["conversations"] == 0 and out["real"]["user_message_chars"]["median"] is None
     assert out["real"]["cut_off_early"] == {"unanswered": None, "turn_limit": None, "any": None}
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    readme = (REPO / "docs" / "scenarios.md").read_text(encoding="utf-8")
     section = readme[readme.index("### `tracejudge replay compare`"):]
-    section = section[:section.index("\n## ")]
+    section = section[:section.index("\n### ")]
     for key in KEYS | SIDE_KEYS | DISTRIBUTION_KEYS | {"edges", "counts", "unanswered", "turn_limit", "any",
                                                        "share"}:
-        assert f"`{key}`" in section, f"the README does not document {key}"
+        assert f"`{key}`" in section, f"docs/scenarios.md does not document {key}"
     res = cli(tmp_path, "replay", "compare", "s.jsonl", "empty.jsonl")
     assert res.returncode == 0, res.stderr
 
