@@ -6,12 +6,13 @@ import asyncio
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from collector.shutdown import SIGNALS, StopSignals
+
+from .support.daemon import wait_until
 
 
 @pytest.fixture
@@ -34,8 +35,11 @@ def test_a_signal_taken_by_another_thread_wakes_an_idle_loop(signals: StopSignal
     def signal_once_the_loop_sleeps() -> None:
         # Wait until the main thread sits in the selector's poll, then signal this thread itself,
         # so the main thread is not the one the signal interrupts.
-        while (frame := sys._current_frames().get(main_thread)) is None or frame.f_code.co_name != "select":
-            time.sleep(0.001)
+        def in_select() -> bool:
+            frame = sys._current_frames().get(main_thread)
+            return frame is not None and frame.f_code.co_name == "select"
+
+        wait_until(in_select, "the loop to sleep in select", interval=0.001)
         signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
     async def main() -> tuple[str, bool]:

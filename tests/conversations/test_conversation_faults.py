@@ -28,7 +28,7 @@ from collector.conversations.reindex import Reindex
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Store
 
-from ..support.daemon import REPO, clean_env, run_cli, wait_conversations
+from ..support.daemon import REPO, clean_env, run_cli, wait_conversations, wait_until
 from ..support.wire import add_attributes, post
 
 T0 = 1_764_478_800_000_000_000
@@ -256,14 +256,16 @@ def test_stop_while_far_behind_leaves_the_rest_to_the_next_start(make_daemon: An
     daemon = make_daemon(start=False)
     _seed(daemon.duckdb, total, per_commit=200)  # stored, and no conversation rebuilt yet
     daemon.start()
-    deadline = time.monotonic() + 120
-    while True:  # until the catch-up has written its first part
+    status: dict[str, Any] = {}
+
+    def first_part_written() -> bool:
+        nonlocal status
         status = daemon.get("/api/status")[1]
         assert status["conversations_batch"] < status["committed_batch"], "caught up before the stop"
-        if status["conversations_batch"] > 0:
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(0.02)
+        return bool(status["conversations_batch"] > 0)
+
+    wait_until(first_part_written, lambda: f"the catch-up to write its first part: {status}", timeout=120,
+               interval=0.02)
     assert daemon.stop() == 0
     stopped = re.search(r"stopped before catching up: (\d+) traces left for the next start", daemon.output())
     assert stopped, daemon.output()[-3000:]
@@ -369,10 +371,7 @@ def test_a_write_that_fails_is_retried_from_the_stored_state(tmp_path: Path, cap
         with caplog.at_level("ERROR", logger="tracejudge.conversations"):
             turns = [plain_turn(f"c-{i}", f"question {i}", f"answer {i}", trace=i + 1) for i in range(3)]
             store.submit(spans=span_batch(parse_traces(turn_request(turns)))[0]).result(60)
-            deadline = time.monotonic() + 60
-            while "conversation update failed" not in caplog.text:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: "conversation update failed" in caplog.text, "the failed update logged", interval=0.02)
         other.execute("ALTER TABLE messages_away RENAME TO messages")
         assert stage.wait_idle(60)
         stage.stop()

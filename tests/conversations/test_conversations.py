@@ -81,19 +81,14 @@ def test_requests_in_reverse_order_and_retried_give_the_same_conversations(make_
 
 def test_idle_timeout_ends_and_new_trace_reopens(make_daemon: Any) -> None:
     """Idle is measured on arrival (daemon clock), not on the (old) span timestamps."""
-    import time
-
     daemon = make_daemon(conversations={"idle_timeout": "4s"})
     reqs = list(fixture_requests("openai-v2-latest-span-only-grpc"))
     replay(reqs[0], daemon.grpc, daemon.http)
     wait_conversations(daemon)
     open_now = daemon.get("/api/conversations?state=open&limit=100")[1]["conversations"]
     assert open_now, "the fixture's conversations are open right after arrival, although their spans are old"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if not daemon.get("/api/conversations?state=open")[1]["conversations"]:
-            break
-        time.sleep(0.2)
+    wait_until(lambda: not daemon.get("/api/conversations?state=open")[1]["conversations"],
+               "no conversation left open", timeout=30, interval=0.2)
     ended = daemon.get("/api/conversations?state=ended&limit=100")[1]["conversations"]
     assert {c["ended_by"] for c in ended} == {"idle"} and len(ended) == len(open_now)
     # the stage's child reports its counters with its status (every 0.2 s), so they trail the database

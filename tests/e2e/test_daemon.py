@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -155,10 +154,7 @@ def test_tls_on_every_listener(make_daemon: Any, tmp_path: Path) -> None:
     daemon.log = open(daemon.data_dir / "daemon.log", "a", encoding="utf-8")
     daemon.proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--config", str(daemon.config_path)],
                                    stdout=daemon.log, stderr=subprocess.STDOUT, env=daemon.env)
-    for _ in range(300):
-        if daemon.runtime_file.exists():
-            break
-        time.sleep(0.05)
+    wait_until(daemon.runtime_file.exists, "the runtime file", timeout=30, interval=0.05)
     info = json.loads(daemon.runtime_file.read_text())
     assert info["api"].startswith("https://")
     ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
@@ -270,10 +266,11 @@ def test_a_broken_writer_fails_readiness_and_the_daemon_exits_1(tmp_path: Path) 
     runner = threading.Thread(target=lambda: result.append(asyncio.run(daemon.run(StopSignals()))))
     runner.start()
     try:
-        deadline = time.monotonic() + 60
-        while not cfg.runtime_file.exists():
-            assert runner.is_alive() and time.monotonic() < deadline
-            time.sleep(0.02)
+        def written() -> bool:
+            assert runner.is_alive(), "the daemon ended before writing its runtime file"
+            return cfg.runtime_file.exists()
+
+        wait_until(written, "the runtime file", interval=0.02)
         info = json.loads(cfg.runtime_file.read_text())
         assert daemon.parts is not None and daemon.parts.store is not None
         store = daemon.parts.store

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import yaml
 
 from collector.runtime import RuntimeInfo
 
-from ..support.daemon import REPO, DaemonProcess, clean_env, run_cli
+from ..support.daemon import REPO, DaemonProcess, clean_env, run_cli, wait_until
 
 
 def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path) -> None:
@@ -98,20 +97,24 @@ def test_demo_shows_verdicts_a_review_queue_and_stats_within_a_minute(tmp_path: 
     try:
         # Until all four are judged with no error left: an error (a check out of time on a starved
         # machine) is retried after a minute, and its reason is in the failure message if it stays.
-        deadline = time.monotonic() + 180
         stats: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+        info: RuntimeInfo | None = None
+
+        def all_judged() -> bool:
+            nonlocal stats, info
             info = RuntimeInfo.read(tmp_path / "demo.duckdb.daemon.json")
-            if info is not None:
-                try:
-                    with urllib.request.urlopen(info.api + "/api/stats", timeout=10) as resp:
-                        stats = json.loads(resp.read())
-                except OSError:
-                    pass
-                if (stats.get("conversations", {}).get("judged") == 4
-                        and not any(c["error"] for c in stats.get("criteria", []))):
-                    break
-            time.sleep(0.5)
+            if info is None:
+                return False
+            try:
+                with urllib.request.urlopen(info.api + "/api/stats", timeout=10) as resp:
+                    stats = json.loads(resp.read())
+            except OSError:
+                pass
+            return stats.get("conversations", {}).get("judged") == 4 and not any(
+                c["error"] for c in stats.get("criteria", []))
+
+        wait_until(all_judged, lambda: f"the four demo conversations judged with no error: {stats}", timeout=180,
+                   interval=0.5)
         assert stats["conversations"]["judged"] == 4, stats
         by_id = {c["criterion_id"]: c for c in stats["criteria"]}
         assert not any(c["error"] for c in by_id.values()), {k: c["errors"] for k, c in by_id.items() if c["error"]}

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from ..support.daemon import wait_until
 from ..support.wire import GRPC_METHODS, grpc_export, post, retry_info, span_request_bytes
 
 
@@ -48,9 +49,7 @@ def test_kill9_while_two_clients_send_loses_no_acknowledged_span(make_daemon: An
                threading.Thread(target=_sender, args=(via_grpc, 2, acked_grpc, stop))]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while len(acked_http) + len(acked_grpc) < 3000 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(acked_http) + len(acked_grpc) >= 3000, "3000 acknowledged spans", interval=0.05)
     daemon.kill9()  # no chance to flush anything
     stop.set()
     for t in threads:
@@ -129,10 +128,8 @@ def _export_with_deadline(target: str, body: bytes, timeout: float) -> grpc.Stat
 
 def _wait_received(daemon: Any, spans: int, timeout: float = 60) -> None:
     """Wait until the daemon has taken in ``spans`` spans (decoded and handed to the store)."""
-    deadline = time.monotonic() + timeout
-    while daemon.metric("tracejudge_spans_received_total") < spans:
-        assert time.monotonic() < deadline, f"the daemon did not receive {spans} spans"
-        time.sleep(0.02)
+    wait_until(lambda: daemon.metric("tracejudge_spans_received_total") >= spans, f"the daemon to receive {spans} spans",
+               timeout, interval=0.02)
 
 
 def test_grpc_deadline_while_waiting_for_the_commit_leaves_ingestion_working(make_daemon: Any) -> None:

@@ -11,7 +11,6 @@ restart.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,7 +20,7 @@ import pytest
 from collector.demo import Persona, Turn
 from collector.evals.sampling import unit_hash
 
-from ..support.daemon import DaemonProcess, clean_env, run_cli
+from ..support.daemon import DaemonProcess, clean_env, run_cli, wait_until
 from ..support.judge_server import FAIL_WORD, RuleJudge
 from ..support.online import persona, send, wait_status
 
@@ -74,15 +73,15 @@ def cli(daemon: DaemonProcess, *args: str) -> Any:
 
 def wait_judged(daemon: DaemonProcess, n: int, timeout: float = 90) -> dict[str, Any]:
     """Until ``n`` conversations have verdicts on every criterion (via /api/stats)."""
-    deadline = time.monotonic() + timeout
     stats: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+
+    def judged() -> dict[str, Any] | None:
+        nonlocal stats
         stats = daemon.get("/api/stats")[1]
-        judged = {c["criterion_id"]: c["judged"] for c in stats["criteria"]}
-        if len(judged) == 2 and all(v >= n for v in judged.values()):
-            return stats
-        time.sleep(0.2)
-    raise AssertionError(f"not judged: {stats}\n{daemon.output()[-3000:]}")
+        counts = {c["criterion_id"]: c["judged"] for c in stats["criteria"]}
+        return stats if len(counts) == 2 and all(v >= n for v in counts.values()) else None
+
+    return wait_until(judged, lambda: f"{n} judged: {stats}\n{daemon.output()[-3000:]}", timeout, interval=0.2)
 
 
 def test_traffic_sampled_judged_queued_reviewed_and_counted(make_daemon: Any, tmp_path: Path,
@@ -179,12 +178,7 @@ def test_a_changed_transcript_is_judged_again_and_the_old_verdict_superseded(mak
     back = Persona("user 1", "en", "shop-test", [Turn("One more thing: can I get a refund?",
                                                       f"Yes, a {FAIL_WORD} for you.")], conversation_id="conv-001")
     send(daemon.grpc, [back])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        items = daemon.get("/api/review")[1]["items"]
-        if items:
-            break
-        time.sleep(0.2)
+    wait_until(lambda: daemon.get("/api/review")[1]["items"], "the failed verdict's review item", interval=0.2)
     stats = daemon.get("/api/stats")[1]
     llm = next(c for c in stats["criteria"] if c["criterion_id"] == "no-refund-promises")
     assert (llm["judged"], llm["pass"], llm["fail"]) == (1, 0, 1)  # one current verdict per conversation
@@ -201,14 +195,15 @@ def test_sampling_rules_budget_and_weights(make_daemon: Any, tmp_path: Path, jud
         "rate": 0.5, "seed": 7, "rules": [{"when": {"service": "nobody"}, "rate": 1.0}],
         "budget": {"conversations_per_hour": 5}}))
     send(daemon.grpc, [persona(i) for i in range(1, 21)])
-    deadline = time.monotonic() + 60
     stats: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+
+    def decided() -> bool:
+        nonlocal stats
         stats = daemon.get("/api/stats")[1]
         conv = stats["conversations"]
-        if conv["sampled"] + conv["not_sampled"] + sum(conv["skipped"].values()) == 20 and conv["judged"] == 5:
-            break
-        time.sleep(0.2)
+        return conv["sampled"] + conv["not_sampled"] + sum(conv["skipped"].values()) == 20 and conv["judged"] == 5
+
+    wait_until(decided, lambda: f"20 sampling decisions and 5 judged: {stats}", interval=0.2)
     conv = stats["conversations"]
     assert conv["sampled"] == 5 and conv["not_sampled"] == 20 - len(picked)
     assert conv["skipped"] == {"budget:conversations_per_hour": len(picked) - 5}
@@ -291,14 +286,16 @@ def test_criteria_not_run_for_want_of_a_key_are_judged_once_a_key_is_set(make_da
     without = {k: v for k, v in clean_env().items() if not k.startswith("ANTHROPIC_")}
     daemon = make_daemon(env=without, **config)
     send(daemon.grpc, [persona(1, fail=True), persona(2)])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    stats: dict[str, Any] = {}
+
+    def stored() -> bool:
+        nonlocal stats
         stats = {c["criterion_id"]: c for c in daemon.get("/api/stats")[1]["criteria"]}
         # Both: a conversation's not-run records can be stored before its code verdicts.
-        if (stats.get("no-refund-promises", {}).get("not_run") == 2
-                and stats.get("looks-orders-up", {}).get("judged") == 2):
-            break
-        time.sleep(0.1)
+        return (stats.get("no-refund-promises", {}).get("not_run") == 2
+                and stats.get("looks-orders-up", {}).get("judged") == 2)
+
+    wait_until(stored, lambda: f"2 not run and 2 code verdicts: {stats}", interval=0.1)
     llm = stats["no-refund-promises"]
     assert (llm["judged"], llm["not_run"]) == (0, 2)
     [reason] = llm["not_run_reasons"]

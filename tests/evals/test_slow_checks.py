@@ -9,13 +9,12 @@ OTLP/gRPC answer; when it runs out of time its verdict is ``error``.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from collector.demo import Persona, Turn
 
+from ..support.daemon import wait_until
 from ..support.online import send, wait_status
 from ..support.wire import grpc_export, post, span_request_bytes
 
@@ -76,15 +75,6 @@ def refund_storm(cid: str) -> Persona:
                    conversation_id=cid)
 
 
-def until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -112,8 +102,7 @@ def test_while_a_check_runs_on_the_daemon_answers_and_stops_on_sigterm(make_daem
     assert daemon.proc is not None
     send(daemon.grpc, [refund_storm("conv-storm")])
     wait_status(daemon, lambda s: s["evals_in_flight"] >= 1, what="the check under way")
-    until(lambda: bool(check_workers(daemon.proc.pid)), "the check's worker process")
-    [worker] = check_workers(daemon.proc.pid)
+    [worker] = wait_until(lambda: check_workers(daemon.proc.pid), "the check's worker process", interval=0.05)
 
     assert daemon.get("/healthz")[0] == 200
     status, _, body = post(daemon.http, "/v1/traces", span_request_bytes(4, trace_seed=71)[0])

@@ -8,7 +8,6 @@ here never end by themselves: only the limit ends them.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from judges import (
 
 from judges._checks import CHECKS
 
+from ..support.daemon import wait_until
 from .conftest import chest_pain
 
 CHECKS_PY = """
@@ -105,15 +105,6 @@ def refunds() -> Conversation:
     ])
 
 
-def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.timeout(120)
 def test_slow_regexes_record_error_with_the_reason(criteria: dict[str, Criterion]) -> None:
     run = run_judges([criteria["script-tags"], criteria["refund-only"]], [refunds()])
@@ -143,8 +134,7 @@ def test_a_cancelled_run_stops_the_check_it_was_waiting_for(criteria: dict[str, 
     async def main() -> None:
         conversation = chest_pain().model_copy(update={"attributes": {"mark": str(mark)}})
         task = asyncio.ensure_future(arun_judges([criteria["endless"]], [conversation]))
-        while not mark.exists() or not mark.read_text():
-            await asyncio.sleep(0.02)
+        await asyncio.to_thread(wait_until, lambda: mark.exists() and mark.read_text(), "the check to run")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -152,7 +142,7 @@ def test_a_cancelled_run_stops_the_check_it_was_waiting_for(criteria: dict[str, 
     asyncio.run(main())
     pid = int(mark.read_text())
     # The worker running the check is killed and reaped, not left spinning.
-    until(lambda: not Path(f"/proc/{pid}").exists(), f"worker process {pid} to end")
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), f"worker process {pid} to end")
 
 
 def test_the_limit_defaults_to_5s_and_reads_durations(tmp_path: Path) -> None:

@@ -23,8 +23,9 @@ from judges import (
     set_check_workers,
 )
 
+from ..support.daemon import wait_until
 from .conftest import chest_pain
-from .test_judges_check_limits import register, until  # noqa: F401 - register is a fixture
+from .test_judges_check_limits import register  # noqa: F401 - register is a fixture
 
 CHECKS_PY = """
 import os
@@ -72,7 +73,7 @@ def test_an_idle_worker_is_stopped_and_the_next_check_starts_another(marked: Cri
     run = run_judges([marked], marking(tmp_path, "a"))
     assert [v.result for v in run.verdicts] == ["pass"]
     [first] = pids(tmp_path)
-    until(lambda: not Path(f"/proc/{first}").exists(), f"idle worker {first} to be stopped")
+    wait_until(lambda: not Path(f"/proc/{first}").exists(), f"idle worker {first} to be stopped")
     run = run_judges([marked], marking(tmp_path, "b"))
     assert [v.result for v in run.verdicts] == ["pass"]
     assert pids(tmp_path)[1] != first

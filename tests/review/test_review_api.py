@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ import pytest
 from collector.review.page import render_item
 
 from ..support.api_http import Reply, assert_error, call, origin, post_form, post_json
-from ..support.daemon import DaemonProcess, run_cli
+from ..support.daemon import DaemonProcess, run_cli, wait_until
 from ..support.review import (
     CARRIER,
     CARRIER_ANSWER,
@@ -617,9 +616,8 @@ def test_cli_shows_a_conversations_verdicts_through_the_daemon_and_on_the_file(t
     try:
         send_conversations(daemon.grpc, [carrier_conversation("cli-carrier"), refund_conversation("cli-refund")])
         items = wait_items(daemon, {("cli-carrier", CARRIER), ("cli-refund", REFUND)})
-        deadline = time.monotonic() + 60
-        while len(daemon.get("/api/verdicts?limit=1000")[1]["verdicts"]) < 8 and time.monotonic() < deadline:
-            time.sleep(0.1)  # every criterion on both conversations
+        wait_until(lambda: len(daemon.get("/api/verdicts?limit=1000")[1]["verdicts"]) >= 8,
+                   "every criterion's verdict on both conversations", interval=0.1)
         refund_item = next(i["id"] for i in items if i["conversation_id"] == "cli-refund")
         assert post_json(daemon.api, f"/api/review/{refund_item}/decision",
                          {"decision": "reject", "reviewer": "Dr. Amal Haddad-Lindqvist"}).status == 200

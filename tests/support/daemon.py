@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import yaml
 
@@ -24,13 +24,22 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "otlp"
 
+T = TypeVar("T")
 
-def wait_until(condition: Callable[[], Any], what: str, timeout: float = 60) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+
+def wait_until(condition: Callable[[], T | None], what: str | Callable[[], str], timeout: float = 60,
+               interval: float = 0.01) -> T:
+    """Poll ``condition`` every ``interval`` seconds until it returns something true, and return that.
+
+    After ``timeout`` seconds the test fails naming ``what``; a callable ``what`` is called then, so
+    that the message can say what was seen last. An exception from ``condition`` ends the wait at once.
+    """
     deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+        time.sleep(interval)
+    return value
 
 
 def base_config(data_dir: Path, **sections: Any) -> dict[str, Any]:
@@ -97,20 +106,21 @@ class DaemonProcess:
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, text=True)
         if not ready:
             return self
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.output()}")
-            if self.runtime_file.exists():
-                try:
-                    self.info = json.loads(self.runtime_file.read_text())
-                except ValueError:
-                    time.sleep(0.05)
-                    continue
-                if self.get("/readyz", check=False)[0] == 200:
-                    return self
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon did not become ready:\n{self.output()}")
+        proc = self.proc
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {proc.returncode}:\n{self.output()}")
+            if not self.runtime_file.exists():
+                return False
+            try:
+                self.info = json.loads(self.runtime_file.read_text())
+            except ValueError:  # not written whole yet
+                return False
+            return self.get("/readyz", check=False)[0] == 200
+
+        wait_until(answers, lambda: f"the daemon to become ready:\n{self.output()}", timeout, interval=0.05)
+        return self
 
     def output(self) -> str:
         return (self.data_dir / "daemon.log").read_text(encoding="utf-8", errors="replace")
@@ -213,14 +223,16 @@ class DaemonProcess:
 
 def wait_conversations(daemon: DaemonProcess, timeout: float = 60) -> dict[str, Any]:
     """Wait until the conversation stage has processed every committed batch."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    status: dict[str, Any] = {}
+
+    def caught_up() -> dict[str, Any] | None:
+        nonlocal status
         status = daemon.get("/api/status")[1]
-        if (status["conversations_batch"] >= status["committed_batch"] and status["queue_depth"] == 0
-                and status["conversations_pending"] == 0):
-            return status  # type: ignore[no-any-return]
-        time.sleep(0.05)
-    raise AssertionError(f"conversations did not catch up: {status}")
+        done = (status["conversations_batch"] >= status["committed_batch"] and status["queue_depth"] == 0
+                and status["conversations_pending"] == 0)
+        return status if done else None
+
+    return wait_until(caught_up, lambda: f"conversations to catch up: {status}", timeout, interval=0.05)
 
 
 def pool_workers(pid: int) -> list[int]:

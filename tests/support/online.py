@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from collector.demo import ConversationIdProcessor, Persona, ToolCall, Turn, play
 
-from .daemon import DaemonProcess
+from .daemon import DaemonProcess, wait_until
 from .judge_server import FAIL_WORD, JUNK_WORD
 
 
@@ -36,14 +35,14 @@ def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test", *, 
 
 
 def wait_status(daemon: DaemonProcess, done: Any, timeout: float = 90, what: str = "") -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
     status: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+
+    def reached() -> dict[str, Any] | None:
+        nonlocal status
         status = daemon.get("/api/status")[1]
-        if done(status):
-            return status
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}: {status}\n{daemon.output()[-3000:]}")
+        return status if done(status) else None
+
+    return wait_until(reached, lambda: f"{what}: {status}\n{daemon.output()[-3000:]}", timeout, interval=0.1)
 
 
 def persona(i: int, *, fail: bool = False, junk: bool = False, lookup: bool = True) -> Persona:

@@ -3,14 +3,13 @@ that fail them, and a daemon that judges them."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from collector.demo import Persona, ToolCall, Turn
 
-from .daemon import DaemonProcess, base_config
+from .daemon import DaemonProcess, base_config, wait_until
 from .online import send
 
 CARRIER = "no-carrier-promises"
@@ -109,15 +108,16 @@ def send_conversations(grpc_endpoint: str, personas: Sequence[Persona]) -> None:
 def wait_items(daemon: DaemonProcess, expected: set[tuple[str, str]], token: str | None = None,
                timeout: float = 90) -> list[dict[str, Any]]:
     """Poll the review queue until every expected (conversation, criterion) item is there."""
-    deadline = time.monotonic() + timeout
     seen: set[tuple[str, str]] = set()
-    while time.monotonic() < deadline:
+
+    def all_there() -> list[dict[str, Any]] | None:
+        nonlocal seen
         items: list[dict[str, Any]] = daemon.get("/api/review?state=all&limit=1000", token=token)[1]["items"]
         seen = {(i["conversation_id"], i["criterion_id"]) for i in items}
-        if expected <= seen:
-            return items
-        time.sleep(0.2)
-    raise AssertionError(f"review items missing: {sorted(expected - seen)}\n{daemon.output()[-3000:]}")
+        return items if expected <= seen else None
+
+    return wait_until(all_there, lambda: f"review items, missing: {sorted(expected - seen)}\n{daemon.output()[-3000:]}",
+                      timeout, interval=0.2)
 
 
 def start_daemon(folder: Path, **sections: Any) -> DaemonProcess:
