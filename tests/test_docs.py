@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,19 @@ def test_the_configuration_reference_has_a_row_for_every_key() -> None:
                if not named.fullmatch(key.replace("simulate.user.provider.", "judges.provider."))]
     assert not missing, missing
     assert "| `alerts`" in text
+
+
+def test_the_documented_test_commands_are_what_ci_runs() -> None:
+    """The README's test command is CI's: mypy on the three packages, then pytest with the arguments given,
+    so that `bash .ci/run -m "not slow"` is the fast subset of the marker pyproject.toml declares."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    development = (REPO / "docs" / "development.md").read_text(encoding="utf-8")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert "bash .ci/run\n" in readme and 'bash .ci/run -m "not slow"' in readme
+    assert 'bash .ci/run -m "not slow"' in development
+    assert ".venv/bin/python -m mypy collector judges replay" in development
+    assert ci[-2:] == [".venv/bin/python -m mypy collector judges replay",
+                       '.venv/bin/python -m pytest -q -p no:cacheprovider "$@"']
+    pytest_options = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]
+    assert [m.split(":")[0] for m in pytest_options["ini_options"]["markers"]] == ["slow"]
+    assert "--strict-markers" in pytest_options["ini_options"]["addopts"]

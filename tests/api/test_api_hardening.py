@@ -82,6 +82,7 @@ def test_health_endpoints_answer_any_host(hosted: DaemonProcess) -> None:
         assert call(hosted.api, "GET", "/readyz", headers={"Host": host}).json()["status"] == "ready"
 
 
+@pytest.mark.slow
 def test_a_listener_on_every_interface_answers_its_local_address(tmp_path: Path) -> None:
     """On 0.0.0.0 the address a client connected to is this API's own (a probe's pod IP); other IPs are not."""
     token = "wildcard-secret"
@@ -115,6 +116,7 @@ def test_a_listener_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
 # --------------------------------------------------------------- tokens from the environment
 
 
+@pytest.mark.slow
 def test_token_env_vars_apply_when_the_config_has_no_auth_key(tmp_path: Path) -> None:
     """The configuration reference: the token settings default to $TRACEJUDGE_API_TOKEN and $TRACEJUDGE_INGEST_TOKEN."""
     api_token, ingest_token = "api-from-env", "ingest-from-env"

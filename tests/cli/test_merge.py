@@ -23,6 +23,8 @@ from collector.evals.verdicts import VERDICT_COLUMNS
 from ..support.daemon import DaemonProcess, base_config, clean_env
 from ..support.stored import T0, StoredConversation, create_store, text_messages, verdict_row, write
 
+pytestmark = pytest.mark.slow  # each test runs the CLI on several stores, some with a daemon on them
+
 CRITERIA = {"tone": "style", "triage": "safety", "handover": None}
 
 

@@ -63,6 +63,7 @@ def simulate(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return run_cli("simulate", *args, "--config", str(config))
 
 
+@pytest.mark.slow
 def test_a_run_judges_every_replicate_and_reports_as_the_contract_says(tmp_path: Path, model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)
     suite = write_scenarios(tmp_path, {"id": "late-order"}, {"id": "asks-a-person", "persona": "wants a person"})
@@ -92,6 +93,7 @@ def test_a_run_judges_every_replicate_and_reports_as_the_contract_says(tmp_path:
     assert "  no-carrier-promises: 2 of 4, too few to tell  (simulated user not validated)" in text.stdout
 
 
+@pytest.mark.slow
 def test_a_baseline_says_fixed_broke_and_still_failing(tmp_path: Path, model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)
     suite = write_scenarios(tmp_path, {"id": "late-order"})
@@ -116,6 +118,7 @@ def test_a_baseline_says_fixed_broke_and_still_failing(tmp_path: Path, model: Ro
     assert json.loads(still.stdout)["scenarios"][0]["baseline"]["status"] == "still_failing"
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_what_was_done_and_the_same_command_resumes(tmp_path: Path, model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)
     suite = write_scenarios(tmp_path, {"id": "late-order"}, {"id": "other-order"})
@@ -179,6 +182,7 @@ def test_a_bad_bot_is_exit_2(tmp_path: Path, model: RolePlayModel, args: list[st
     assert done.returncode == 2 and problem in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_with_a_daemon_running_the_run_is_stored_as_simulations(tmp_path: Path, model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)
     cfg = yaml.safe_load(config.read_text())
@@ -197,6 +201,7 @@ def test_with_a_daemon_running_the_run_is_stored_as_simulations(tmp_path: Path, 
         daemon.end()
 
 
+@pytest.mark.slow
 def test_scenarios_verify_records_how_often_the_failure_reproduces(tmp_path: Path, model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)
     incoming = tmp_path / "incoming"
@@ -225,6 +230,7 @@ def test_scenarios_verify_records_how_often_the_failure_reproduces(tmp_path: Pat
     assert again.returncode == 0 and "nothing to verify" in again.stdout
 
 
+@pytest.mark.slow
 def test_the_judges_anthropic_provider_plays_the_user_when_simulate_names_none(tmp_path: Path,
                                                                                model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)
@@ -243,6 +249,7 @@ def test_the_judges_anthropic_provider_plays_the_user_when_simulate_names_none(t
                                               "--out", str(tmp_path / "r")).stdout
 
 
+@pytest.mark.slow
 def test_once_people_find_the_simulated_user_realistic_the_report_says_validated(tmp_path: Path,
                                                                                  model: RolePlayModel) -> None:
     config = write_config(tmp_path, model)

@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from collector.cli import COMMANDS
 
 from ..support.daemon import REPO, DaemonProcess, clean_env
@@ -67,6 +69,7 @@ def test_commands_answered_by_the_daemon_load_no_stage(daemon: DaemonProcess) ->
     assert among(modules, STAGES) == []
 
 
+@pytest.mark.slow
 def test_without_a_daemon_the_file_is_read(daemon: DaemonProcess) -> None:
     daemon.stop()
     codes, modules = loaded_after(["status", "--config", str(daemon.config_path)])

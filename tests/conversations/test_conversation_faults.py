@@ -99,6 +99,7 @@ def _messages(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls")} for m in record["messages"]]
 
 
+@pytest.mark.slow
 def test_lone_surrogate_in_a_message_is_repaired_and_the_others_are_rebuilt_too(make_daemon: Any) -> None:
     daemon = make_daemon()
     body = turn_request([plain_turn("c-good", "hi there", "hello!"), BAD_TURN])
@@ -114,6 +115,7 @@ def test_lone_surrogate_in_a_message_is_repaired_and_the_others_are_rebuilt_too(
     assert "conversation update failed" not in daemon.output()
 
 
+@pytest.mark.slow
 def test_reindex_of_a_file_with_a_lone_surrogate_rebuilds_every_conversation(make_daemon: Any) -> None:
     daemon = make_daemon()
     turns = [plain_turn(f"c-{i}", f"question {i}", f"answer {i}") for i in range(3)] + [{**BAD_TURN, "trace": 9}]
@@ -221,6 +223,7 @@ def test_a_reindex_that_archives_its_conversations_swaps_in_the_same_ones_with_t
         store.close()
 
 
+@pytest.mark.slow
 def test_reindex_interrupted_midway_keeps_the_old_conversations(make_daemon: Any) -> None:
     """Ctrl-C while the reindex rebuilds: one line, exit 1, the stored conversations as they were; run
     again, it goes on and ends with the same conversations."""
@@ -251,6 +254,7 @@ def test_reindex_interrupted_midway_keeps_the_old_conversations(make_daemon: Any
 # ---------------------------------------------------------------- a stop while far behind
 
 
+@pytest.mark.slow
 def test_stop_while_far_behind_leaves_the_rest_to_the_next_start(make_daemon: Any) -> None:
     total = 12_000
     daemon = make_daemon(start=False)

@@ -14,6 +14,8 @@ from ..support.daemon import run_cli, wait_conversations, wait_until
 from ..support.genai_fixtures import case_names
 from ..support.wire import FIXTURES, add_attributes, fixture_requests, post, replay
 
+pytestmark = pytest.mark.slow  # each test starts the daemon
+
 HANDOVER = {"conversations": {"end_rules": [{"attribute": "app.handover", "equals": True, "ended_by": "handover"}]}}
 
 

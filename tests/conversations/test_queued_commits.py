@@ -110,6 +110,7 @@ def test_rows_read_back_within_their_commits_rebuild_the_same_conversations(tmp_
     assert rebuilt(tmp_path, requests, queued_only=False, cache_spans=0, each=True) == whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_commits_read_ahead_and_written_behind_rebuild_the_same_conversations(tmp_path: Path, case: str) -> None:
     """As in the stage process: each group's rows are read while the group before is rebuilt, and written
@@ -309,6 +310,7 @@ def test_a_trace_back_after_the_map_archived_it_keeps_its_older_messages(tmp_pat
     assert (archived[0][0] > 0) == (traces_kept == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("remote", [False, True])
 def test_conversations_archived_at_every_flush_rebuild_the_same_conversations(tmp_path: Path, case: str,

@@ -64,6 +64,7 @@ def test_a_write_behind_that_fails_is_raised_by_the_next_call_and_leaves_nothing
     assert served.cursor.execute("SELECT count(*) FROM tracejudge_state").fetchall() == [(0,)]
 
 
+@pytest.mark.slow
 def test_a_long_answer_read_ahead_and_a_long_write_behind_do_not_wait_for_each_other(served: Served) -> None:
     """The answer (about 20 MB) fills the pipe until this side reads it; the write (about 20 MB) fills
     it the other way. Posting the write reads the answer first."""

@@ -12,6 +12,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from collector.conversations.process import Arrivals
 
 from ..support.daemon import run_cli, wait_conversations, wait_until
@@ -26,6 +28,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_killed_stage_process_starts_again_and_catches_up(make_daemon: Any) -> None:
     daemon = make_daemon(conversations={"idle_timeout": "1h"})
     send(daemon.grpc, [persona(i) for i in range(3)])
@@ -56,6 +59,7 @@ def test_a_killed_stage_process_starts_again_and_catches_up(make_daemon: Any) ->
     assert "stopped cleanly" in daemon.output()
 
 
+@pytest.mark.slow
 def test_a_stage_that_falls_behind_shows_its_lag_and_the_log_warns_until_it_catches_up(make_daemon: Any) -> None:
     """Data arriving faster than the stage rebuilds it (here: its process stopped) must be visible to the
     operator: conversations end and are judged late. /api/status, /metrics and `tracejudge status` say

@@ -17,10 +17,13 @@ import urllib.parse
 from typing import Any
 
 import duckdb
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from ..support.daemon import wait_conversations
 from ..support.wire import add_attributes, post
+
+pytestmark = pytest.mark.slow  # each test restarts the daemon on a grown file
 
 T0 = 1_764_478_800_000_000_000
 Span = tuple[int, int, "int | None", str, dict[str, Any]]  # trace, span, parent, name, attributes

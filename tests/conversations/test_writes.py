@@ -12,6 +12,7 @@ import datetime as dt
 from pathlib import Path
 
 import duckdb
+import pytest
 
 from collector.conversations.tables import CONVERSATION_COLUMNS
 from collector.conversations.writes import ConversationRow, Writes
@@ -47,6 +48,7 @@ def stored(db: Path, cid: str) -> list[tuple[str, int | None]]:
         con.close()
 
 
+@pytest.mark.slow
 def test_a_transcript_begun_long_ago_is_replaced_where_it_was_last_written(tmp_path: Path) -> None:
     db = tmp_path / "t.duckdb"
     create_store(db)

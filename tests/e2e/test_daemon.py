@@ -31,6 +31,8 @@ from collector.shutdown import StopSignals
 from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_conversations, wait_until
 from ..support.wire import grpc_export, post, span_request_bytes
 
+pytestmark = pytest.mark.slow  # whole-daemon tests: starts, signals, TLS, damaged files
+
 
 def test_sigterm_commits_in_flight_and_exits_0(make_daemon: Any) -> None:
     daemon = make_daemon()

@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pytest
 import yaml
 
 from collector.runtime import RuntimeInfo
 
 from ..support.daemon import REPO, DaemonProcess, clean_env, run_cli, wait_until
+
+pytestmark = pytest.mark.slow  # each test runs the demo
 
 
 def test_demo_starts_daemon_sends_traffic_and_says_where_to_look(tmp_path: Path) -> None:

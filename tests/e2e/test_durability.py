@@ -19,6 +19,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from ..support.daemon import wait_until
 from ..support.wire import GRPC_METHODS, grpc_export, post, retry_info, span_request_bytes
 
+pytestmark = pytest.mark.slow  # each test loads the daemon until it refuses, or kills it
+
 
 def _sender(send: Any, seed0: int, acked: list[tuple[str, str]], stop: threading.Event) -> None:
     seed = seed0

@@ -24,6 +24,8 @@ from ..support.daemon import DaemonProcess, clean_env, run_cli, wait_until
 from ..support.judge_server import FAIL_WORD, RuleJudge
 from ..support.online import persona, send, wait_status
 
+pytestmark = pytest.mark.slow  # each test judges traffic through the daemon
+
 CRITERIA = """
 criteria:
   - id: no-refund-promises

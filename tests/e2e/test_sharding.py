@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 
@@ -30,6 +31,8 @@ from collector.demo import Persona
 from ..support.daemon import DaemonProcess, clean_env, wait_conversations, wait_until
 from ..support.online import send
 from ..support.review import carrier_conversation, refund_conversation, start_daemon
+
+pytestmark = pytest.mark.slow  # it starts a daemon per shard
 
 ROUTING_ATTRIBUTE = "gen_ai.conversation.id"
 TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"

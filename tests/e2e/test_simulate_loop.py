@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from ..support.api_http import post_json
 from ..support.daemon import run_cli
 from ..support.review import CARRIER, carrier_conversation, send_conversations, start_daemon, wait_items
 from ..support.roleplay import RolePlayModel
+
+pytestmark = pytest.mark.slow  # it runs the whole loop from a failure to a fix
 
 
 def test_production_failure_to_a_verified_fix(tmp_path: Path) -> None:

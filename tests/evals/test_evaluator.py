@@ -162,6 +162,7 @@ def test_criteria_not_run_for_want_of_a_provider_are_judged_when_one_comes(store
     assert query(store, "SELECT count(*) FROM not_run") == [(0,)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, judged", [
     ({}, False),
     ({"ANTHROPIC_API_KEY": "k"}, True),

@@ -484,14 +484,17 @@ FAILURES_IN_DEFAULT_TRAFFIC = [
 """Failures concentrated in the traffic sampled at the default 0.1, where weights are largest."""
 
 
+@pytest.mark.slow
 def test_weighted_interval_covers_the_truth_when_failures_are_oversampled() -> None:
     assert coverage(HANDOVERS_FAIL_MOST) >= 0.93
 
 
+@pytest.mark.slow
 def test_weighted_interval_covers_the_truth_when_failures_sit_in_default_traffic() -> None:
     assert coverage(FAILURES_IN_DEFAULT_TRAFFIC) >= 0.93
 
 
+@pytest.mark.slow
 def test_a_rule_whose_regex_runs_out_of_time_does_not_match_and_lets_other_threads_run(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A pattern that backtracks on a long attribute value (traffic writes the values) gives up, and while

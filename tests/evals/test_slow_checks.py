@@ -12,11 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from collector.demo import Persona, Turn
 
 from ..support.daemon import wait_until
 from ..support.online import send, wait_status
 from ..support.wire import grpc_export, post, span_request_bytes
+
+pytestmark = pytest.mark.slow  # each test waits for checks to run out of time in the daemon
 
 NEVER_ENDS = """
 criteria:

@@ -13,12 +13,15 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from ..support.daemon import DaemonProcess, base_config, pool_workers, run_cli, wait_until
 from ..support.wire import add_attributes
 from .test_forward import forwarded, send, sink, traces
 from .test_send import backend, read_request
+
+pytestmark = pytest.mark.slow  # each test forwards through the daemon to a misbehaving backend
 
 
 def spans_in(bodies: list[bytes]) -> int:

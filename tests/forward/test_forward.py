@@ -22,6 +22,8 @@ from collector.forward.rewrite import THREAD_ATTRIBUTE, Redaction, rewrite, rewr
 from ..support.daemon import DaemonProcess, base_config, pool_workers, wait_until
 from ..support.wire import add_attributes, post, span_request_bytes
 
+pytestmark = pytest.mark.slow  # its tests, but for the config checks, forward through the daemon
+
 
 @dataclass
 class Received:

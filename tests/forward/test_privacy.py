@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import yaml
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -251,6 +252,7 @@ def test_the_leak_finder_finds_each_planted_value_in_the_planted_text() -> None:
 
 # ---------------------------------------------------------------- the daemon
 
+@pytest.mark.slow
 def test_no_planted_value_reaches_a_sink_or_a_file(tmp_path: Path) -> None:
     criteria = tmp_path / "criteria.yaml"
     criteria.write_text(CRITERIA, encoding="utf-8")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import grpc
+import pytest
 from google.protobuf import json_format
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -45,6 +46,8 @@ from ..support.wire import (
     span_request_bytes,
     wire_body,
 )
+
+pytestmark = pytest.mark.slow  # it sends hundreds of mutated requests to each receiver
 
 PB = "application/x-protobuf"
 JS = "application/json"

@@ -27,6 +27,8 @@ from ..support.wire import (
     span_request_bytes,
 )
 
+pytestmark = pytest.mark.slow  # each test starts the daemon
+
 PB = "application/x-protobuf"
 JS = "application/json"
 

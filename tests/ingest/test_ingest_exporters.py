@@ -18,6 +18,8 @@ from opentelemetry.trace import set_span_in_context
 
 from ..support.daemon import REPO
 
+pytestmark = pytest.mark.slow  # each test starts the daemon and a real exporter
+
 JS_DIR = REPO / "tests" / "js"
 
 

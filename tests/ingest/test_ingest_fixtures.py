@@ -34,6 +34,7 @@ def _expected_ids(case: str) -> tuple[set[tuple[str, str]], int]:
     return spans, logs
 
 
+@pytest.mark.slow
 def test_all_cases_over_the_wire(daemon) -> None:  # type: ignore[no-untyped-def]
     expected_spans: set[tuple[str, str]] = set()
     expected_logs = 0

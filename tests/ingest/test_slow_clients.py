@@ -13,6 +13,8 @@ import pytest
 from ..support.daemon import clean_env, wait_until
 from ..support.wire import GRPC_METHODS, span_request_bytes
 
+pytestmark = pytest.mark.slow  # each test waits for the daemon's timeouts
+
 TIMEOUTS = {"idle_timeout": "1s", "read_timeout": "1s"}
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
 H2_SETTINGS_ACK = b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"  # for the daemon's SETTINGS: the handshake is done

@@ -115,6 +115,7 @@ def test_slow_regexes_record_error_with_the_reason(criteria: dict[str, Criterion
     assert all(not v.evidence_verified for v in run.verdicts)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_endless_python_checks_record_error_and_the_next_check_runs(criteria: dict[str, Criterion]) -> None:
     chosen = [criteria["endless"], criteria["catastrophic"], criteria["fine"]]

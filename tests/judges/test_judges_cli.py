@@ -179,6 +179,7 @@ def test_two_providers_in_the_environment_is_a_usage_error(files: Path) -> None:
                         "anthropic or --provider openai_compatible\n")
 
 
+@pytest.mark.slow
 def test_the_summary_names_the_cause_of_errors(files: Path) -> None:
     # Port 9 (discard) on loopback: nothing listens there.
     config = write_config(files, {"type": "anthropic", "model": "claude-test", "base_url": "http://127.0.0.1:9",

@@ -403,6 +403,7 @@ _JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), _WORD
                         lambda c: st.lists(c, max_size=4) | st.dictionaries(_WORDS, c, max_size=4), max_leaves=20)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(attrs=st.dictionaries(st.sampled_from(CONTENT_KEYS),
                              st.one_of(_JSONISH, _JSONISH.map(json.dumps),
@@ -441,6 +442,7 @@ def _outcome(text: str) -> Any:
         return ("recursion",)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(first=st.lists(_JSONISH, min_size=2, max_size=5), tail=_TAILS, spaced=st.booleans())
 def test_history_tail_parse_equals_a_full_parse(first: list[Any], tail: str, spaced: bool) -> None:

@@ -19,6 +19,8 @@ from ..support.daemon import REPO, clean_env
 from ..support.stored import create_store, write
 from ..support.synthetic import real_conversations, sim_records
 
+pytestmark = pytest.mark.slow  # its tests, but two, export stores or run the CLI many times
+
 N = 3000
 
 

@@ -34,6 +34,8 @@ from ..support.review import CARRIER, CRITERIA, carrier_conversation, wait_items
 from ..support.stored import T0, StoredConversation, create_store, text_messages, tool_turn, write
 from ..support.synthetic import real_conversations
 
+pytestmark = pytest.mark.slow  # its tests, but four, export thousands of conversations
+
 TOKEN = "export-token-51c2"
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from collector.demo import Persona, ToolCall, Turn
@@ -37,6 +38,7 @@ def _lines(path: Path) -> list[str]:
     return text[:-1].split("\n")
 
 
+@pytest.mark.slow
 def test_a_message_with_unicode_line_separators_stays_one_line_in_every_file(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path, scenarios={"out_dir": str(tmp_path / "incoming"), "draft_with_provider": False})
     try:

@@ -425,6 +425,7 @@ def calls(work: Callable[[], object]) -> int:
 SEPARATE = "\n|\n"  # a line no detector reads across: it joins no value to the next
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(PLANTED), st.sampled_from(FILLER),
                           st.text(alphabet="0123456789 -+.,()@aB\n", max_size=10)), min_size=1, max_size=6))

@@ -26,6 +26,8 @@ from ..support.daemon import REPO, clean_env
 from ..support.stored import create_store, write
 from ..support.synthetic import real_conversations, sim_records
 
+pytestmark = pytest.mark.slow  # it drives a browser
+
 SCREENSHOT = REPO / "docs" / "replay-compare.png"
 
 

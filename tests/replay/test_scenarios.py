@@ -95,6 +95,7 @@ def _no_planted_values(files: dict[str, str]) -> None:
             assert value.lower() not in text.lower(), f"{value!r} left in {name}:\n{text}"
 
 
+@pytest.mark.slow
 def test_confirmed_failures_become_redacted_scenarios_once(make_daemon: Any, tmp_path: Path,
                                                            judge: RuleJudge) -> None:
     daemon = make_daemon(**_sections(tmp_path, judge))
@@ -148,6 +149,7 @@ def test_confirmed_failures_become_redacted_scenarios_once(make_daemon: Any, tmp
     assert text.returncode == 0 and "nothing new to export: 2 confirmed failures exported before" in text.stdout
 
 
+@pytest.mark.slow
 def test_without_a_provider_or_when_it_fails_the_draft_is_deterministic(make_daemon: Any, tmp_path: Path,
                                                                         judge: RuleJudge) -> None:
     daemon = make_daemon(**_sections(tmp_path, judge))
@@ -179,6 +181,7 @@ def test_without_a_provider_or_when_it_fails_the_draft_is_deterministic(make_dae
         assert w["needs_edit"] and "drafting with anthropic/judge-test failed" in w["note"], w
 
 
+@pytest.mark.slow
 def test_a_draft_that_still_holds_personal_data_is_refused(make_daemon: Any, tmp_path: Path,
                                                            judge: RuleJudge) -> None:
     daemon = make_daemon(**_sections(tmp_path, judge))
@@ -191,6 +194,7 @@ def test_a_draft_that_still_holds_personal_data_is_refused(make_daemon: Any, tmp
     assert not (tmp_path / "incoming").exists() or _files(tmp_path / "incoming") == {}
 
 
+@pytest.mark.slow
 def test_on_confirm_the_daemon_writes_the_scenario(make_daemon: Any, tmp_path: Path, judge: RuleJudge) -> None:
     daemon = make_daemon(**_sections(tmp_path, judge, on_confirm=True))
     assert daemon.get("/api/status")[1]["scenarios"]["written"] == 0

@@ -14,6 +14,8 @@ from tests.support.daemon import DaemonProcess, clean_env, run_cli
 from tests.support.review import CARRIER, CARRIER_ANSWER, carrier_conversation, send_conversations, start_daemon, \
     wait_items
 
+pytestmark = pytest.mark.slow  # each test starts the daemon
+
 
 def _sim(i: int, *, fail: bool) -> dict[str, Any]:
     return {"schema": "conversation/v1", "id": f"sim-{i}", "source": "simulation", "persona_id": f"case-{i % 3}",

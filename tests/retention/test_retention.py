@@ -104,6 +104,7 @@ def open_retention(path: Path, clock: list[float], **settings: Any) -> tuple[Sto
     return store, stage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("archived", [False, True])
 def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(make_daemon: Any, tmp_path: Path,
                                                                              archived: bool) -> None:
@@ -164,6 +165,7 @@ def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(mak
         store.close()
 
 
+@pytest.mark.slow
 def test_a_conversation_whose_spans_expired_keeps_its_transcript_on_late_data_and_through_reindex(
         make_daemon: Any, tmp_path: Path) -> None:
     daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1), persona(2)])
@@ -192,6 +194,7 @@ def test_a_conversation_whose_spans_expired_keeps_its_transcript_on_late_data_an
     assert json.loads(run_cli(*shown).stdout)["messages"] == before["messages"]
 
 
+@pytest.mark.slow
 def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_deleted_conversation(
         make_daemon: Any, tmp_path: Path) -> None:
     old = [persona(i, lookup=i % 5 != 0) for i in range(1, 25)]
@@ -276,6 +279,7 @@ def test_without_retention_the_daemon_says_the_file_grows(make_daemon: Any) -> N
     assert daemon.metric("tracejudge_retention_deleted_total") == 0
 
 
+@pytest.mark.slow
 def test_spans_queued_for_an_exporter_are_forwarded_after_retention_deleted_them(tmp_path: Path) -> None:
     """The forward queue keeps its own copy of each request: retention may delete the spans' rows while a
     backend is down, and the backend still gets every request once it is back."""
@@ -308,6 +312,7 @@ def test_spans_queued_for_an_exporter_are_forwarded_after_retention_deleted_them
             daemon.end()
 
 
+@pytest.mark.slow
 def test_a_sweep_passes_over_expired_conversations_still_due_in_bounded_duckdb_memory(make_daemon: Any,
                                                                                        tmp_path: Path) -> None:
     """After a backlog, many expired conversations wait for the evaluator while DuckDB works at its memory
@@ -335,6 +340,7 @@ def test_a_sweep_passes_over_expired_conversations_still_due_in_bounded_duckdb_m
         store.close()
 
 
+@pytest.mark.slow
 def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(make_daemon: Any,
                                                                              tmp_path: Path) -> None:
     """Above a few thousand spans/s ingestion never pauses, and retention runs on its share of the time

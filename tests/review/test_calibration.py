@@ -106,6 +106,7 @@ def write_csv(path: Path, rows: list[dict[str, str]]) -> None:
         w.writerows(rows)
 
 
+@pytest.mark.slow
 def test_a_spreadsheet_round_trip_then_calibrate(daemon: DaemonProcess, tmp_path: Path) -> None:
     cfg = str(daemon.config_path)
     out = tmp_path / "labels.csv"
@@ -187,6 +188,7 @@ def test_the_csv_has_no_byte_order_mark_unless_asked(daemon: DaemonProcess, tmp_
     assert res.returncode == 0 and f"{len(rows)} label(s) added" in res.stdout, res.stderr
 
 
+@pytest.mark.slow
 def test_a_second_rater_exports_what_others_labelled_and_never_their_labels(daemon: DaemonProcess,
                                                                             tmp_path: Path) -> None:
     cfg, out = str(daemon.config_path), tmp_path / "second.csv"
@@ -231,6 +233,7 @@ def test_cells_that_look_like_formulas_stay_text(tmp_path: Path) -> None:
     assert _uncell(_cell("-1 refund")) == "-1 refund" and _cell("plain") == "plain"
 
 
+@pytest.mark.slow
 def test_without_a_daemon_the_file_is_labelled_and_measured(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, review={"calibration_rate": 0.0})  # no items as it judges: --sample makes them
     try:

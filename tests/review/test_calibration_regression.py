@@ -157,6 +157,7 @@ def test_nothing_labelled_of_a_criterion_is_not_frozen(world: World) -> None:
     assert not world.set_path("empty").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_with_the_same_criteria_changes_nothing(world: World) -> None:
     res = cli(world, "calibrate", "--rerun", "live", "--json")
     assert res.returncode == 0, res.stderr
@@ -208,6 +209,7 @@ def test_rerun_of_an_unknown_set_names_the_ones_there(world: World) -> None:
     assert "Exit codes of --rerun" in cli(world, "calibrate", "--help").stdout
 
 
+@pytest.mark.slow
 def test_an_llm_rerun_through_the_anthropic_client_never_shows_the_labels(tmp_path: Path) -> None:
     """Offline: no daemon ever ran here and there is no DuckDB file, only the frozen set."""
     judge = RuleJudge()
@@ -313,6 +315,7 @@ def test_merged_calibration_is_of_the_union_of_the_labels() -> None:
     assert stats_of([_part(a), _part(None)], limit)["criteria"][0]["calibrated"] is None
 
 
+@pytest.mark.slow
 def test_judge_marks_the_criteria_of_a_calibration_file(world: World, tmp_path: Path) -> None:
     report = cli(world, "calibrate", "--json")
     assert report.returncode == 0, report.stderr

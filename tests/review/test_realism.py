@@ -200,6 +200,7 @@ def test_realism_labels_leave_the_judges_calibration_alone(daemon: DaemonProcess
     assert page.status == 200 and "Is the simulated user realistic?" in page.body and "claude-x" in page.body
 
 
+@pytest.mark.slow
 def test_without_a_daemon_the_file_samples_imports_and_gives_the_figure(tmp_path: Path) -> None:
     d = start(tmp_path)
     assert d.stop() == 0

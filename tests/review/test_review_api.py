@@ -218,6 +218,7 @@ def test_a_claimed_item_is_refused_to_a_second_reviewer(api: str, ids: dict[tupl
     assert mine.status == 200 and mine.json()["state"] == "confirmed" and mine.json()["claimed_by"] is None
 
 
+@pytest.mark.slow
 def test_the_cli_lists_the_queue_with_the_page_s_filters(judged: tuple[DaemonProcess, dict[tuple[str, str], int]],
                                                          ids: dict[tuple[str, str], int]) -> None:
     daemon = judged[0]
@@ -548,6 +549,7 @@ def test_the_sign_in_page_takes_the_token_typed_in(locked: tuple[DaemonProcess, 
     assert away.header("Location") == "/review"  # never sent elsewhere
 
 
+@pytest.mark.slow
 def test_a_reviewer_token_names_the_reviewer_of_every_decision(tmp_path: Path) -> None:
     ana = "ana-token-5e1b9c"
     daemon = start_daemon(tmp_path, api={"auth": {"bearer_token": TOKEN}},
@@ -610,6 +612,7 @@ def _columns_line_up(text: str, header: list[str], right: tuple[str, ...] = ()) 
     return lines
 
 
+@pytest.mark.slow
 def test_cli_shows_a_conversations_verdicts_through_the_daemon_and_on_the_file(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path)
     cfg = str(daemon.config_path)

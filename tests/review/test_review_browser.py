@@ -32,6 +32,8 @@ from ..support.review import (
     wait_items,
 )
 
+pytestmark = pytest.mark.slow  # each test drives a browser
+
 
 def shots(tmp_path: Path) -> Path:
     return REPO / "docs" if os.environ.get("TRACEJUDGE_SCREENSHOTS") == "1" else tmp_path

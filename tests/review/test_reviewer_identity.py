@@ -187,6 +187,7 @@ def test_the_page_records_the_token_s_reviewer_and_refuses_another_name(
     assert mine["label"] == "pass"
 
 
+@pytest.mark.slow
 def test_the_cli_decides_with_a_reviewer_token(named: tuple[DaemonProcess, dict[str, int]]) -> None:
     daemon, items = named
     item_id, cfg = str(items["id-named-6"]), str(daemon.config_path)
@@ -203,6 +204,7 @@ def test_the_cli_decides_with_a_reviewer_token(named: tuple[DaemonProcess, dict[
     assert [(h["reviewer"], h["state"]) for h in own] == [("carol", "rejected")]
 
 
+@pytest.mark.slow
 def test_without_a_daemon_the_cli_records_the_token_s_reviewer_on_the_file(tmp_path: Path) -> None:
     reviewers = [{"name": name, "token": token} for name, token in TOKENS.items()]
     daemon = start_daemon(tmp_path, review={"reviewers": reviewers})
@@ -282,6 +284,7 @@ def test_names_keep_their_letters_and_one_space_between_words() -> None:
 # --------------------------------------------------------------- what the daemon says at start-up
 
 
+@pytest.mark.slow
 def test_the_daemon_says_whose_names_decisions_carry(named: tuple[DaemonProcess, dict[str, int]],
                                                      typed: tuple[DaemonProcess, dict[str, int]],
                                                      tmp_path: Path) -> None:

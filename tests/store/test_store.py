@@ -268,6 +268,7 @@ def random_spans(n: int, rnd: random.Random) -> SpanBatch:
     return batch
 
 
+@pytest.mark.slow
 def test_a_store_of_many_spans_holds_no_index_of_them_in_duckdbs_memory(tmp_path: Path) -> None:
     """A primary key on the spans held its whole index in DuckDB's memory while rows went in: at 16 MB
     commits failed from 20,000 spans on (at 32 MB from 150,000). Only the newest records' keys are held now."""
@@ -338,6 +339,7 @@ _OLDER = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table", list(_OLDER))
 def test_a_stop_during_the_rebuild_of_an_older_file_leaves_it_whole_and_the_next_start_rebuilds_it(
         tmp_path: Path, table: str) -> None:
