@@ -22,7 +22,7 @@ from collector.forward.rewrite import THREAD_ATTRIBUTE, rewrite_all
 from collector.forward.send import BACKOFF, Answer, Connection, Counters, Rewriter, RewriteFailed, Sender
 from collector.metrics import Counter
 
-from ..support.daemon import pool_workers
+from ..support.daemon import pool_workers, wait_until
 from .test_forward import traces
 
 
@@ -129,9 +129,7 @@ def test_retries_back_off_with_jitter_and_wait_as_retry_after_says_up_to_5_minut
 
     async def send_all(sender: Sender) -> None:
         task = asyncio.create_task(sender.run())
-        async with asyncio.timeout(60):
-            while sender.queue.requests:
-                await asyncio.sleep(0.01)
+        await asyncio.to_thread(wait_until, lambda: not sender.queue.requests, "the queue to be sent")
         task.cancel()
 
     store = ForwardStore(tmp_path, [("raw", ("traces",), 1 << 30)])
