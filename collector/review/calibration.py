@@ -45,7 +45,7 @@ from ..evals.sampling import unit_hash
 from ..evals.simulated_user import REALISM, SimulatedUser
 from ..evals.simulations import present as simulations_present
 from ..evals.simulations import simulated_record
-from ..evals.verdicts import where_clause
+from ..evals.verdicts import not_live, where_clause
 from ..listing import iso_utc
 from ..names import clean_name, reviewer_key, spellings
 from ..store.transactions import Transaction, one, utc_now
@@ -399,12 +399,40 @@ def _of_judge(criterion: str | None) -> tuple[list[str], list[Any]]:
 
 def pairs(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> list[Pair]:
     """Every label beside the judge's current verdict on the same conversation and criterion (None when there
-    is none: the verdict was superseded and not judged again yet); never ``REALISM``'s."""
+    is none: the verdict was superseded and not judged again yet; a live verdict, judged while the conversation
+    was open, never counts); never ``REALISM``'s."""
+    return _pairs(cur, *_of_judge(criterion))
+
+
+NEWEST_ITEMS = 100
+"""How many labelled tasks ``newest_pairs`` takes without a window."""
+
+
+def newest_pairs(cur: duckdb.DuckDBPyConnection, criterion: str, *, since: dt.datetime | None = None,
+                 until: dt.datetime | None = None) -> list[Pair]:
+    """The labels of a criterion's most recently labelled tasks beside the judge's current verdict (as ``pairs``):
+    the tasks labelled from ``since`` and before ``until`` when ``since`` is given, else
+    the newest ``NEWEST_ITEMS`` tasks by their last label. Each task comes with all its labels, older ones
+    included, for its majority."""
     where, params = _of_judge(criterion)
+    if since is not None:
+        where.append("l.labelled_at >= ?")
+        params.append(since)
+    if until is not None:
+        where.append("l.labelled_at < ?")
+        params.append(until)
+    limit = "" if since is not None else f"ORDER BY max(l.labelled_at) DESC, i.id DESC LIMIT {NEWEST_ITEMS}"
+    return _pairs(cur, [f"i.id IN (SELECT i.id FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id "
+                        f"{where_clause(where)} GROUP BY i.id {limit})"], params)
+
+
+def _pairs(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any]) -> list[Pair]:
+    """The labels of the items (``i``) ``where`` keeps, each beside its current verdict."""
+    also = "".join(f" AND {clause}" for clause in not_live(cur, prefix="v."))
     rows = cur.execute(
         "SELECT i.criterion_id, i.conversation_id, l.reviewer, l.label, "
         "(SELECT v.result FROM verdicts v WHERE v.conversation_id = i.conversation_id "
-        " AND v.criterion_id = i.criterion_id AND NOT v.superseded ORDER BY v.seq DESC LIMIT 1) "
+        f" AND v.criterion_id = i.criterion_id AND NOT v.superseded{also} ORDER BY v.seq DESC LIMIT 1) "
         f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "
         "ORDER BY i.id, l.reviewer", params).fetchall()
     return [Pair(criterion_id=c, item=conv, reviewer=who, human=h, judge=j) for c, conv, who, h, j in rows]

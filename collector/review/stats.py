@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter, defaultdict
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import duckdb
 
-from judges import CriterionCalibration, Pair, calibrate, weighted_proportion
+from judges import CriterionCalibration, Pair, Proportion, calibrate, weighted_proportion
 
 from ..config import Review
 from ..evals import simulations
-from ..evals.verdicts import not_run_table, verdict_filters, verdicts_table, where_clause
+from ..evals.verdicts import not_live, not_run_table, verdict_filters, verdicts_table, where_clause
 from ..store.transactions import Transaction, one
 from . import calibration
 
@@ -75,10 +75,15 @@ class _Tally:
         }
 
 
-def _current(table: str, since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
-    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
+def _current(table: str, since: dt.datetime | None, criterion: str | None, *, until: dt.datetime | None = None,
+             also: list[str] | None = None) -> tuple[str, list[Any]]:
+    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest; judged
+    from ``since`` and before ``until``, and meeting ``also``."""
     where, params = verdict_filters(criterion=criterion, since=since)
-    where.append("NOT superseded")
+    where += ["NOT superseded", *(also or [])]
+    if until is not None:
+        where.append("judged_at < ?")
+        params.append(until)
     return (f"SELECT * FROM {table} {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
             "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
@@ -121,6 +126,32 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
         entries have ``group`` in place of the criterion's id, version and group, and neither.
     """
     return stats_of([stats_rows(cur, since=since, criterion=criterion, source=source)], max_false_pass)
+
+
+class Window(NamedTuple):
+    """The current production verdicts judged in a window (``window``)."""
+
+    judged: int
+    """Verdicts, whatever their result (a conversation counts once per criterion)."""
+    error: int
+    """Of them, judge errors."""
+    failure_rate: Proportion | None
+    """Weighted, among clean passes and fails, as ``stats`` gives it; None when there were none."""
+
+
+def window(cur: duckdb.DuckDBPyConnection, since: dt.datetime, until: dt.datetime,
+           criterion: str | None = None) -> Window:
+    """The current production verdicts (of ``criterion``, else of every criterion) judged from ``since`` and
+    before ``until``, counted as ``stats`` counts them (a monitor's reading); live verdicts, judged on
+    conversations still open, are left out."""
+    current, params = _current("verdicts", since, criterion, until=until, also=not_live(cur))
+    tally = _Tally()
+    # Sorted: the weighted sums then add up in one order, and a reading taken twice is the same.
+    for result, verified, flagged, p, n in cur.execute(
+            f"SELECT result, evidence_verified, flagged, inclusion_probability, count(*) FROM ({current}) "
+            "GROUP BY ALL ORDER BY ALL", params).fetchall():
+        tally.add(result, verified, flagged, None, p, None, n)
+    return Window(judged=tally.judged, error=tally.counts["error"], failure_rate=weighted_proportion(tally.pairs))
 
 
 def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,

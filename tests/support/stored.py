@@ -132,10 +132,12 @@ def write(path: Path, conversations: Sequence[StoredConversation], *,
 
 
 def verdict_row(conversation_id: str, criterion_id: str, result: str, *, version: int = 1,
-                superseded: bool = False, sha: str = "0" * 64) -> dict[str, Any]:
+                superseded: bool = False, sha: str = "0" * 64, **columns: Any) -> dict[str, Any]:
+    """A verdict's columns; ``columns`` set others (``judged_at``, ``inclusion_probability``...)."""
     key = f"{conversation_id}/{criterion_id}/{version}/{sha}/{superseded}"
     return {"id": key, "conversation_id": conversation_id, "criterion_id": criterion_id,
             "criterion_version": version, "judge_provider": "code", "judge_model": "code",
             "transcript_sha256": sha, "result": result, "error_reason": None, "reasoning": "r", "evidence": "[]",
             "evidence_verified": True, "flagged": False, "input_tokens": 0, "output_tokens": 0, "raw_reply": "",
-            "inclusion_probability": 1.0, "sampling_rule": "default", "judged_at": T0, "superseded": superseded}
+            "inclusion_probability": 1.0, "sampling_rule": "default", "judged_at": T0, "superseded": superseded,
+            **columns}

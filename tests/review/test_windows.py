@@ -1,0 +1,87 @@
+"""What monitors read: the current verdicts judged in a window, counted and weighted as `stats` counts them, and
+the newest blind labels of a criterion beside the judge's verdicts."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import duckdb
+
+from collector.evals.verdicts import VERDICT_COLUMNS
+from collector.review import calibration
+from collector.review.stats import window
+from judges import Pair, weighted_proportion
+
+from ..support.stored import T0, create_store, verdict_row, write
+
+MINUTE = dt.timedelta(minutes=1)
+HOUR = dt.timedelta(hours=1)
+
+
+def test_a_window_counts_the_current_verdicts_judged_in_it_each_weighted_by_its_inclusion_probability(
+        tmp_path: Path) -> None:
+    path = tmp_path / "t.duckdb"
+    create_store(path)
+    write(path, [], verdicts=[
+        verdict_row("c1", "k", "fail", judged_at=T0 + 10 * MINUTE, inclusion_probability=0.5),
+        verdict_row("c2", "k", "pass", judged_at=T0 + 20 * MINUTE),
+        verdict_row("c3", "k", "error", judged_at=T0 + 30 * MINUTE, error_reason="timeout: no reply"),
+        verdict_row("c4", "k", "not_applicable", judged_at=T0 + 40 * MINUTE),
+        verdict_row("c5", "k", "pass", judged_at=T0 + 50 * MINUTE, evidence_verified=False),  # kept out of the rate
+        verdict_row("c6", "k", "fail", judged_at=T0 - MINUTE),  # before the window
+        verdict_row("c7", "k", "fail", judged_at=T0 + HOUR),  # at its end: the next window's
+        verdict_row("c8", "k", "fail", judged_at=T0 + MINUTE, superseded=True),  # an older transcript's
+        verdict_row("c9", "other", "fail", judged_at=T0 + MINUTE),
+    ])
+    with duckdb.connect(str(path)) as cur:
+        w = window(cur, T0, T0 + HOUR, "k")
+        assert (w.judged, w.error) == (5, 1)
+        assert w.failure_rate == weighted_proportion([(True, 2.0), (False, 1.0)])
+        assert window(cur, T0, T0 + HOUR).judged == 6  # every criterion
+        assert window(cur, T0 + 2 * HOUR, T0 + 3 * HOUR, "k") == (0, 0, None)
+
+
+def test_live_verdicts_never_count_once_the_store_has_them(tmp_path: Path) -> None:
+    path = tmp_path / "t.duckdb"
+    create_store(path)
+    write(path, [], verdicts=[verdict_row("c1", "k", "pass", judged_at=T0 + MINUTE)])
+    with duckdb.connect(str(path)) as cur:
+        cur.execute("ALTER TABLE verdicts ADD COLUMN live BOOLEAN")
+        live = verdict_row("c2", "k", "fail", judged_at=T0 + MINUTE)
+        cur.execute(f"INSERT INTO verdicts ({', '.join(VERDICT_COLUMNS)}, seq, live) VALUES "
+                    f"({', '.join('?' for _ in VERDICT_COLUMNS)}, 9, true)", [live[c] for c in VERDICT_COLUMNS])
+        w = window(cur, T0, T0 + HOUR, "k")
+        assert w.judged == 1 and w.failure_rate is not None and w.failure_rate.count == 0
+
+
+def _label(cur: duckdb.DuckDBPyConnection, conversation: str, criterion: str, label: str, at: dt.datetime,
+           reviewer: str = "ana") -> None:
+    cur.execute("INSERT INTO calibration_items SELECT nextval('calibration_item_seq'), ?, ?, ? WHERE NOT EXISTS "
+                "(SELECT 1 FROM calibration_items WHERE conversation_id = ? AND criterion_id = ?)",
+                [conversation, criterion, at, conversation, criterion])
+    [(item,)] = cur.execute("SELECT id FROM calibration_items WHERE conversation_id = ? AND criterion_id = ?",
+                            [conversation, criterion]).fetchall()
+    calibration.label(cur, item, label, reviewer, now=at)
+
+
+def test_the_newest_labels_are_those_of_the_window_or_else_of_the_newest_labelled_tasks(tmp_path: Path) -> None:
+    path = tmp_path / "t.duckdb"
+    create_store(path)
+    n = calibration.NEWEST_ITEMS + 20
+    write(path, [], verdicts=[verdict_row(f"c{i}", "k", "pass") for i in range(n)])
+    with duckdb.connect(str(path)) as cur:
+        for i in range(n):
+            _label(cur, f"c{i}", "k", "pass", T0 + i * MINUTE)
+        _label(cur, "c0", "k", "fail", T0 + n * MINUTE, reviewer="bo")  # a second rater, lately, on the oldest
+        _label(cur, "c1", "other", "fail", T0 + n * MINUTE)
+
+        newest = calibration.newest_pairs(cur, "k")
+        items = {p.item for p in newest}
+        assert len(items) == calibration.NEWEST_ITEMS
+        assert "c0" in items and "c1" not in items  # by each task's last label
+        assert [p for p in newest if p.item == "c0"] == [Pair("k", "c0", "ana", "pass", "pass"),
+                                                         Pair("k", "c0", "bo", "fail", "pass")]
+
+        recent = calibration.newest_pairs(cur, "k", since=T0 + (n - 5) * MINUTE, until=T0 + n * MINUTE)
+        assert sorted(p.item for p in recent) == [f"c{i}" for i in range(n - 5, n)]
