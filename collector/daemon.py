@@ -38,6 +38,7 @@ from aiohttp import web
 
 from judges import Criterion, Provider, set_check_workers
 
+from .alerts import store as alerts_store
 from .api.app import API
 from .background import Stage
 from .config import Config, is_loopback
@@ -284,6 +285,7 @@ class Daemon:
             cur = store.cursor()
             try:
                 review_queue.ensure_schema(cur)  # before the evaluator, which opens items as it stores
+                alerts_store.ensure_schema(cur)  # before every stage that may fire one
             finally:
                 cur.close()
             set_check_workers(cfg.judges.check_workers)  # the process's pool: the daemon's to size
