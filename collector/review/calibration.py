@@ -405,25 +405,17 @@ def pairs(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> list[
 
 
 NEWEST_ITEMS = 100
-"""How many labelled tasks ``newest_pairs`` takes without a window."""
+"""How many labelled tasks ``newest_pairs`` takes: enough for kappa to tell, few enough that a judge (or a
+kind of traffic) that changed shows within a hundred labels."""
 
 
-def newest_pairs(cur: duckdb.DuckDBPyConnection, criterion: str, *, since: dt.datetime | None = None,
-                 until: dt.datetime | None = None) -> list[Pair]:
-    """The labels of a criterion's most recently labelled tasks beside the judge's current verdict (as ``pairs``):
-    the tasks labelled from ``since`` and before ``until`` when ``since`` is given, else
-    the newest ``NEWEST_ITEMS`` tasks by their last label. Each task comes with all its labels, older ones
-    included, for its majority."""
+def newest_pairs(cur: duckdb.DuckDBPyConnection, criterion: str) -> list[Pair]:
+    """The labels of a criterion's newest ``NEWEST_ITEMS`` labelled tasks (by their last label) beside the judge's
+    current verdict, as ``pairs``; each task with all its labels, older ones included, for its majority."""
     where, params = _of_judge(criterion)
-    if since is not None:
-        where.append("l.labelled_at >= ?")
-        params.append(since)
-    if until is not None:
-        where.append("l.labelled_at < ?")
-        params.append(until)
-    limit = "" if since is not None else f"ORDER BY max(l.labelled_at) DESC, i.id DESC LIMIT {NEWEST_ITEMS}"
     return _pairs(cur, [f"i.id IN (SELECT i.id FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id "
-                        f"{where_clause(where)} GROUP BY i.id {limit})"], params)
+                        f"{where_clause(where)} GROUP BY i.id ORDER BY max(l.labelled_at) DESC, i.id DESC "
+                        f"LIMIT {NEWEST_ITEMS})"], params)
 
 
 def _pairs(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any]) -> list[Pair]:
