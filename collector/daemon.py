@@ -2,8 +2,8 @@
 
 Start: refuse if a daemon already serves this DuckDB file, open the store
 (a damaged file stops the start with one line naming it), start the
-conversation, eval and retention stages (then any a downstream package adds: `serve` adds
-replay's scenarios stage), bind every listener, write the runtime file,
+conversation, eval and retention stages, the monitors' when ``alerts.monitors`` has any (then any a
+downstream package adds: `serve` adds replay's scenarios stage), bind every listener, write the runtime file,
 print where to look.
 Stop (SIGTERM or SIGINT, see ``shutdown``; a second signal changes nothing):
 stop intake on every listener at once (in-flight requests still get their
@@ -39,6 +39,7 @@ from aiohttp import web
 from judges import Criterion, Provider, set_check_workers
 
 from .alerts import store as alerts_store
+from .alerts.monitors import Monitors
 from .api.app import API
 from .background import Stage
 from .config import Config, is_loopback
@@ -295,6 +296,10 @@ class Daemon:
             evaluator.start()
             parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
             retention.start()
+            if cfg.alerts.monitors:
+                monitors = Monitors(store, cfg.alerts.monitors, metrics)
+                parts.extra.append(monitors)
+                monitors.start()
             for make in self.extra_stages:
                 stage = make(store, cfg, metrics)
                 parts.extra.append(stage)

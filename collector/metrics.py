@@ -74,6 +74,11 @@ class Gauge(_Instrument):
         with self._lock:
             self._values[self._key(labels)] = value
 
+    def remove(self, **labels: str) -> None:
+        """Drop this label set from /metrics: a value that cannot be had now is absent, never a stale one."""
+        with self._lock:
+            self._values.pop(self._key(labels), None)
+
 
 class Histogram(_Instrument):
     kind = "histogram"

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import duckdb
 
-from collector.evals.verdicts import VERDICT_COLUMNS
 from collector.review import calibration
 from collector.review.stats import window
 from judges import Pair, weighted_proportion
 
-from ..support.stored import T0, create_store, verdict_row, write
+from ..support.stored import T0, add_verdicts, create_store, label, verdict_row, write
 
 MINUTE = dt.timedelta(minutes=1)
 HOUR = dt.timedelta(hours=1)
@@ -48,21 +47,10 @@ def test_live_verdicts_never_count_once_the_store_has_them(tmp_path: Path) -> No
     write(path, [], verdicts=[verdict_row("c1", "k", "pass", judged_at=T0 + MINUTE)])
     with duckdb.connect(str(path)) as cur:
         cur.execute("ALTER TABLE verdicts ADD COLUMN live BOOLEAN")
-        live = verdict_row("c2", "k", "fail", judged_at=T0 + MINUTE)
-        cur.execute(f"INSERT INTO verdicts ({', '.join(VERDICT_COLUMNS)}, seq, live) VALUES "
-                    f"({', '.join('?' for _ in VERDICT_COLUMNS)}, 9, true)", [live[c] for c in VERDICT_COLUMNS])
+        add_verdicts(cur, [{"conversation_id": "c2", "criterion_id": "k", "result": "fail", "judged_at": T0 + MINUTE,
+                            "live": True}])
         w = window(cur, T0, T0 + HOUR, "k")
         assert w.judged == 1 and w.failure_rate is not None and w.failure_rate.count == 0
-
-
-def _label(cur: duckdb.DuckDBPyConnection, conversation: str, criterion: str, label: str, at: dt.datetime,
-           reviewer: str = "ana") -> None:
-    cur.execute("INSERT INTO calibration_items SELECT nextval('calibration_item_seq'), ?, ?, ? WHERE NOT EXISTS "
-                "(SELECT 1 FROM calibration_items WHERE conversation_id = ? AND criterion_id = ?)",
-                [conversation, criterion, at, conversation, criterion])
-    [(item,)] = cur.execute("SELECT id FROM calibration_items WHERE conversation_id = ? AND criterion_id = ?",
-                            [conversation, criterion]).fetchall()
-    calibration.label(cur, item, label, reviewer, now=at)
 
 
 def test_the_newest_labels_are_those_of_the_newest_labelled_tasks_each_with_all_its_labels(tmp_path: Path) -> None:
@@ -72,9 +60,9 @@ def test_the_newest_labels_are_those_of_the_newest_labelled_tasks_each_with_all_
     write(path, [], verdicts=[verdict_row(f"c{i}", "k", "pass") for i in range(n)])
     with duckdb.connect(str(path)) as cur:
         for i in range(n):
-            _label(cur, f"c{i}", "k", "pass", T0 + i * MINUTE)
-        _label(cur, "c0", "k", "fail", T0 + n * MINUTE, reviewer="bo")  # a second rater, lately, on the oldest
-        _label(cur, "c1", "other", "fail", T0 + n * MINUTE)
+            label(cur, f"c{i}", "k", "pass", T0 + i * MINUTE)
+        label(cur, "c0", "k", "fail", T0 + n * MINUTE, reviewer="bo")  # a second rater, lately, on the oldest
+        label(cur, "c1", "other", "fail", T0 + n * MINUTE)
 
         newest = calibration.newest_pairs(cur, "k")
         items = {p.item for p in newest}
