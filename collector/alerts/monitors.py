@@ -7,7 +7,8 @@ daemon's clock (UTC), with the statistics ``tracejudge stats`` and
 - ``failure_rate``: the criterion's failure rate over the last ``window``
   (``stats.window``: the current production verdicts judged in it, clean passes
   and fails, each weighing 1 / its inclusion probability, with the 95% Wilson
-  interval of the effective sample size). It fires when the interval's low end
+  interval of the effective sample size; never live verdicts, which ``stats``
+  leaves out). It fires when the interval's low end
   is above ``above`` and resolves once its high end is below it; in between it
   stays as it was, so a rate hovering at the threshold pages once.
 - ``judge_errors``: the share of ``error`` among the current verdicts judged in
@@ -103,7 +104,7 @@ def read(cur: duckdb.DuckDBPyConnection, monitor: Monitor, now: dt.datetime) -> 
     if monitor.kind == "judge_agreement":
         return _agreement(cur, monitor)
     assert monitor.window is not None and monitor.above is not None  # the config requires them for these kinds
-    w = window(cur, now - dt.timedelta(seconds=monitor.window), now, monitor.criterion)
+    w = window(cur, now - dt.timedelta(seconds=monitor.window), monitor.criterion)
     if monitor.kind == "failure_rate":
         rate = w.failure_rate
         if rate is None:

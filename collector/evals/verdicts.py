@@ -464,13 +464,5 @@ def verdict_filters(*, result: str | None = None, criterion: str | None = None, 
     return where, params
 
 
-def not_live(cur: duckdb.DuckDBPyConnection, table: str = "verdicts", prefix: str = "") -> list[str]:
-    """The WHERE clause that leaves out live verdicts (judged on a conversation still open, ``live``), for a
-    store whose ``table`` has them; none for one without the column."""
-    found = one(cur.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = ? "
-                            "AND column_name = 'live'", [table]))
-    return [f"NOT coalesce({prefix}live, false)"] if found and found[0] else []
-
-
 def where_clause(where: list[str]) -> str:
     return "WHERE " + " AND ".join(where) if where else ""

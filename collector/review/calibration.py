@@ -45,7 +45,7 @@ from ..evals.sampling import unit_hash
 from ..evals.simulated_user import REALISM, SimulatedUser
 from ..evals.simulations import present as simulations_present
 from ..evals.simulations import simulated_record
-from ..evals.verdicts import not_live, where_clause
+from ..evals.verdicts import where_clause
 from ..listing import iso_utc
 from ..names import clean_name, reviewer_key, spellings
 from ..store.transactions import Transaction, one, utc_now
@@ -399,9 +399,15 @@ def _of_judge(criterion: str | None) -> tuple[list[str], list[Any]]:
 
 def pairs(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> list[Pair]:
     """Every label beside the judge's current verdict on the same conversation and criterion (None when there
-    is none: the verdict was superseded and not judged again yet; a live verdict, judged while the conversation
-    was open, never counts); never ``REALISM``'s."""
-    return _pairs(cur, *_of_judge(criterion))
+    is none: the verdict was superseded and not judged again yet); never ``REALISM``'s."""
+    where, params = _of_judge(criterion)
+    rows = cur.execute(
+        "SELECT i.criterion_id, i.conversation_id, l.reviewer, l.label, "
+        "(SELECT v.result FROM verdicts v WHERE v.conversation_id = i.conversation_id "
+        " AND v.criterion_id = i.criterion_id AND NOT v.superseded ORDER BY v.seq DESC LIMIT 1) "
+        f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "
+        "ORDER BY i.id, l.reviewer", params).fetchall()
+    return [Pair(criterion_id=c, item=conv, reviewer=who, human=h, judge=j) for c, conv, who, h, j in rows]
 
 
 NEWEST_ITEMS = 100
@@ -411,23 +417,13 @@ kind of traffic) that changed shows within a hundred labels."""
 
 def newest_pairs(cur: duckdb.DuckDBPyConnection, criterion: str) -> list[Pair]:
     """The labels of a criterion's newest ``NEWEST_ITEMS`` labelled tasks (by their last label) beside the judge's
-    current verdict, as ``pairs``; each task with all its labels, older ones included, for its majority."""
-    where, params = _of_judge(criterion)
-    return _pairs(cur, [f"i.id IN (SELECT i.id FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id "
-                        f"{where_clause(where)} GROUP BY i.id ORDER BY max(l.labelled_at) DESC, i.id DESC "
-                        f"LIMIT {NEWEST_ITEMS})"], params)
-
-
-def _pairs(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any]) -> list[Pair]:
-    """The labels of the items (``i``) ``where`` keeps, each beside its current verdict."""
-    also = "".join(f" AND {clause}" for clause in not_live(cur, prefix="v."))
-    rows = cur.execute(
-        "SELECT i.criterion_id, i.conversation_id, l.reviewer, l.label, "
-        "(SELECT v.result FROM verdicts v WHERE v.conversation_id = i.conversation_id "
-        f" AND v.criterion_id = i.criterion_id AND NOT v.superseded{also} ORDER BY v.seq DESC LIMIT 1) "
-        f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "
-        "ORDER BY i.id, l.reviewer", params).fetchall()
-    return [Pair(criterion_id=c, item=conv, reviewer=who, human=h, judge=j) for c, conv, who, h, j in rows]
+    current verdict, as ``pairs`` gives them; each task with all its labels, older ones included, for its
+    majority."""
+    newest = {conv for (conv,) in cur.execute(
+        "SELECT i.conversation_id FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id "
+        "WHERE i.criterion_id = ? GROUP BY i.conversation_id ORDER BY max(l.labelled_at) DESC, "
+        "i.conversation_id DESC LIMIT ?", [criterion, NEWEST_ITEMS]).fetchall()}
+    return [p for p in pairs(cur, criterion) if p.item in newest]
 
 
 def report(cur: duckdb.DuckDBPyConnection, criterion: str | None, max_false_pass: float) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from judges import CriterionCalibration, Pair, Proportion, calibrate, weighted_p
 
 from ..config import Review
 from ..evals import simulations
-from ..evals.verdicts import not_live, not_run_table, verdict_filters, verdicts_table, where_clause
+from ..evals.verdicts import not_run_table, verdict_filters, verdicts_table, where_clause
 from ..store.transactions import Transaction, one
 from . import calibration
 
@@ -75,15 +75,10 @@ class _Tally:
         }
 
 
-def _current(table: str, since: dt.datetime | None, criterion: str | None, *, until: dt.datetime | None = None,
-             also: list[str] | None = None) -> tuple[str, list[Any]]:
-    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest; judged
-    from ``since`` and before ``until``, and meeting ``also``."""
+def _current(table: str, since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
+    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
     where, params = verdict_filters(criterion=criterion, since=since)
-    where += ["NOT superseded", *(also or [])]
-    if until is not None:
-        where.append("judged_at < ?")
-        params.append(until)
+    where.append("NOT superseded")
     return (f"SELECT * FROM {table} {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
             "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
@@ -129,7 +124,7 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
 
 
 class Window(NamedTuple):
-    """The current production verdicts judged in a window (``window``)."""
+    """The current production verdicts judged since a time (``window``)."""
 
     judged: int
     """Verdicts, whatever their result (a conversation counts once per criterion)."""
@@ -139,12 +134,10 @@ class Window(NamedTuple):
     """Weighted, among clean passes and fails, as ``stats`` gives it; None when there were none."""
 
 
-def window(cur: duckdb.DuckDBPyConnection, since: dt.datetime, until: dt.datetime,
-           criterion: str | None = None) -> Window:
-    """The current production verdicts (of ``criterion``, else of every criterion) judged from ``since`` and
-    before ``until``, counted as ``stats`` counts them (a monitor's reading); live verdicts, judged on
-    conversations still open, are left out."""
-    current, params = _current("verdicts", since, criterion, until=until, also=not_live(cur))
+def window(cur: duckdb.DuckDBPyConnection, since: dt.datetime, criterion: str | None = None) -> Window:
+    """The current production verdicts (of ``criterion``, else of every criterion) judged at or after ``since``,
+    counted and weighted as ``stats`` counts them: what a monitor reads over its window."""
+    current, params = _current("verdicts", since, criterion)
     tally = _Tally()
     # Sorted: the weighted sums then add up in one order, and a reading taken twice is the same.
     for result, verified, flagged, p, n in cur.execute(

@@ -134,14 +134,11 @@ def test_a_failure_rate_fires_once_per_episode_holds_between_the_bounds_and_reso
     assert len({a["key"] for a in all_alerts(store)}) == 2
 
 
-def test_the_rate_is_weighted_by_inclusion_probability_and_live_verdicts_never_count(store: Store) -> None:
-    s = stage(store, Clock(T0 + HOUR), RATE)
-    judged(store, 0, {"pass": 50})
-    judged(store, 0, {"fail": 3}, inclusion_probability=0.1)  # each stands for ten conversations
-    cur = store.cursor()
-    cur.execute("ALTER TABLE verdicts ADD COLUMN live BOOLEAN")
-    cur.close()
-    judged(store, 0, {"fail": 50}, live=True)  # judged while their conversations were open
+def test_the_rate_is_weighted_by_inclusion_probability_over_the_window_only(store: Store) -> None:
+    s = stage(store, Clock(T0 + 2 * HOUR), RATE)
+    judged(store, 0, {"fail": 50})  # an hour before the window
+    judged(store, 1, {"pass": 50})
+    judged(store, 1, {"fail": 3}, inclusion_probability=0.1)  # each stands for ten conversations
     measure = s.evaluate()["failure_rate:red-flags"].measures["failure_rate"]
     expected = weighted_proportion([(False, 1.0)] * 50 + [(True, 10.0)] * 3)
     assert expected is not None and measure.estimate == pytest.approx(expected.estimate)  # 30 of 80, not 3 of 53

@@ -1,4 +1,4 @@
-"""What monitors read: the current verdicts judged in a window, counted and weighted as `stats` counts them, and
+"""What monitors read: the current verdicts judged since a time, counted and weighted as `stats` counts them, and
 the newest blind labels of a criterion beside the judge's verdicts."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from collector.review import calibration
 from collector.review.stats import window
 from judges import Pair, weighted_proportion
 
-from ..support.stored import T0, add_verdicts, create_store, label, verdict_row, write
+from ..support.stored import T0, create_store, label, verdict_row, write
 
 MINUTE = dt.timedelta(minutes=1)
 HOUR = dt.timedelta(hours=1)
 
 
-def test_a_window_counts_the_current_verdicts_judged_in_it_each_weighted_by_its_inclusion_probability(
+def test_a_window_counts_the_current_verdicts_judged_since_its_start_each_weighted_by_its_inclusion_probability(
         tmp_path: Path) -> None:
     path = tmp_path / "t.duckdb"
     create_store(path)
@@ -29,28 +29,15 @@ def test_a_window_counts_the_current_verdicts_judged_in_it_each_weighted_by_its_
         verdict_row("c4", "k", "not_applicable", judged_at=T0 + 40 * MINUTE),
         verdict_row("c5", "k", "pass", judged_at=T0 + 50 * MINUTE, evidence_verified=False),  # kept out of the rate
         verdict_row("c6", "k", "fail", judged_at=T0 - MINUTE),  # before the window
-        verdict_row("c7", "k", "fail", judged_at=T0 + HOUR),  # at its end: the next window's
         verdict_row("c8", "k", "fail", judged_at=T0 + MINUTE, superseded=True),  # an older transcript's
         verdict_row("c9", "other", "fail", judged_at=T0 + MINUTE),
     ])
     with duckdb.connect(str(path)) as cur:
-        w = window(cur, T0, T0 + HOUR, "k")
+        w = window(cur, T0, "k")
         assert (w.judged, w.error) == (5, 1)
         assert w.failure_rate == weighted_proportion([(True, 2.0), (False, 1.0)])
-        assert window(cur, T0, T0 + HOUR).judged == 6  # every criterion
-        assert window(cur, T0 + 2 * HOUR, T0 + 3 * HOUR, "k") == (0, 0, None)
-
-
-def test_live_verdicts_never_count_once_the_store_has_them(tmp_path: Path) -> None:
-    path = tmp_path / "t.duckdb"
-    create_store(path)
-    write(path, [], verdicts=[verdict_row("c1", "k", "pass", judged_at=T0 + MINUTE)])
-    with duckdb.connect(str(path)) as cur:
-        cur.execute("ALTER TABLE verdicts ADD COLUMN live BOOLEAN")
-        add_verdicts(cur, [{"conversation_id": "c2", "criterion_id": "k", "result": "fail", "judged_at": T0 + MINUTE,
-                            "live": True}])
-        w = window(cur, T0, T0 + HOUR, "k")
-        assert w.judged == 1 and w.failure_rate is not None and w.failure_rate.count == 0
+        assert window(cur, T0).judged == 6  # every criterion
+        assert window(cur, T0 + HOUR, "k") == (0, 0, None)
 
 
 def test_the_newest_labels_are_those_of_the_newest_labelled_tasks_each_with_all_its_labels(tmp_path: Path) -> None:
