@@ -167,14 +167,14 @@ def summary(monitor: Monitor, reading: Reading) -> str:
 
 
 def payload(monitor: Monitor, reading: Reading) -> dict[str, Any]:
-    """What an alert of ``monitor`` carries: the monitor, its settings, the values with their intervals and
-    thresholds, the counts behind them, and the summary."""
+    """What an alert of ``monitor`` carries: the summary first (a Slack message shows the first keys), the
+    monitor and its settings, the values with their intervals and thresholds, and the counts behind them."""
     return {
-        "monitor": monitor.name, "kind": monitor.kind, "criterion": monitor.criterion,
-        "window_seconds": monitor.window,
+        "summary": summary(monitor, reading), "monitor": monitor.name, "kind": monitor.kind,
+        "criterion": monitor.criterion, "window_seconds": monitor.window,
         "measures": {k: {"estimate": m.estimate, "low": m.low, "high": m.high, "threshold": m.threshold}
                      for k, m in reading.measures.items()},
-        "counts": reading.counts, "summary": summary(monitor, reading),
+        "counts": reading.counts,
     }
 
 

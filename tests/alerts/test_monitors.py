@@ -1,6 +1,6 @@
 """Monitors on a real store with a clock of the test's: a failure rate that fires once per episode and resolves,
 hysteresis between the interval's ends, too few verdicts deciding nothing, judge errors, judge agreement on the
-newest blind labels, and episodes that outlive a restart."""
+newest blind labels, and episodes that outlive a restart; then a daemon whose monitor's alert reaches a webhook."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pytest
 
 from collector.alerts import store as alerts
@@ -20,7 +21,9 @@ from collector.metrics import Metrics
 from collector.store import Store
 from judges import weighted_proportion
 
+from ..support.daemon import DaemonProcess, base_config, wait_until
 from ..support.stored import T0, add_verdicts, create_store, label
+from ..support.webhooks import Receiver
 
 HOUR = dt.timedelta(hours=1)
 RATE = Monitor(kind="failure_rate", criterion="red-flags", window="1h", above=0.05)
@@ -237,3 +240,29 @@ def test_judge_agreement_fires_when_the_newest_blind_labels_start_disagreeing(st
         f'tracejudge_monitor_value{{bound="{b}",measure="{m}",monitor="judge_agreement:red-flags"}}'
         for b in ("estimate", "low", "high") for m in ("false_pass", "kappa")}
     assert s.evaluate()["judge_agreement:red-flags"].measures["kappa"] == reading.measures["kappa"]  # seeded
+
+
+@pytest.mark.slow
+def test_a_daemon_s_monitor_fires_to_the_webhooks_and_shows_on_metrics(tmp_path: Path) -> None:
+    db = tmp_path / "tracejudge.duckdb"
+    create_store(db)
+    recently = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=10)
+    with duckdb.connect(str(db)) as cur:
+        add_verdicts(cur, [{"conversation_id": f"c{n}", "criterion_id": "red-flags", "result": result,
+                            "judged_at": recently} for n, result in enumerate(["fail"] * 30 + ["pass"] * 70)])
+    receiver = Receiver()
+    try:
+        daemon = DaemonProcess(tmp_path, base_config(tmp_path, alerts={
+            "webhooks": [{"url": receiver.url, "events": ["failure_rate"]}],
+            "monitors": [{"kind": "failure_rate", "criterion": "red-flags", "window": "1h", "above": 0.05}]})).start()
+        (posted,) = wait_until(receiver.received, "the monitor's alert at the webhook")
+        assert posted.headers["x-tracejudge-event"] == "failure_rate"
+        body = json.loads(posted.body)
+        assert body["state"] == "open" and body["monitor"] == "failure_rate:red-flags"
+        assert body["measures"]["failure_rate"]["estimate"] == pytest.approx(0.3)
+        assert daemon.metric('tracejudge_monitor_firing{monitor="failure_rate:red-flags"}') == 1
+        assert daemon.metric('tracejudge_monitor_value{bound="estimate",measure="failure_rate",'
+                             'monitor="failure_rate:red-flags"}') == pytest.approx(0.3)
+        daemon.stop()
+    finally:
+        receiver.close()
