@@ -2,8 +2,8 @@
 
 Start: refuse if a daemon already serves this DuckDB file, open the store
 (a damaged file stops the start with one line naming it), start the
-conversation, eval and retention stages, the monitors' when ``alerts.monitors`` has any (then any a
-downstream package adds: `serve` adds replay's scenarios stage), bind every listener, write the runtime file,
+conversation, eval and retention stages, the alerts' and the monitors' (then any a downstream package
+adds: `serve` adds replay's scenarios stage), bind every listener, write the runtime file,
 print where to look.
 Stop (SIGTERM or SIGINT, see ``shutdown``; a second signal changes nothing):
 stop intake on every listener at once (in-flight requests still get their
@@ -300,10 +300,9 @@ class Daemon:
             delivery = AlertDelivery(store, metrics, cfg.alerts.webhooks)
             parts.extra.append(delivery)
             delivery.start()
-            if cfg.alerts.monitors:
-                monitors = Monitors(store, cfg.alerts.monitors, metrics)
-                parts.extra.append(monitors)
-                monitors.start()
+            monitors = Monitors(store, cfg.alerts.monitors, metrics)  # also with none: it resolves removed ones'
+            parts.extra.append(monitors)
+            monitors.start()
             for make in self.extra_stages:
                 stage = make(store, cfg, metrics)
                 parts.extra.append(stage)

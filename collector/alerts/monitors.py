@@ -31,7 +31,8 @@ An episode is the time from firing to resolving. Its alert (type: the kind) has
 the key ``monitor:<name>:<when it fired>``, so a later episode alerts again, and
 the firing and the episode's state (``monitor_state``) are committed together:
 a restart never fires an open episode again. A monitor removed from the config
-has its open episode resolved at the next start.
+has its open episode resolved at the next start (the stage runs without any
+monitor for that).
 
 /metrics: ``tracejudge_monitor_value{monitor,measure,bound}`` (``estimate``,
 ``low``, ``high``), ``tracejudge_monitor_threshold{monitor,measure}`` and
@@ -242,8 +243,9 @@ class Monitors(Stage):
             log.info("monitor %s is no longer configured: its open alert is resolved", name)
         for name in names:
             self.m.firing.set(1 if name in self.episodes else 0, monitor=name)
-        log.info("monitors read every %s: %s%s", duration_text(self.interval), ", ".join(sorted(names)),
-                 f"; firing since before this start: {', '.join(sorted(self.episodes))}" if self.episodes else "")
+        if names:
+            log.info("monitors read every %s: %s%s", duration_text(self.interval), ", ".join(sorted(names)),
+                     f"; firing since before this start: {', '.join(sorted(self.episodes))}" if self.episodes else "")
 
     def _run(self) -> None:
         self.run_cycles(self._cycle, "reading the monitors failed", self.interval)
