@@ -16,3 +16,7 @@ ALERT_TYPES: tuple[AlertType, ...] = get_args(AlertType)
 AlertState = Literal["open", "acknowledged", "resolved"]
 ALERT_STATES: tuple[AlertState, ...] = get_args(AlertState)
 """open (nobody has acknowledged it), acknowledged (someone looks at it), resolved (its cause went away)."""
+TITLES: dict[str, str] = {
+    "live_failure": "Live failure", "failure_rate": "Failure rate above its threshold",
+    "judge_agreement": "Judge disagrees with people", "judge_errors": "Judge errors above their threshold"}
+"""Each type as people read it (Slack messages, the review page)."""

@@ -36,7 +36,7 @@ from ..store.transactions import Transaction, one, utc_now
 from . import ALERT_STATES, ALERT_TYPES
 
 __all__ = ["ALERT_STATES", "ALERT_TYPES", "AlertConflict", "AlertError", "AlertNotFound", "acknowledge", "alert",
-           "ensure_schema", "fire", "list_alerts", "resolve"]
+           "check_state", "ensure_schema", "fire", "list_alerts", "resolve"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS alerts (
@@ -198,12 +198,17 @@ def list_alerts(cur: duckdb.DuckDBPyConnection, *, state: str = "open", limit: i
     Raises:
         AlertError: an unknown state.
     """
-    if state not in (*ALERT_STATES, "all"):
-        raise AlertError(f"state must be {', '.join(ALERT_STATES)} or all, not {state!r}")
+    check_state(state)
     where = "" if state == "all" else "WHERE state = ?"
     rows = cur.execute(f"SELECT {_COLUMNS} FROM alerts {where} ORDER BY fired_at DESC, id LIMIT ?",
                        [*([] if state == "all" else [state]), limit]).fetchall()
     return _with_deliveries(cur, rows)
+
+
+def check_state(state: str) -> None:
+    """Raises AlertError unless ``state`` is one of ``ALERT_STATES`` or ``all``."""
+    if state not in (*ALERT_STATES, "all"):
+        raise AlertError(f"state must be {', '.join(ALERT_STATES)} or all, not {state!r}")
 
 
 def alert(cur: duckdb.DuckDBPyConnection, alert_id: str) -> dict[str, Any] | None:

@@ -11,22 +11,21 @@ send (a secret changed between restarts signs what is still pending).
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import socket
 from importlib.metadata import version
 from typing import Any
 from urllib.parse import quote
 
+from ..auth import signature
 from ..config import Config, Webhook, split_host
 from ..runtime import RuntimeInfo
+from . import TITLES
 
 EVENT_HEADER = "X-Tracejudge-Event"
 SIGNATURE_HEADER = "X-Tracejudge-Signature"
 ID_HEADER = "X-Tracejudge-Id"
 
-TITLES = {"live_failure": "Live failure", "failure_rate": "Failure rate above its threshold",
-          "judge_agreement": "Judge disagrees with people", "judge_errors": "Judge errors above their threshold"}
 _SHOWN_APART = ("id", "type", "at", "state", "resolved_at", "evidence", "reasoning", "review_url")
 """Body keys a Slack message shows in places of their own; every other key is a field."""
 
@@ -41,11 +40,6 @@ def body_for(webhook: Webhook, notice: str) -> bytes:
     if webhook.format == "slack":
         return json.dumps(slack_message(json.loads(notice)), ensure_ascii=False, separators=(",", ":")).encode()
     return notice.encode()
-
-
-def signature(secret: str, body: bytes) -> str:
-    """``sha256=<hex HMAC-SHA256 of body>``: the ``X-Tracejudge-Signature`` header."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
 def headers(webhook: Webhook, alert_type: str, alert_id: str, body: bytes) -> dict[str, str]:

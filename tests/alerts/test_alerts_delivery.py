@@ -57,13 +57,16 @@ def fire_into(path: Path, *alerts: tuple[str, str, dict[str, Any]]) -> list[str]
 
 
 def documented_verify() -> Callable[[str, bytes, str | None], bool]:
-    """The receiver's check as docs/alerts.md shows it, run as written."""
-    doc = (REPO / "docs" / "alerts.md").read_text(encoding="utf-8")
-    section = doc[doc.index("### Verifying the signature"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None
+    """The receiver's check as docs/alerts.md and the README show it (the same), run as written."""
+    snippets = []
+    for page, heading in (("docs/alerts.md", "### Verifying the signature"), ("README.md", "## Alerts")):
+        text = (REPO / page).read_text(encoding="utf-8")
+        code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S)
+        assert code is not None, page
+        snippets.append(code.group(1))
+    assert snippets[0] == snippets[1]
     scope: dict[str, Any] = {}
-    exec(code.group(1), scope)  # noqa: S102 - the documentation's own snippet
+    exec(snippets[0], scope)  # noqa: S102 - the documentation's own snippet
     return scope["verify"]  # type: ignore[no-any-return]
 
 

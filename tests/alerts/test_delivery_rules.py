@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from collector.alerts.delivery import AlertDelivery
-from collector.alerts.store import alert, fire
+from collector.alerts.store import alert, fire, resolve
 from collector.config import Webhook
 from collector.metrics import Metrics
 from collector.store import Store
@@ -144,3 +144,21 @@ def test_each_webhook_gets_the_types_it_takes_and_one_that_left_the_config_is_dr
         (down.url, "dropped", "its webhook is no longer in alerts.webhooks")]
     later.cycle()
     assert json.loads(rates.received()[0].body)["id"] == rate and len(rates.received()) == 1
+
+
+def test_a_resolved_alert_is_told_with_the_same_id_after_its_opening(world: World, receivers: list[Receiver]) -> None:
+    hook = Receiver()
+    receivers.append(hook)
+    stage = world.stage(Webhook(url=hook.url, secret="s"))
+    alert_id = world.fire("rate")
+    cur = world.store.cursor()
+    try:
+        assert resolve(cur, key="rate", payload={"value": 0.01}, now=world.now) == alert_id
+    finally:
+        cur.close()
+    stage.cycle()
+    opened, resolved = (json.loads(g.body) for g in hook.received())
+    assert (opened["id"], opened["state"], opened["value"]) == (alert_id, "open", 0.5)
+    assert (resolved["id"], resolved["state"], resolved["value"]) == (alert_id, "resolved", 0.01)
+    assert [g.headers["x-tracejudge-event"] for g in hook.received()] == ["failure_rate", "failure_rate"]
+    assert [d["notice"] for d in world.alert(alert_id)["deliveries"]] == ["open", "resolved"]
