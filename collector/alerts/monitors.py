@@ -8,9 +8,9 @@ daemon's clock (UTC), with the statistics ``tracejudge stats`` and
   (``stats.window``: the current production verdicts judged in it, clean passes
   and fails, each weighing 1 / its inclusion probability, with the 95% Wilson
   interval of the effective sample size; never live verdicts, which ``stats``
-  leaves out). It fires when the interval's low end
-  is above ``above`` and resolves once its high end is below it; in between it
-  stays as it was, so a rate hovering at the threshold pages once.
+  leaves out). It fires when the interval's low end is above ``above`` and
+  resolves once its high end is below it; in between it stays as it was, so a
+  rate hovering at the threshold pages once.
 - ``judge_errors``: the share of ``error`` among the current verdicts judged in
   the window (of the criterion, or of all); fires above ``above``, resolves at
   or below it.
@@ -223,7 +223,7 @@ class Monitors(Stage):
         self.clock = clock
         self.interval = interval
         self.m = MonitorMetrics(metrics)
-        self.episodes: dict[str, tuple[str, dt.datetime]] = {}  # name -> (alert key, since) of each open episode
+        self.episodes: dict[str, str] = {}  # monitor name -> the alert key of its open episode
 
     def _open(self) -> None:
         assert self.cur is not None
@@ -232,9 +232,9 @@ class Monitors(Stage):
         cur.execute(SCHEMA)
         names = {str(m.name) for m in self.monitors}
         now = utc(self.clock())
-        for name, key, since in cur.execute("SELECT name, alert_key, since FROM monitor_state").fetchall():
+        for name, key in cur.execute("SELECT name, alert_key FROM monitor_state").fetchall():
             if name in names:
-                self.episodes[name] = (key, since)
+                self.episodes[name] = key
                 continue
             with Transaction(cur):  # its monitor was removed: nothing will ever resolve it otherwise
                 alerts.resolve(cur, key=key, payload={"summary": f"{name}: the monitor was removed from "
@@ -283,12 +283,12 @@ class Monitors(Stage):
             with Transaction(cur):  # the alert and the episode together: a restart never fires it again
                 alerts.fire(cur, type=monitor.kind, key=key, payload=payload(monitor, reading), now=now)
                 cur.execute("INSERT OR REPLACE INTO monitor_state VALUES (?, ?, ?)", [name, key, now])
-            self.episodes[name] = (key, now)
+            self.episodes[name] = key
             self.m.firing.set(1, monitor=name)
             log.warning("monitor fired: %s", summary(monitor, reading))
         elif reading.decision == "resolve" and open_episode is not None:
             with Transaction(cur):
-                alerts.resolve(cur, key=open_episode[0], payload=payload(monitor, reading), now=now)
+                alerts.resolve(cur, key=open_episode, payload=payload(monitor, reading), now=now)
                 cur.execute("DELETE FROM monitor_state WHERE name = ?", [name])
             del self.episodes[name]
             self.m.firing.set(0, monitor=name)
