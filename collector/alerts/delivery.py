@@ -147,7 +147,7 @@ class AlertDelivery(Stage):
         with Transaction(cur):
             if rows:
                 cur.executemany("INSERT INTO alert_deliveries (notice_seq, webhook, url, state, next_at) "
-                                "VALUES (?, ?, ?, 'pending', ?) ON CONFLICT DO NOTHING", rows)
+                                "VALUES (?, ?, ?, 'pending', ?)", rows)
             cur.execute("UPDATE alert_notices SET queued = true WHERE list_contains(?, seq)",
                         [[seq for seq, _ in notices]])
         return len(notices)
@@ -213,7 +213,7 @@ class AlertDelivery(Stage):
 
     def _retry(self, seq: int, webhook: Webhook, key: str, attempts: int, status: int | None, what: str,
                retry_after: float | None) -> bool:
-        wait = retry_after if retry_after is not None else self.backoff.delay(attempts + 1)
+        wait = retry_after or self.backoff.delay(attempts + 1)  # "Retry-After: 0" would be a busy loop: back off
         assert self.cur is not None
         self.cur.execute("UPDATE alert_deliveries SET attempts = attempts + 1, last_status = ?, last_error = ?, "
                          "next_at = ? WHERE notice_seq = ? AND webhook = ?",

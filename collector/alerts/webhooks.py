@@ -10,6 +10,7 @@ send (a secret changed between restarts signs what is still pending).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import socket
@@ -44,11 +45,16 @@ def body_for(webhook: Webhook, notice: str) -> bytes:
 
 def headers(webhook: Webhook, alert_type: str, alert_id: str, body: bytes) -> dict[str, str]:
     """The headers of a POST of ``body``: content type, event, alert id and, with a secret, the signature."""
-    out = {"Content-Type": "application/json", "User-Agent": f"tracejudge/{version('tracejudge')}",
-           EVENT_HEADER: alert_type, ID_HEADER: alert_id}
+    out = {"Content-Type": "application/json", "User-Agent": _user_agent(), EVENT_HEADER: alert_type,
+           ID_HEADER: alert_id}
     if webhook.secret:
         out[SIGNATURE_HEADER] = signature(webhook.secret, body)
     return out
+
+
+@functools.cache
+def _user_agent() -> str:
+    return f"tracejudge/{version('tracejudge')}"
 
 
 def slack_message(body: dict[str, Any]) -> dict[str, Any]:
