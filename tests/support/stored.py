@@ -130,6 +130,8 @@ def write(path: Path, conversations: Sequence[StoredConversation], *,
 
 def add_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Sequence[dict[str, Any]]) -> None:
     """Store verdicts (``verdict_row`` fields, and any column the table has), numbered after those stored."""
+    if not verdicts:  # a store may have no verdicts table at all
+        return
     [(last,)] = cur.execute("SELECT coalesce(max(seq), -1) FROM verdicts").fetchall()
     for n, v in enumerate(verdicts, start=last + 1):
         values = {**verdict_row(**v), "seq": n}
