@@ -46,6 +46,8 @@ class _Criterion(BaseModel):
     severity: Literal["high", "medium", "low"] = "medium"
     group: str | None = None
     """For per-group reporting."""
+    live: bool = False
+    """Also judged on open conversations, turn by turn (by the daemon; offline it is data only)."""
 
 
 class LLMCriterion(_Criterion):
@@ -80,7 +82,7 @@ class CodeCriterion(_Criterion):
 
 Criterion = LLMCriterion | CodeCriterion
 
-_CODE_KEYS = {"id", "version", "kind", "severity", "group", "check", "applies_if", "timeout"}
+_CODE_KEYS = {"id", "version", "kind", "severity", "group", "live", "check", "applies_if", "timeout"}
 _LLM_KEYS = set(LLMCriterion.model_fields)
 
 
