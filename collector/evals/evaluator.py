@@ -432,7 +432,7 @@ class Evaluator(Stage):
             "WHERE c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL AND n.conversation_id > ? "
             f"AND list_contains(?, n.criterion_id || chr(31) || n.criterion_version) AND ({reasons}) "
             "AND NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-            "AND v.criterion_id = n.criterion_id AND NOT v.superseded) "
+            "AND v.criterion_id = n.criterion_id AND NOT v.superseded AND NOT v.live) "
             "AND n.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY n.conversation_id LIMIT ?",
             [self._not_run_mark, llm, *NO_PROVIDER, busy, room]).fetchall()
         if not rows:

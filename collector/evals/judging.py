@@ -225,7 +225,8 @@ class Judging:
                     "SELECT v.conversation_id, criterion_id, criterion_version, judge_model, result "
                     f"FROM {verdicts.verdicts_table(simulated)} v JOIN (SELECT unnest(?::VARCHAR[]) AS "
                     "conversation_id, unnest(?::VARCHAR[]) AS transcript_sha256) USING (conversation_id, "
-                    "transcript_sha256)", [list(mine), list(mine.values())]).fetchall():
+                    "transcript_sha256) WHERE NOT v.live",  # a live verdict stands in for no end verdict
+                    [list(mine), list(mine.values())]).fetchall():
                 found.setdefault((simulated, cid), []).append((criterion, version, model, result))
         out: list[Prepared | None] = []
         for job in jobs:
