@@ -38,6 +38,8 @@ from aiohttp import web
 
 from judges import Criterion, Provider, set_check_workers
 
+from .alerts import store as alerts_store
+from .alerts.delivery import AlertDelivery
 from .api.app import API
 from .background import Stage
 from .config import Config, is_loopback
@@ -284,6 +286,7 @@ class Daemon:
             cur = store.cursor()
             try:
                 review_queue.ensure_schema(cur)  # before the evaluator, which opens items as it stores
+                alerts_store.ensure_schema(cur)  # before every stage that may fire one
             finally:
                 cur.close()
             set_check_workers(cfg.judges.check_workers)  # the process's pool: the daemon's to size
@@ -293,6 +296,9 @@ class Daemon:
             evaluator.start()
             parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
             retention.start()
+            delivery = AlertDelivery(store, metrics, cfg.alerts.webhooks)
+            parts.extra.append(delivery)
+            delivery.start()
             for make in self.extra_stages:
                 stage = make(store, cfg, metrics)
                 parts.extra.append(stage)
@@ -411,6 +417,7 @@ class Daemon:
             f"  DuckDB      {self.config.storage.duckdb.path}",
             f"  runtime     {self.config.runtime_file}",
             *self._exporters(),
+            *self._webhooks(),
             "Point your bot at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://"
             f"{grpc_addr or http_addr}  (Ctrl-C or SIGTERM stops it)",
         ]
@@ -424,6 +431,10 @@ class Daemon:
         return [f"  exporter    {name}: {exp.type} {masked_url(exp.url)} ({', '.join(exp.sends)}; "
                 f"redact {exp.redact.mode})" for name, exp in exporters.items()]
 
+    def _webhooks(self) -> list[str]:
+        """A banner line per alert webhook: where it is (masked) and which alerts it takes."""
+        return [f"  webhook     {masked_url(w.url)} ({w.format}: {', '.join(w.events)}"
+                f"{'' if w.secret else '; unsigned'})" for w in self.config.alerts.webhooks]
 
     def _retention(self) -> None:
         keep = self.config.storage.retention
