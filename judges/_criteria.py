@@ -143,6 +143,8 @@ def _parse_one(raw: dict[str, Any], base: Path) -> tuple[Criterion | None, list[
             params = check.Params.model_validate(rest, context={"base": base})
         except ValidationError as exc:
             problems += _problems(exc, _CODE_KEYS | set(check.Params.model_fields))
+    if check_name == "ended_by" and raw.get("live") is True:
+        problems.append(("live", "an ended_by check has nothing to decide while the conversation is open"))
     try:
         crit = CodeCriterion.model_validate({**common, "params": params or CheckParams()})
     except ValidationError as exc:

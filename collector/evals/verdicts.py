@@ -38,7 +38,7 @@ from ..store.transactions import Transaction, one, registered, registered_rows, 
 # conversation kept against 94-99 without (``bench/conversation_keys.py``). Nothing read them by key: the
 # evaluator's scans join whole tables. A row is stored once by reading first, in the same transaction:
 # sampling decisions by the evaluator's scan alone, the rest by ``Judging.store``, whose stores take
-# turns (``judging._STORING``).
+# turns (``judging.STORING``).
 UNKEYED = {
     "sampling_decisions": """CREATE TABLE IF NOT EXISTS {name} (
     conversation_id VARCHAR NOT NULL,

@@ -85,6 +85,8 @@ def test_live_is_a_flag_on_either_kind_off_unless_written(tmp_path: Path) -> Non
     """))
     assert [c.live for c in crits] == [True, True, False]
     assert "criterion 'a': live" in problem(tmp_path, "- {id: a, version: 1, kind: llm, prompt: x, live: often}")
+    assert "criterion 'a': live: an ended_by check has nothing to decide while the conversation is open" in problem(
+        tmp_path, "- {id: a, version: 1, kind: code, check: ended_by, one_of: [handover], live: true}")
 
 
 def problem(tmp_path: Path, body: str) -> str:
