@@ -352,16 +352,16 @@ class Live:
             insert_rows(cur, "INSERT INTO live_progress", PROGRESS_COLUMNS, progress)
             if failures:
                 self.on_fail(cur, failures, now)
-        for o in outcomes:
+        for o in outcomes:  # the verdicts counted last: whoever waits for them finds the rest done
             usage = o.run.usage
-            for v in o.run.verdicts:
-                self.m.verdicts.inc(result=v.result)
-            if o.run.verdicts:
-                self.m.seconds.observe(max(0.0, self.clock() - o.job.arrived))
             self.tokens.inc(usage.input_tokens, kind="input")
             self.tokens.inc(usage.output_tokens, kind="output")
             if usage.input_tokens + usage.output_tokens:
                 self.sampler.record_tokens(usage.input_tokens + usage.output_tokens)
+            if o.run.verdicts:
+                self.m.seconds.observe(max(0.0, self.clock() - o.job.arrived))
+            for v in o.run.verdicts:
+                self.m.verdicts.inc(result=v.result)
 
 
 def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:

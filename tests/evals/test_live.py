@@ -68,6 +68,7 @@ def write_turns(store: Store, cid: str, turns: int, clock: Clock, *, state: str 
     messages = [(role, text) for user, answer in TURNS[:turns] for role, text in (("user", user), ("assistant", answer))]
     cur = store.cursor()
     try:
+        cur.execute("BEGIN")  # in one transaction, as the stage writes: a look sees the row with its messages
         cur.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [cid])
         cur.execute("DELETE FROM messages WHERE conversation_id = ?", [cid])
         cur.execute("INSERT INTO live_conversations (conversation_id, service, state, ended_by, models, trace_ids, "
@@ -78,6 +79,7 @@ def write_turns(store: Store, cid: str, turns: int, clock: Clock, *, state: str 
         for seq, (role, text) in enumerate(messages):
             cur.execute("INSERT INTO messages (conversation_id, seq, role, content, first_batch) VALUES (?, ?, ?, ?, ?)",
                         [cid, seq, role, text, batch])
+        cur.execute("COMMIT")
     finally:
         cur.close()
 
@@ -216,14 +218,15 @@ def test_live_llm_criteria_spend_the_token_budget_and_stop_when_it_is_spent(stor
     ev.start()
     try:
         ev.go_live(lambda cur, failures, now: None)
-        wait_until(lambda: len(live_verdicts(store, "polite")) == 2, "both turns judged while tokens were left")
-        assert ev.sampler.usage().judge_tokens_today == 200  # calls admitted at once may overshoot it
+        # Both were admitted while tokens were left: calls admitted at once may overshoot the budget.
+        wait_until(lambda: ev.sampler.usage().judge_tokens_today == 200, "both turns judged, their tokens counted")
+        assert len(live_verdicts(store, "polite")) == 2
         clock.now += 1
         write_turns(store, "c1", 2, clock)
         clock.now += 2
         assert ev.live is not None
         passed_over = ev.live.m.not_run
-        wait_until(lambda: passed_over.value(reason="budget:judge_tokens_per_day") == 1, "turn 2 passed over")
-        assert len(provider.requests) == 2 and len(live_verdicts(store)) == 3  # code checks go on
+        wait_until(lambda: len(live_verdicts(store)) == 3, "turn 2's code check: code checks go on")
+        assert passed_over.value(reason="budget:judge_tokens_per_day") == 1 and len(provider.requests) == 2
     finally:
         ev.stop()
