@@ -40,6 +40,7 @@ from judges import Criterion, Provider, set_check_workers
 
 from .alerts import store as alerts_store
 from .alerts.delivery import AlertDelivery
+from .alerts.live import on_live_fail
 from .alerts.monitors import Monitors
 from .api.app import API
 from .background import Stage
@@ -350,6 +351,7 @@ class Daemon:
             return False
         scheme = "https" if cfg.api.tls.enabled else "http"
         api_url = f"{scheme}://{address(cfg.api.endpoint, api_port)}"
+        evaluator.go_live(on_live_fail(api_url))  # now that its alerts can link to the review page
         RuntimeInfo(
             pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
             grpc=grpc_addr, http=http_addr, api=api_url,

@@ -76,6 +76,17 @@ class FileClient:
             # starting on the file would, or production's figures would count them.
             self._writing(simulations.ensure_schema)
             self.tables.add("simulated_verdicts")
+        if "verdicts" in self.tables and not self.con.execute(
+                "SELECT 1 FROM information_schema.columns WHERE table_name = 'verdicts' AND column_name = 'live'"
+        ).fetchall():
+            # Verdicts of a version before live criteria, all made at the end, are marked so once (review
+            # items too, by ``_writing``), as a daemon starting on the file would: reads leave live ones out.
+            self._writing(self._add_live_columns)
+
+    def _add_live_columns(self, con: "duckdb.DuckDBPyConnection") -> None:
+        for table in ("verdicts", "simulated_verdicts"):
+            if table in self.tables:
+                verdicts.add_live_column(con, table)
 
     def _evals(self) -> bool:
         # A file the daemon has not opened since evals came has no eval tables: nothing judged yet.

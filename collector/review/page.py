@@ -337,7 +337,10 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
     messages = list((conv or {}).get("messages") or [])
     located = _located(messages, [str(q) for q in verdict.get("evidence") or []])
     warnings = []
-    if verdict.get("superseded"):
+    if item.get("live"):
+        warnings.append("Judged live, while the conversation was still going on: on the transcript up to that "
+                        "answer. The transcript here is the current one, with what came after.")
+    elif verdict.get("superseded"):
         warnings.append("The conversation changed after this verdict (late data or a new turn); "
                         "the transcript is the current one, which may differ from what the judge read.")
     if verdict.get("flagged") or not verdict.get("evidence_verified", True):
