@@ -112,9 +112,12 @@ def test_the_dashboard_is_a_grafana_dashboard_with_every_section() -> None:
 
 @pytest.fixture(scope="module")
 def metrics_text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """/metrics of a daemon with an exporter sending traces and logs, monitors and a webhook configured, on a
-    store whose recent verdicts and blind labels give each monitor its values."""
+    """/metrics of a daemon with an exporter sending traces and logs, monitors, a webhook and a live criterion
+    configured, on a store whose recent verdicts and blind labels give each monitor its values."""
     data = tmp_path_factory.mktemp("monitoring")
+    criteria = data / "criteria.yaml"
+    criteria.write_text("criteria:\n  - {id: red-flags, version: 1, kind: code, check: regex, pattern: chest, "
+                        "must: not_match, live: true}\n", encoding="utf-8")
     db = data / "tracejudge.duckdb"
     create_store(db)
     recently = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=10)
@@ -126,6 +129,7 @@ def metrics_text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             label(cur, f"c{n}", "red-flags", result, recently)
     config = base_config(
         data,
+        judges={"criteria": [str(criteria)]},
         exporters={"backend": {"type": "otlphttp", "endpoint": "http://127.0.0.1:9/v1/traces",
                                "signals": ["traces", "logs"]}},
         alerts={"webhooks": [{"url": "http://127.0.0.1:9/hook"}],
