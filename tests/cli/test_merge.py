@@ -107,7 +107,7 @@ def store(path: Path, *shards: Shard) -> Path:
             con.execute(f"INSERT INTO verdicts ({', '.join(VERDICT_COLUMNS)}, seq) VALUES "
                         f"({', '.join('?' for _ in VERDICT_COLUMNS)}, ?)", [v[c] for c in VERDICT_COLUMNS] + [seq])
         for n, (vid, cid, crit, state) in enumerate(r for s in shards for r in s.reviews):
-            con.execute("INSERT INTO review_items VALUES (?, ?, ?, ?, ?, NULL, NULL, ?, NULL)",
+            con.execute("INSERT INTO review_items VALUES (?, ?, ?, ?, ?, NULL, NULL, ?, NULL, false)",
                         [n, vid, cid, crit, state, T0])
         for cid, crit, version, reason in (r for s in shards for r in s.not_run):
             con.execute("INSERT INTO not_run VALUES (?, ?, ?, ?, ?)", [cid, crit, version, reason, T0])

@@ -148,6 +148,7 @@ def verdict_row(conversation_id: str, criterion_id: str, result: str, *, version
             "transcript_sha256": sha, "result": result, "error_reason": None, "reasoning": "r", "evidence": "[]",
             "evidence_verified": True, "flagged": False, "input_tokens": 0, "output_tokens": 0, "raw_reply": "",
             "inclusion_probability": 1.0, "sampling_rule": "default", "judged_at": T0, "superseded": superseded,
+            "live": False,
             **columns}
 
 
