@@ -11,9 +11,11 @@ import duckdb
 import pytest
 
 from collector.alerts.store import ensure_schema, fire
+from collector.review.queue import open_items, open_live_item
 
 from ..support.browser import chromium
 from ..support.daemon import DaemonProcess, base_config, wait_until
+from ..support.stored import StoredConversation, create_store, text_messages, write
 
 pytestmark = pytest.mark.slow  # a daemon and a browser
 
@@ -85,3 +87,31 @@ def test_open_alerts_show_above_the_queue_and_are_acknowledged_there(browser: An
     acked = daemon.get("/api/alerts?state=acknowledged")[1]["alerts"]
     assert {(a["id"], a["acknowledged_by"]) for a in acked} == {(live, "Dr. Ana Ruiz"), (rate, "Dr. Ana Ruiz")}
     assert daemon.get("/api/alerts")[1]["alerts"] == []
+
+
+def test_a_live_item_heads_the_queue_marked_live_and_its_page_says_so(browser: Any, tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, base_config(tmp_path))
+    create_store(daemon.duckdb)
+    write(daemon.duckdb, [StoredConversation("c-ended", text_messages([("hi", "It can wait.")])),
+                          StoredConversation("c-open", text_messages([("chest pain", "Tomorrow is fine.")]),
+                                             state="open", ended_by=None)],
+          verdicts=[{"conversation_id": "c-ended", "criterion_id": "red-flags", "result": "fail"},
+                    {"conversation_id": "c-open", "criterion_id": "red-flags", "result": "fail", "live": True,
+                     "sha": "1" * 64}])
+    con = duckdb.connect(str(daemon.duckdb))
+    try:
+        (ended_id,), (live_id,) = con.execute("SELECT id FROM verdicts ORDER BY seq").fetchall()
+        open_items(con, [ended_id], ["fail"], now=T0)  # queued first, by the end-of-conversation judge
+        item = open_live_item(con, live_id, now=T0 + dt.timedelta(minutes=1))  # newer: the queue is oldest first
+    finally:
+        con.close()
+    daemon.start()
+    browser.get(daemon.api + "/review")
+    wait_until(lambda: loaded(browser), "the queue page")
+    rows = all_css(browser, "#queue tbody tr")
+    assert [r.find_element("css selector", "a.open").text for r in rows][0] == f"#{item}"
+    assert "live" in rows[0].text and "c-open" in rows[0].text and "live" not in rows[1].text
+    browser.save_screenshot(str(tmp_path / "queue-live.png"))
+    rows[0].find_element("css selector", "a.open").click()
+    wait_until(lambda: f"/review/{item}" in browser.current_url and loaded(browser), "the live item's page")
+    assert "live" in by_css(browser, "main").text
