@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -336,15 +337,22 @@ class Live:
         now = utc(self.clock())
         failures: list[LiveFailure] = []
         severity = {c.id: c.severity for c in self.criteria}
+        # One store_verdicts per sampling rule, not per conversation: each call scans the verdicts table a few
+        # times, and a pass stores hundreds of turns under load (called per conversation, storing took 60%
+        # of the daemon's CPU at 2,000 spans/s in bench/live.py and held the conversation stage back).
+        groups: dict[tuple[float, str], list[_Outcome]] = defaultdict(list)
+        for o in outcomes:
+            groups[(o.job.probability, o.job.rule)].append(o)
         with STORING, Transaction(cur):
-            for o in outcomes:
-                job = o.job
+            for (probability, rule), group in groups.items():
                 stored = set(verdicts.store_verdicts(
-                    cur, o.run.verdicts, probability=job.probability, rule=job.rule, now=now,
-                    current={v.conversation_id: v.transcript_sha256 for v in o.run.verdicts}, live=True))
-                failures += [LiveFailure(vid, v, severity[v.criterion_id], job.service, job.conversation.user_turns)
-                             for v in o.run.verdicts if (vid := verdicts.verdict_id(v, live=True)) in stored
-                             and v.result == "fail"]
+                    cur, [v for o in group for v in o.run.verdicts], probability=probability, rule=rule, now=now,
+                    current={v.conversation_id: v.transcript_sha256 for o in group for v in o.run.verdicts},
+                    live=True))
+                failures += [LiveFailure(vid, v, severity[v.criterion_id], o.job.service,
+                                         o.job.conversation.user_turns)
+                             for o in group for v in o.run.verdicts
+                             if (vid := verdicts.verdict_id(v, live=True)) in stored and v.result == "fail"]
             progress = [(o.job.conversation.id, c.id, o.job.seq, now) for o in outcomes
                         for c in (*o.job.criteria, *o.job.passed)]
             cur.execute("DELETE FROM live_progress WHERE list_contains(?, conversation_id || chr(31) || criterion_id)",
