@@ -1,0 +1,222 @@
+"""Retention benchmark: does deletion keep pace with ingestion, after a burst and under a steady load?
+
+Two phases, each against a real daemon (``bench/ingest.py``'s launcher, 1-2 KB GenAI spans):
+
+burst   ``--burst`` spans (300,000) of one-span conversations (each span its own trace and
+        conversation: the most rows per conversation deleted, the worst case for a delete by
+        conversation), sent as fast as the daemon takes them, with ``storage.retention.spans:
+        --keep`` (60s). The ingest throughput is the spans over the send; once it ends the bench
+        polls the stored span count. It prints the time from the last span's expiry (its ack plus
+        ``--keep``) to zero stored spans (target < 60 s), and the deletion throughput: the spans
+        over the time from the first span's expiry to zero stored, as a share of the ingest
+        throughput (100%: deleted as fast as they arrived).
+steady  ``--rate`` spans/s (5,000) of bench/ingest.py's four-turn conversations for ``--minutes``
+        (10) with ``retention.spans: --steady-keep`` (2m): the stored span count, the file size
+        (with its WAL) and retention's lag behind its horizon each minute, and whether the count and
+        the file are flat (within 10%) from the fourth minute on.
+
+``--baseline REF`` runs the burst first on another commit's code (``git archive REF``, e.g. ``main``)
+and then on this tree's, in the same run, and prints the ratio. Run by hand:
+
+    .venv/bin/python bench/retention.py [--baseline main] [--burst 300000] [--keep 60s]
+                                        [--phases burst,steady] [--rate 5000] [--minutes 10] [--steady-keep 2m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ingest  # noqa: E402  (the workload and the daemon launcher)
+import memory  # noqa: E402  (reading the API and /metrics)
+import soak  # noqa: E402  (the paced sender)
+
+HERE = ingest.REPO
+POLL = 0.5
+MB = 1_000_000
+
+
+def one_span_requests(total: int) -> list[bytes]:
+    """Bodies of 512 spans each, every span its own trace and its own conversation."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    template = ExportTraceServiceRequest()
+    template.CopyFrom(ingest._template())
+    spans = template.resource_spans[0].scope_spans[0].spans
+    slots = []
+    for sp in spans:  # the conversation id: the agent spans' own attribute, one added to the others
+        found = [i for i, kv in enumerate(sp.attributes) if kv.key == "gen_ai.conversation.id"]
+        if not found:
+            kv = sp.attributes.add()
+            kv.key = "gen_ai.conversation.id"
+            found = [len(sp.attributes) - 1]
+        slots.append(found[0])
+    bodies = []
+    for r in range(max(1, total // ingest.SPANS_PER_REQUEST)):
+        for i, sp in enumerate(spans):
+            sp.trace_id = ingest._random_id(16, "one", r, i)
+            sp.span_id = ingest._random_id(8, "one", r, i)
+            sp.parent_span_id = b""
+            sp.attributes[slots[i]].value.string_value = f"one-{r:05d}-{i:03d}"
+        bodies.append(template.SerializeToString())
+    return bodies
+
+
+def seconds(text: str) -> float:
+    return float(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]]
+
+
+def daemon(code: Path, data: Path, keep: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """``tracejudge serve`` from ``code``'s tree, keeping ``keep`` of spans; conversations end 2 s idle and a
+    tenth are judged by a code check (the evaluator and the review queue work, as in bench/soak.py)."""
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "criteria.yaml").write_text(memory.CRITERIA)
+    ingest.REPO = code  # the launcher runs ``python -m collector`` in this folder: its code
+    ingest.STORAGE_EXTRA = f", retention: {{spans: {keep}}}"
+    try:
+        return ingest.start_daemon(data, "conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
+                                         f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
+    finally:
+        ingest.REPO = HERE
+
+
+def metric(api: str, name: str) -> float:
+    """The sum of a metric's samples on /metrics (0 when absent)."""
+    total = 0.0
+    for line in memory.get(api, "/metrics").splitlines():
+        if re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ", line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def burst(name: str, code: Path, work: Path, bodies: list[bytes], keep: str) -> dict[str, float]:
+    spans = len(bodies) * ingest.SPANS_PER_REQUEST
+    proc, info = daemon(code, work / name, keep)
+    try:
+        start = time.perf_counter()
+        elapsed, _, refused = asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+        last_ack = start + elapsed
+        # Every span is stored by its ack: the last has expired ``keep`` after it, the first ``keep`` after the start.
+        first_expiry, last_expiry = start + seconds(keep), last_ack + seconds(keep)
+        stored, worst, report, current = spans, 0.0, last_expiry, None
+        print(f"  {name}: {spans:,} spans in {elapsed:.1f} s ({spans / elapsed:,.0f} spans/s, {refused} refusals "
+              "retried)", flush=True)
+        while stored:
+            time.sleep(POLL)
+            stored = memory.get(info["api"], "/api/spans/count")["spans"]
+            now = time.perf_counter()
+            if current is None:  # retention deletes only what the conversation stage has taken in
+                st = memory.get(info["api"], "/api/status")
+                if st["conversations_batch"] >= st["committed_batch"] and not st["conversations_pending"]:
+                    current = now
+            if now > last_expiry + 600:
+                print(f"  {name}: {stored:,} spans still stored 10 minutes after the last expired", flush=True)
+                break
+            if now >= report:
+                print(f"  {name}: {now - last_expiry:5.0f} s after the last expiry: {stored:,} spans stored",
+                      flush=True)
+                report += 15
+            if now > last_expiry:
+                worst = max(worst, metric(info["api"], "tracejudge_retention_behind_seconds"))
+        zero = time.perf_counter()
+    finally:
+        proc.terminate()
+        proc.wait()
+    current = current or zero
+    return {"ingest": spans / elapsed, "clear": zero - last_expiry, "current": current - last_ack,
+            "after_current": zero - max(current, last_expiry),
+            "delete": spans / max(zero - first_expiry, 1e-9), "behind": worst}
+
+
+def steady(work: Path, rate: float, minutes: float, keep: str) -> list[dict[str, float]]:
+    proc, info = daemon(HERE, work / "steady", keep)
+    db = work / "steady" / "bench.duckdb"
+    rows: list[dict[str, float]] = []
+    answered: list[tuple[float, float]] = []
+
+    async def run() -> None:
+        sender = asyncio.ensure_future(soak.paced(info["grpc"], int(rate * minutes * 60), rate, answered))
+        start = time.perf_counter()
+        for minute in range(1, int(minutes) + 1):
+            await asyncio.sleep(max(0.0, start + 60 * minute - time.perf_counter()))
+            stored = (await asyncio.to_thread(memory.get, info["api"], "/api/spans/count"))["spans"]
+            behind = await asyncio.to_thread(metric, info["api"], "tracejudge_retention_behind_seconds")
+            rows.append({"minute": minute, "stored": stored, "file": soak.file_bytes(db) / MB, "behind": behind,
+                         "sent": len(answered) * ingest.SPANS_PER_REQUEST})
+            r = rows[-1]
+            print(f"  minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB, "
+                  f"retention {r['behind']:4.0f} s behind, {r['sent']:>9,.0f} sent", flush=True)
+        await sender
+
+    try:
+        asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait()
+    return rows
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """``ref``'s tree of this repository, unpacked into ``into``."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(HERE), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phases", default="burst,steady")
+    ap.add_argument("--baseline", help="a git ref whose retention the burst also runs on, first (e.g. main)")
+    ap.add_argument("--burst", type=int, default=300_000)
+    ap.add_argument("--keep", default="60s")
+    ap.add_argument("--rate", type=float, default=5000)
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--steady-keep", default="2m")
+    args = ap.parse_args()
+    phases = args.phases.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "burst" in phases:
+            bodies = one_span_requests(args.burst)
+            print(f"burst: {len(bodies) * ingest.SPANS_PER_REQUEST:,} one-span conversations, "
+                  f"retention.spans {args.keep}", flush=True)
+            runs = [("this tree", HERE)]
+            if args.baseline:
+                runs.insert(0, (args.baseline, checkout(args.baseline, work / "baseline-code")))
+            results = {name: burst(name.replace(" ", "-"), code, work, bodies, args.keep) for name, code in runs}
+            del bodies
+            for name, r in results.items():
+                print(f"  {name}: ingest {r['ingest']:,.0f} spans/s; deleted {r['delete']:,.0f} spans/s = "
+                      f"{r['delete'] / r['ingest']:.0%} of ingest; zero expired spans {r['clear']:.1f} s after "
+                      f"the last expired (target < 60 s); at most {r['behind']:.0f} s behind the horizon after it")
+                print(f"    conversations current {r['current']:.0f} s after the last ack (retention deletes only "
+                      f"what they have taken in); zero stored {r['after_current']:.1f} s after both")
+            if args.baseline:
+                new, old = results["this tree"], results[args.baseline]
+                print(f"  this tree vs {args.baseline}: deletion share {new['delete'] / new['ingest']:.0%} vs "
+                      f"{old['delete'] / old['ingest']:.0%}; cleared {new['clear']:.1f} s vs {old['clear']:.1f} s "
+                      "after the last expiry")
+        if "steady" in phases:
+            print(f"steady: {args.rate:,.0f} spans/s for {args.minutes:g} minutes, retention.spans "
+                  f"{args.steady_keep}", flush=True)
+            rows = steady(work, args.rate, args.minutes, args.steady_keep)
+            later = [r for r in rows if r["minute"] >= 4]
+            if later:
+                for key, label in (("stored", "stored spans"), ("file", "file size")):
+                    lo, hi = min(r[key] for r in later), max(r[key] for r in later)
+                    print(f"  {label} from minute 4: {lo:,.0f} to {hi:,.0f}, spread {hi / lo - 1 if lo else 0:.1%} "
+                          "(target <= 10%)")
+                print(f"  retention at most {max(r['behind'] for r in rows):.0f} s behind its horizon")
+
+
+if __name__ == "__main__":
+    main()
