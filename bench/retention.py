@@ -1,6 +1,6 @@
 """Retention benchmark: does deletion keep pace with ingestion, after a burst and under a steady load?
 
-Two phases, each against a real daemon (``bench/ingest.py``'s launcher, 1-2 KB GenAI spans):
+Three phases, each against a real daemon (``bench/ingest.py``'s launcher, 1-2 KB GenAI spans):
 
 burst   ``--burst`` spans (300,000) of bench/ingest.py's four-turn conversations (``--workload
         one-span``: each span its own trace and conversation, the most conversations per span),
@@ -12,6 +12,9 @@ burst   ``--burst`` spans (300,000) of bench/ingest.py's four-turn conversations
         throughput. Retention deletes nothing the stages upstream have not finished with, so
         their lag after a burst (minutes, for one-span conversations on two busy cores) is left
         out: this is retention's own pace.
+live    the same burst of four-turn conversations sent to a daemon of each code keeping
+        ``--live-keep`` seconds (60) of spans, with the stages upstream catching up as they go:
+        the time from the last span's expiry (its ack plus the retention) to zero stored spans.
 steady  ``--rate`` spans/s (5,000) of bench/ingest.py's four-turn conversations for ``--minutes``
         (10) with ``retention.spans: --steady-keep`` (2m): the stored span count, the file size
         (with its WAL) and retention's lag behind its horizon each minute, and whether the count and
@@ -143,6 +146,36 @@ def burst(runs: list[tuple[str, Path]], work: Path, bodies: list[bytes], keep: s
     return out
 
 
+def live(name: str, code: Path, work: Path, bodies: list[bytes], keep: float) -> dict[str, float]:
+    """The burst sent to a daemon of ``code`` keeping ``keep`` seconds of spans: the time from the last span's
+    expiry (its ack plus ``keep``) to zero stored, and when conversations were current (retention waits for them)."""
+    spans = len(bodies) * ingest.SPANS_PER_REQUEST
+    proc, info = daemon(code, work / f"live-{name.replace(' ', '-')}", f"{keep:g}s")
+    try:
+        start = time.perf_counter()
+        elapsed, _, _ = asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+        last_expiry = start + elapsed + keep
+        stored, current, report = spans, None, last_expiry
+        while stored and time.perf_counter() < last_expiry + 900:
+            time.sleep(POLL)
+            stored = memory.get(info["api"], "/api/spans/count")["spans"]
+            now = time.perf_counter()
+            if current is None:
+                st = memory.get(info["api"], "/api/status")
+                if st["conversations_batch"] >= st["committed_batch"] and not st["conversations_pending"]:
+                    current = now
+            if now >= report:
+                print(f"  live {name}: {now - last_expiry:5.0f} s after the last expiry: {stored:,} spans stored",
+                      flush=True)
+                report += 15
+        zero = time.perf_counter()
+    finally:
+        proc.terminate()
+        proc.wait()
+    return {"clear": zero - last_expiry, "left": stored, "current": (current or zero) - (start + elapsed),
+            "delete": (spans - stored) / (zero - start - keep), "ingest": spans / elapsed}
+
+
 def steady(work: Path, rate: float, minutes: float, keep: str) -> list[dict[str, float]]:
     proc, info = daemon(HERE, work / "steady", keep)
     db = work / "steady" / "bench.duckdb"
@@ -181,10 +214,11 @@ def checkout(ref: str, into: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phases", default="burst,steady")
+    ap.add_argument("--phases", default="burst,live,steady")
     ap.add_argument("--baseline", help="a git ref whose retention the burst also runs on, first (e.g. main)")
     ap.add_argument("--burst", type=int, default=300_000)
     ap.add_argument("--keep", default="2s", help="retention.spans after the burst (all of it has expired)")
+    ap.add_argument("--live-keep", type=float, default=60, help="seconds of spans kept in the live phase")
     ap.add_argument("--workload", choices=("four-turn", "one-span"), default="four-turn")
     ap.add_argument("--rate", type=float, default=5000)
     ap.add_argument("--minutes", type=float, default=10)
@@ -212,6 +246,19 @@ def main() -> None:
                 new, old = results["this tree"], results[args.baseline]
                 print(f"  this tree vs {args.baseline}: deletion {new['delete'] / old['delete']:.1f}x as fast; "
                       f"cleared in {new['clear']:.1f} s vs {old['clear']:.1f} s")
+        if "live" in phases:
+            bodies = ingest.make_requests(args.burst)
+            print(f"live: {len(bodies) * ingest.SPANS_PER_REQUEST:,} spans of four-turn conversations sent to a daemon "
+                  f"keeping {args.live_keep:g} s of spans", flush=True)
+            runs = [("this tree", HERE)]
+            if args.baseline:
+                runs.insert(0, (args.baseline, checkout(args.baseline, work / "live-baseline-code")))
+            for name, code in runs:
+                r = live(name, code, work, bodies, args.live_keep)
+                print(f"  live {name}: zero stored {r['clear']:.1f} s after the last span expired (target < 60 s), "
+                      f"{r['left']:,} left; deleted {r['delete']:,.0f} spans/s from the first expiry = "
+                      f"{r['delete'] / r['ingest']:.0%} of ingest ({r['ingest']:,.0f} spans/s); conversations "
+                      f"current {r['current']:.0f} s after the last ack", flush=True)
         if "steady" in phases:
             print(f"steady: {args.rate:,.0f} spans/s for {args.minutes:g} minutes, retention.spans "
                   f"{args.steady_keep}", flush=True)
