@@ -1,30 +1,41 @@
-"""Retention: what ``storage.retention`` lets go, deleted in small transactions that give way to ingestion.
+"""Retention: what ``storage.retention`` lets go, deleted as fast as it expires, giving way to ingestion.
 
 A background ``Stage`` (``collector.background``) after all the others, since it
-deletes what each of them wrote. Each sweep, once a minute or at once while
-something is due:
+deletes what each of them wrote. A sweep runs when the oldest commit it has not
+swept yet expires (at most ``interval`` apart), and goes on until nothing more is due:
 
-1. **spans of expired conversations**: an ended conversation whose last row
-   arrived before ``now - retention.spans`` loses all its span and log rows at
-   once (a conversation has all its spans or none). Its transcript, verdicts and
-   review items stay; ``reindex`` keeps it as stored. The sweep goes in order of
-   last arrival and stops at the first conversation still open or without a
-   sampling decision (the rules read its spans), so none is passed over.
-2. **traces of no conversation** (other services' spans, traceless logs): by
-   commit, a few commits at a time, once every row of the commit is older than
-   the horizon.
+1. **commits**: span and log rows go by ranges of commits (``batch_id``), the
+   oldest first, about ``rows`` rows a transaction, once the whole commit is
+   older than ``now - retention.spans``: a delete by a range of commit numbers
+   reads no ids, and leaves whole row groups empty, which DuckDB frees at its
+   next checkpoint without rewriting any. Traces still needed stay behind, held
+   (``retention_held``): those of a conversation still open, not sampled yet,
+   due for the evaluator (a judgement of its current revision, a retry:
+   ``JUDGEMENT_DUE``) or with a later arrival, and a trace with rows in later
+   commits (a trace's rows go together: a rebuild finds a trace whole or gone).
+   Rows of no conversation (other services' spans, traceless logs) go with
+   their commit. The conversation's transcript, verdicts and review items stay;
+   ``reindex`` keeps it as stored.
+2. **held traces** whose conversation has expired since go, by trace id within
+   their commits.
 3. **expired conversations**: ended, last arrival before ``now -
-   retention.conversations``, nothing due for the evaluator (a sampling
-   decision, a judgement of its current revision, a retry: ``JUDGEMENT_DUE``),
-   and with ``keep_reviewed`` no review item: its row, messages, sampling
-   decision, verdicts, not-run records, progress row, trace map rows and spans go
-   in one transaction, so a kill -9 leaves it whole or gone.
+   retention.conversations``, nothing due for the evaluator, and with
+   ``keep_reviewed`` no review item: its row, messages, sampling decision,
+   verdicts, not-run records, progress row, trace map rows and spans go in one
+   transaction, so a kill -9 leaves it whole or gone.
 
 Nothing the conversation stage has not taken in yet is touched: every delete is
 bounded by its stored batch mark. Each transaction waits for a pause in
-ingestion (``store.pacing``) and deletes at most ``chunk`` conversations or
-``CHUNK_COMMITS`` commits. Forwarding keeps its own copy of every request it has
-still to send (``collector.forward.queue``), so no delete here takes one from it.
+ingestion (``store.pacing``); once a sweep is more than ``BEHIND`` seconds
+behind its horizon it takes half the time instead of a tenth when none comes.
+Forwarding keeps its own copy of every request it has still to send
+(``collector.forward.queue``), so no delete here takes one from it. Each
+range's rows, the held traces and the place reached commit together: a kill -9
+leaves a range deleted and recorded, or neither.
+
+How far behind its horizon retention is (``behind_seconds``): how long before
+the horizon the oldest commit not swept yet arrived, 0 when none has expired.
+Held traces are not counted: they are kept on purpose.
 
 DuckDB marks deleted rows and, at its next checkpoint, frees row groups left
 empty and rewrites ones mostly deleted; the freed blocks are reused by later
@@ -34,7 +45,9 @@ never shrinks (docs/operations.md, "Disk").
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import itertools
 import logging
 import os
 import time
@@ -50,34 +63,65 @@ from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .listing import iso_utc
 from .memory import INDEX_WARNING, duckdb_memory, index_eighths
 from .metrics import Counter, Gauge, Metrics
-from .store import Store, Transaction
-from .store.transactions import COMMIT_TRACES, batch_filter, conversation_traces, mapped_traces, registered_rows
+from .store import Store, Transaction, insert_rows
+from .store.transactions import COMMIT_TRACES, batch_filter, conversation_traces, registered_rows
 from .words import size_text
 
 log = logging.getLogger("tracejudge.retention")
 
-INTERVAL = 60.0  # seconds between sweeps when nothing was due
-# Conversations per transaction. Each transaction waits for a pause in ingestion, and pauses are what
-# retention runs short of: at 100, a soak at 3,000 spans/s (about 190 conversations/s) deleted slower
-# than data arrived, for minutes at a time.
+INTERVAL = 60.0  # seconds between sweeps at most
+SOON = 1.0  # seconds between sweeps at least: what expires within it waits for the next
+HELD_AGAIN = 5.0  # seconds before held traces are looked at again (their conversations end, are judged)
+SETTLE = 30.0  # seconds a range waits for its conversations to end and be sampled before it holds them
+WAITING_AGAIN = 2.0  # seconds before a range that waits for them is looked at again
+# Rows (spans and log records) per transaction of step 1. A range's delete costs little by itself; the
+# lookups of its traces' conversations cost per trace, and the transaction's turn waits for a pause in
+# ingestion: bench/retention.py measured ... (see docs/operations.md, "Disk").
+ROWS = 65_536
+# Conversations per transaction of step 3 (each waits for a pause in ingestion).
 CHUNK = 400
-# Commits (up to max_batch_spans rows each) looked through for traces of no conversation per transaction.
-# At 4, the same soak spent most of its turns walking commits whose every trace had a conversation.
-CHUNK_COMMITS = 64
 # Expired conversations looked at per chunk deleted: those still due for the evaluator are passed over, a
 # window at a time, so that a sweep reads all of them in a few queries, each with bounded memory.
 WINDOW = 10
 # Its pace: deleting holds DuckDB's writer for a few ms per statement; it waits for the same pause
-# as the conversation stage and takes at most a tenth of the time when none comes. Under 6,000 spans/s,
-# which never pauses, a tenth deleted about 2,000 spans/s: after a sweep that took longer than the
-# interval between two (slower than data expires), the next takes half.
+# as the conversation stage and takes at most a tenth of the time when none comes, or half once it is
+# more than BEHIND seconds behind its horizon (ingestion that never pauses would otherwise outrun it).
 IDLE_GAP = 0.1
 SHARE = 0.1
 SHARE_BEHIND = 0.5
+BEHIND = 30.0
 MAX_WAIT = 30.0
 POLL = 0.05
 
 _TABLES = ("span_records", "log_records")
+_SWEPT = "retention.swept"  # the last commit step 1 has swept
+HELD_TABLE = "retention_held"
+# Traces step 1 left behind (see the module docstring): the first commit of their rows, and when it arrived.
+HELD_SCHEMA = f"""CREATE TABLE IF NOT EXISTS {HELD_TABLE} (
+    trace_id VARCHAR NOT NULL,
+    first_batch UBIGINT NOT NULL,
+    since TIMESTAMPTZ NOT NULL
+)"""
+# The next commits after the last swept up to the batch mark, with their arrival and rows, for about
+# ``rows`` rows (parameters: the last swept, the mark, rows): only row groups after the last swept are read.
+_NEXT_COMMITS = (
+    "SELECT batch_id, max(received_at), count(*) FROM (SELECT batch_id, received_at FROM ("
+    "SELECT batch_id, received_at FROM span_records WHERE batch_id > $1 AND batch_id <= $2 UNION ALL "
+    "SELECT batch_id, received_at FROM log_records WHERE batch_id > $1 AND batch_id <= $2) "
+    "ORDER BY batch_id LIMIT $3) GROUP BY batch_id ORDER BY batch_id")
+# When the oldest row not swept yet arrived (parameter: the last swept).
+_UNSWEPT = ("SELECT min(received_at) FROM (SELECT received_at FROM span_records WHERE batch_id > $1 "
+            "UNION ALL SELECT received_at FROM log_records WHERE batch_id > $1)")
+# Those of ``swept_conversations`` whose span rows may go (parameters: the earliest arrival of their rows,
+# which bounds the archive's row groups read; the horizon).
+_EXPIRED = (
+    "WITH c AS (SELECT conversation_id, state, last_arrival_at, revision FROM live_conversations "
+    "JOIN swept_conversations USING (conversation_id) UNION ALL "
+    "SELECT conversation_id, state, last_arrival_at, revision FROM archived_conversations "
+    "JOIN swept_conversations USING (conversation_id) WHERE last_arrival_at >= ?) "
+    "SELECT c.conversation_id FROM c JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
+    "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
+    f"WHERE c.state = 'ended' AND c.last_arrival_at < ? AND NOT {JUDGEMENT_DUE} AND NOT {RETRY_DUE}")
 # The next conversations past a horizon (parameters: the horizon; the last one passed: arrival, arrival, id;
 # how many), limited before they are joined: joined first, every one past the horizon went through DuckDB's
 # hash tables, and a sweep after a backlog (hundreds of thousands past it) ran out of DuckDB's memory.
@@ -97,9 +141,12 @@ class RetentionMetrics:
         self.oldest = Gauge("tracejudge_retention_oldest_timestamp_seconds",
                             "Arrival time (unix seconds) of the oldest row kept, by kind; absent when none.",
                             ("what",))
+        self.behind = Gauge("tracejudge_retention_behind_seconds",
+                            "How long before the horizon of storage.retention.spans the oldest span or log record "
+                            "retention has not swept yet arrived; 0 when none has expired (held rows not counted).")
         for what in _OLDEST:
             self.deleted.declare(what=what)
-        metrics.add_instruments(self.deleted, self.oldest)
+        metrics.add_instruments(self.deleted, self.oldest, self.behind)
 
 
 class Retention(Stage):
@@ -109,17 +156,29 @@ class Retention(Stage):
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics, *,
                  clock: Callable[[], float] = time.time, interval: float = INTERVAL, chunk: int = CHUNK,
-                 max_wait: float = MAX_WAIT) -> None:
+                 rows: int = ROWS, settle: float = SETTLE, max_wait: float = MAX_WAIT) -> None:
         super().__init__(store, metrics)
         self.settings = settings
         self.clock = clock
         self.interval = interval
         self.chunk = chunk
+        self.rows = rows
+        self.settle = settle
         self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL)
         self.m = RetentionMetrics(metrics)
+        metrics.on_scrape(lambda: self.m.behind.set(self.behind_seconds()))
         self.oldest: dict[str, dt.datetime | None] = {}
         self.sweeps = 0  # sweeps completed (tests wait on it through /api/status)
+        self._next_arrival: dt.datetime | None = None  # when the oldest row not swept yet arrived
+        self._held = 0  # traces held (step 1)
+        self._waiting: tuple[int, float] | None = None  # the range (its last swept commit) waiting to settle, since
         self._indexes_warned = 0  # eighths of the memory limit the key indexes held at the last warning
+
+    def _open(self) -> None:
+        assert self.cur is not None
+        self.cur.execute(HELD_SCHEMA)
+        if self.settings.spans is not None:
+            self._next_arrival = unswept(self.cur)
 
     # ------------------------------------------------------------ the loop
 
@@ -128,38 +187,53 @@ class Retention(Stage):
             try:
                 self.sweep()
                 self.cycle_ok()
-                delay = self.interval
+                delay = self.next_sweep()
             except _Stopping:
                 return
             except Exception:  # noqa: BLE001 - a conflict with another stage's write, a full disk: next sweep
                 delay = self.cycle_failed("a retention sweep failed")
             self.stopping.wait(delay)
 
+    def next_sweep(self) -> float:
+        """Seconds until the next sweep is due: when the oldest row not swept yet expires."""
+        keep = self.settings.spans
+        if keep is None:
+            return self.interval
+        if self._waiting is not None:  # a range waits for its conversations (``_settled``)
+            return WAITING_AGAIN
+        due = self.interval if self._next_arrival is None else self._next_arrival.timestamp() + keep - self.clock()
+        # With nothing left to sweep, what arrives next expires no sooner than ``keep`` from now.
+        delay = min(self.interval, keep, due, HELD_AGAIN if self._held else self.interval)
+        return max(SOON, delay)
+
+    def behind_seconds(self) -> float:
+        """How long before the horizon of ``retention.spans`` the oldest row not swept yet arrived (0: none)."""
+        return behind_seconds(self.settings, self.clock(), self._next_arrival) or 0.0
+
     def sweep(self) -> dict[str, int]:
         """Delete everything due now, a transaction at a time; what was deleted, by kind."""
-        began = time.monotonic()
         try:
             return self._sweep()
         finally:
             # The last piece ends here: ended by the next sweep's first turn instead, it took in the
             # interval between sweeps, and under steady ingestion the share made that sweep wait nine.
             self.pacing.rest()
-            self.pacing.share = SHARE_BEHIND if time.monotonic() - began > self.interval else SHARE
 
     def _sweep(self) -> dict[str, int]:
-        assert self.cur is not None
+        cur = self.cur
+        assert cur is not None
         deleted = {what: 0 for what in _OLDEST}
-        now = self.clock()
         # The conversation stage's stored batch mark: later commits are not taken in yet.
         mark = int(self._state("conversations.batch", "0"))
         if self.settings.spans is not None:
-            horizon = utc(now - self.settings.spans)
-            while self._turn() and self._expire_conversation_spans(horizon, mark, deleted):
+            keep = self.settings.spans
+            # The horizon moves on with each range: what expires while a sweep runs is swept by it.
+            while self._turn() and self._expire_commits(utc(self.clock() - keep), mark, deleted):
                 pass
-            while self._turn() and self._expire_commits(horizon, mark, deleted):
-                pass
+            self._next_arrival = unswept(cur)
+            self._release_held(utc(self.clock() - keep), deleted)
         if self.settings.conversations is not None:
-            horizon = utc(now - self.settings.conversations)
+            horizon = utc(self.clock() - self.settings.conversations)
             after: list[Any] = [utc(0), ""]
             while self._turn() and self._expire_conversations(horizon, mark, deleted, after):
                 pass
@@ -173,6 +247,8 @@ class Retention(Stage):
 
     def _turn(self) -> bool:
         self.pacing.done()
+        # Behind its horizon by more than BEHIND: under ingestion that never pauses, take more of the time.
+        self.pacing.share = SHARE_BEHIND if self.behind_seconds() > BEHIND else SHARE
         if not self.pacing.wait(self.stopping):
             raise _Stopping
         return True
@@ -186,69 +262,145 @@ class Retention(Stage):
         assert self.cur is not None
         self.cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES (?, ?)", [key, value])
 
-    # ------------------------------------------------------------ the three deletes
-
-    def _expire_conversation_spans(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
-        """One chunk of step 1; True when a full chunk was done (more may be due)."""
-        cur = self.cur
-        assert cur is not None
-        at, after = self._state("retention.spans_at", ""), self._state("retention.spans_after", "")
-        since = dt.datetime.fromisoformat(at) if at else utc(0)
-        with self.store.large_reads:
-            rows = cur.execute(
-                f"WITH c AS ({_NEXT.format(columns='state, first_batch', ended='')}) "
-                "SELECT c.conversation_id, c.state, c.last_arrival_at, s.conversation_id IS NOT NULL, c.first_batch "
-                "FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
-                "ORDER BY c.last_arrival_at, c.conversation_id",
-                [horizon, since, since, after, self.chunk]).fetchall()
-        ids: list[str] = []
-        firsts: list[int | None] = []
-        last: tuple[dt.datetime, str] | None = None
-        for cid, state, arrived, decided, first in rows:
-            if state != "ended" or not decided:
-                break  # it may end with this arrival time, or its sampling rules read its spans: wait for it
-            ids.append(cid)
-            firsts.append(first)
-            last = (arrived, cid)
-        if last is None:
-            return False
-        with Transaction(cur):
-            n = self._delete_rows(ids, last[0], mark, firsts)
-            self._set_state("retention.spans_at", last[0].isoformat())
-            self._set_state("retention.spans_after", last[1])
-        self._count(deleted, n)
-        return len(ids) == self.chunk
+    # ------------------------------------------------------------ the deletes
 
     def _expire_commits(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
-        """One chunk of step 2; True when more commits may be due."""
+        """One range of step 1: the next commits wholly before the horizon, about ``rows`` rows; True when
+        one was done (more may be due)."""
         cur = self.cur
         assert cur is not None
-        done = int(self._state("retention.commits", "0"))
-        # One commit has one arrival time and commits are numbered in arrival order, so every
-        # commit up to the last one before the horizon is wholly expired (only older row groups are read).
-        [(last,)] = cur.execute(
-            "SELECT greatest((SELECT max(batch_id) FROM span_records WHERE received_at < ? AND batch_id > ?), "
-            "(SELECT max(batch_id) FROM log_records WHERE received_at < ? AND batch_id > ?))",
-            [horizon, done, horizon, done]).fetchall()
-        if last is None:
+        done = int(self._state(_SWEPT, "0"))
+        commits = cur.execute(_NEXT_COMMITS, [done, mark, self.rows]).fetchall()
+        # Commits are numbered in arrival order, each with one arrival time: the range ends before the
+        # first one not expired (a clock set back makes a later one look older; it waits for that one).
+        taken = list(itertools.takewhile(lambda c: c[1] < horizon, commits))
+        if not taken:
             return False
-        upto = min(mark, int(last))
-        if upto <= done:
+        lo, hi, since = done + 1, taken[-1][0], taken[0][1]
+        in_range = [t for (t,) in cur.execute(COMMIT_TRACES, [lo, hi, lo, hi]).fetchall() if t is not None]
+        held = {t: (first, at) for t, first, at in cur.execute("SELECT trace_id, first_batch, since FROM "
+                                                                f"{HELD_TABLE}").fetchall()}
+        go, keep, unready = self._classify(in_range, hi, horizon, since, lo)
+        if not self._settled(done, unready, len(in_range)):
             return False
-        hi = min(upto, done + CHUNK_COMMITS)
-        # The commits' traces, then those of them the map holds: a semi-join with the whole map would
-        # hash every trace id it holds (tens of MB of DuckDB's memory at 250,000 traces).
-        traces = [t for (t,) in cur.execute(COMMIT_TRACES, [done + 1, hi, done + 1, hi]).fetchall() if t is not None]
-        mapped = mapped_traces(cur, traces)
-        with Transaction(cur), registered_rows(cur, "kept_traces", ("trace_id",), [(t,) for t in mapped]):
-            n = {}
+        again = [t for t in go if t in held]  # held before, free now: their rows before this range go too
+        kept = registered_rows(cur, "kept_traces", ("trace_id",), [(t,) for t in keep]) if keep else None
+        with Transaction(cur), kept or contextlib.nullcontext():
+            n = [0, 0]
+            for i, table in enumerate(_TABLES):
+                # Whole commits: DuckDB drops their row groups at the next checkpoint, rewriting none.
+                spare = " AND (trace_id IS NULL OR trace_id NOT IN (SELECT trace_id FROM kept_traces))" if keep else ""
+                [(n[i],)] = cur.execute(f"DELETE FROM {table} WHERE batch_id BETWEEN ? AND ?{spare}",
+                                        [lo, hi]).fetchall()
+            if again:
+                n = [a + b for a, b in zip(n, self._delete_traces(again, held, done))]
+            self._hold([(t, lo, since) for t in keep if t not in held], again)
+            self._set_state(_SWEPT, str(hi))
+        self._count(deleted, (n[0], n[1]))
+        # The next commit's arrival, or (beyond those read) a bound of it: how far behind the sweep still is.
+        self._next_arrival = commits[len(taken)][1] if len(commits) > len(taken) else taken[-1][1]
+        return True
+
+    def _settled(self, done: int, held: int, traces: int) -> bool:
+        """Whether to sweep a range that would hold ``held`` of its ``traces`` for their conversations. More
+        than a quarter held are
+        mostly conversations the stages upstream have not ended or sampled yet (after a burst they lag):
+        held, they would go by trace id, the slow delete, a few seconds later. So the sweep waits for them,
+        up to ``settle`` seconds, and then holds what is still needed (a conversation open for hours)."""
+        if held * 4 <= traces:
+            self._waiting = None
+            return True
+        if self._waiting is None or self._waiting[0] != done:
+            self._waiting = (done, self.clock())
+        if self.clock() - self._waiting[1] < self.settle:
+            return False
+        self._waiting = None
+        return True
+
+    def _release_held(self, horizon: dt.datetime, deleted: dict[str, int]) -> None:
+        """Step 2: the rows of held traces whose conversations have expired since, a trace at a time."""
+        cur = self.cur
+        assert cur is not None
+        done = int(self._state(_SWEPT, "0"))
+        held = {t: (first, at) for t, first, at in cur.execute(f"SELECT trace_id, first_batch, since FROM "
+                                                                f"{HELD_TABLE}").fetchall()}
+        self._held = len(held)
+        if not held:
+            return
+        since = min(at for _, at in held.values())
+        go, _, _ = self._classify(list(held), done, horizon, since, min(first for first, _ in held.values()))
+        for i in range(0, len(go), self.rows):
+            part = go[i:i + self.rows]
+            with Transaction(cur):
+                n = self._delete_traces(part, held, done)
+                self._hold([], part)
+            self._count(deleted, n)
+            self._held -= len(part)
+            if i + self.rows < len(go) and not self._turn():
+                return
+
+    def _classify(self, traces: list[str], upto: int, horizon: dt.datetime, since: dt.datetime,
+                  first: int) -> tuple[list[str], list[str], int]:
+        """These traces split into those whose rows may go now and those held, and how many of those held
+        wait for their conversation (the others for their later rows): a trace goes when it has no
+        conversation, or its conversation has expired (ended, its last arrival before the horizon, sampled
+        and nothing due for the evaluator) and every row of the trace is in commits up to ``upto``
+        (a trace's rows go together: a rebuild finds a trace whole or gone). ``since``: no row of theirs
+        arrived earlier; ``first``: none is in an earlier commit (both bound the row groups read)."""
+        cur = self.cur
+        assert cur is not None
+        if not traces:
+            return [], [], 0
+        # Keyed traces by a join with the few asked for; the rest in the archive, within their commits.
+        with registered_rows(cur, "swept_traces", ("trace_id",), [(t,) for t in traces]):
+            places = cur.execute("SELECT trace_id, conversation_id, last_batch FROM trace_conversations "
+                                 "JOIN swept_traces USING (trace_id)").fetchall()
+        keyed = {t for t, _, _ in places}
+        rest = [(t,) for t in traces if t not in keyed]
+        if rest:
+            with registered_rows(cur, "swept_traces", ("trace_id",), rest):
+                places += cur.execute("SELECT trace_id, conversation_id, last_batch FROM trace_archive "
+                                      "JOIN swept_traces USING (trace_id) WHERE last_batch >= ?", [first]).fetchall()
+        conversations = sorted({c for _, c, _ in places})
+        expired: set[str] = set()
+        if conversations:
+            with self.store.large_reads, registered_rows(cur, "swept_conversations", ("conversation_id",),
+                                                         [(c,) for c in conversations]):
+                expired = {c for (c,) in cur.execute(_EXPIRED, [since, horizon]).fetchall()}
+        mapped = {t: (c, last) for t, c, last in places}
+        go, keep, unready = [], [], 0
+        for t in traces:
+            c, last = mapped.get(t, (None, None))
+            if c is None or (c in expired and last is not None and last <= upto):
+                go.append(t)
+            else:
+                keep.append(t)
+                unready += c not in expired
+        return go, keep, unready
+
+    def _delete_traces(self, traces: list[str], held: dict[str, tuple[int, dt.datetime]],
+                       upto: int) -> tuple[int, int]:
+        """The rows of these held traces in commits up to ``upto`` (spans, logs deleted)."""
+        cur = self.cur
+        assert cur is not None
+        within, bounds = batch_filter([(held[t][0], upto) for t in traces])
+        out = []
+        with registered_rows(cur, "freed_traces", ("trace_id",), [(t,) for t in traces]):
             for table in _TABLES:
-                [(n[table],)] = cur.execute(
-                    f"DELETE FROM {table} WHERE batch_id BETWEEN ? AND ? AND (trace_id IS NULL OR trace_id NOT IN "
-                    "(SELECT trace_id FROM kept_traces))", [done + 1, hi]).fetchall()
-            self._set_state("retention.commits", str(hi))
-        self._count(deleted, (n["span_records"], n["log_records"]))
-        return hi < upto
+                [(n,)] = cur.execute(f"DELETE FROM {table} WHERE trace_id IN (SELECT trace_id FROM freed_traces)"
+                                     f"{within}", bounds).fetchall()
+                out.append(int(n))
+        return out[0], out[1]
+
+    def _hold(self, add: list[tuple[str, int, dt.datetime]], drop: list[str]) -> None:
+        """Record traces held (trace, the first commit of their rows, when it arrived); forget ``drop``."""
+        cur = self.cur
+        assert cur is not None
+        if drop:
+            with registered_rows(cur, "dropped_traces", ("trace_id",), [(t,) for t in drop]):
+                cur.execute(f"DELETE FROM {HELD_TABLE} WHERE trace_id IN (SELECT trace_id FROM dropped_traces)")
+        insert_rows(cur, f"INSERT INTO {HELD_TABLE}", ("trace_id", "first_batch", "since"), add)
+        self._held += len(add) - len(drop)
 
     def _expire_conversations(self, horizon: dt.datetime, mark: int, deleted: dict[str, int],
                               after: list[Any]) -> bool:
@@ -326,6 +478,7 @@ class Retention(Stage):
                     "AND trace_id IN (SELECT trace_id FROM expired_traces)",
                     [newest + dt.timedelta(seconds=1), since, mark, *bounds]).fetchall()
                 out.append(int(found))
+            cur.execute(f"DELETE FROM {HELD_TABLE} WHERE trace_id IN (SELECT trace_id FROM expired_traces)")
         return out[0], out[1]
 
     def _count(self, deleted: dict[str, int], rows: tuple[int, int]) -> None:
@@ -354,6 +507,7 @@ class Retention(Stage):
 
     def status(self) -> dict[str, Any]:
         return {"storage": storage_status(self.store.path, self.settings, self.clock(), self.oldest,
+                                          behind=self.behind_seconds(), held=self._held,
                                           deleted={what: int(self.m.deleted.value(what=what)) for what in _OLDEST},
                                           sweeps=self.sweeps)}
 
@@ -370,9 +524,28 @@ def oldest_rows(cur: duckdb.DuckDBPyConnection) -> dict[str, dt.datetime | None]
     return out
 
 
+def unswept(cur: duckdb.DuckDBPyConnection) -> dt.datetime | None:
+    """When the oldest span or log record retention has not swept yet arrived (``None``: none)."""
+    state = cur.execute("SELECT value FROM tracejudge_state WHERE key = ?", [_SWEPT]).fetchall()
+    [(arrival,)] = cur.execute(_UNSWEPT, [int(state[0][0]) if state else 0]).fetchall()
+    return arrival  # type: ignore[no-any-return]
+
+
+def behind_seconds(settings: Settings, now: float, arrival: dt.datetime | None) -> float | None:
+    """How long before the horizon of ``retention.spans`` a row not swept yet arrived: 0 when it has not
+    expired or there is none, ``None`` without ``retention.spans``."""
+    if settings.spans is None:
+        return None
+    return 0.0 if arrival is None else max(0.0, now - settings.spans - arrival.timestamp())
+
+
 def storage_status(path: Path, settings: Settings, now: float, oldest: dict[str, dt.datetime | None], *,
-                   deleted: dict[str, int] | None = None, sweeps: int | None = None) -> dict[str, Any]:
-    """The file's size and what retention keeps, for /api/status and ``tracejudge status``."""
+                   behind: float | None, held: int | None = None, deleted: dict[str, int] | None = None,
+                   sweeps: int | None = None) -> dict[str, Any]:
+    """The file's size and what retention keeps, for /api/status and ``tracejudge status``.
+
+    ``behind``: ``behind_seconds``; ``held``: traces step 1 left behind (the daemon's figure, absent from the file).
+    """
     def size(p: Path) -> int:
         try:
             return os.stat(p).st_size
@@ -387,8 +560,10 @@ def storage_status(path: Path, settings: Settings, now: float, oldest: dict[str,
         "path": str(path), "file_bytes": size(path), "wal_bytes": size(Path(f"{path}.wal")),
         "retention": {"spans": kept(settings.spans, "spans"), "log_records": kept(settings.spans, "log_records"),
                       "conversations": kept(settings.conversations, "conversations"),
-                      "keep_reviewed": settings.keep_reviewed},
+                      "keep_reviewed": settings.keep_reviewed, "behind_seconds": behind},
     }
+    if held is not None:
+        out["retention"]["held_traces"] = held
     if deleted is not None:
         out["retention"]["deleted"] = deleted
         out["retention"]["sweeps"] = sweeps

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..evals import simulations, verdicts
 from ..evals.simulated_user import REALISM, SimulatedUser
 from ..listing import parse_since
-from ..retention import oldest_rows, storage_status
+from ..retention import behind_seconds, oldest_rows, storage_status, unswept
 from ..review import calibration
 from ..review import realism as review_realism
 from ..review import queue as review
@@ -232,7 +232,8 @@ class FileClient:
     def status(self) -> dict[str, Any]:
         row = one(self.con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'"))
         return {"daemon": None, "conversations_batch": int(row[0]) if row else 0,
-                "storage": storage_status(self.path, self.retention, time.time(), oldest_rows(self.con))}
+                "storage": storage_status(self.path, self.retention, now := time.time(), oldest_rows(self.con),
+                                          behind=behind_seconds(self.retention, now, unswept(self.con)))}
 
     def close(self) -> None:
         self.con.close()

@@ -60,6 +60,12 @@ def render(body: dict[str, Any]) -> str:
         oldest = f"oldest arrived {k['oldest']}" if k["oldest"] else "none stored"
         gone = f"; {deleted[key]} deleted since the daemon started" if key in deleted else ""
         lines.append([label, f"{kept}; {oldest}{gone}"])
+    behind = keep.get("behind_seconds")
+    if behind is not None:
+        held = keep.get("held_traces")
+        lines.append(["", f"deletion {'caught up' if behind < 1 else f'{behind:.0f} s behind its horizon'}"
+                          + (f"; {plural(held, 'trace')} held for conversations still open, not sampled or "
+                             "due for judgement" if held else "")])
     if keep["keep_reviewed"] and keep["conversations"]["keep_seconds"] is not None:
         lines.append(["", "conversations with a review item are kept as long as their item"])
     memory = body.get("duckdb_memory")

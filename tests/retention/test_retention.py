@@ -28,7 +28,8 @@ from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
 from collector.memory import INDEX_WARNING
 from collector.metrics import Metrics
-from collector.retention import IDLE_GAP, INTERVAL, SHARE, SHARE_BEHIND, Retention
+from collector.retention import (IDLE_GAP, INTERVAL, ROWS, SETTLE, SHARE, SHARE_BEHIND, SOON, WAITING_AGAIN,
+                                 Retention)
 from collector.store import Pacing, Store, Transaction
 
 from ..forward.test_forward import forwarded, sink, traces
@@ -96,10 +97,12 @@ def one(store: Store, sql: str, params: list[Any] | None = None) -> Any:
         cur.close()
 
 
-def open_retention(path: Path, clock: list[float], **settings: Any) -> tuple[Store, Retention]:
+def open_retention(path: Path, clock: list[float], rows: int = ROWS, settle: float = SETTLE,
+                   **settings: Any) -> tuple[Store, Retention]:
     store = Store(path)
     store.open()
-    stage = Retention(store, Settings(**settings), Metrics(), clock=lambda: clock[0], max_wait=0)
+    stage = Retention(store, Settings(**settings), Metrics(), clock=lambda: clock[0], max_wait=0, rows=rows,
+                      settle=settle)
     stage.open()
     return store, stage
 
@@ -127,7 +130,8 @@ def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(mak
     assert daemon.query("SELECT conversation_id FROM review_items") == [("conv-001",)]
     # A conversation the evaluator has still to decide (as if it had stopped before it came to it):
     # its sampling rules may read its spans, and it must be judged.
-    store, stage = open_retention(daemon.duckdb, clock := [time.time() + 13 * DAY], spans="14d",
+    # settle=0: the range holds conv-003 at once (the next test waits for it to settle).
+    store, stage = open_retention(daemon.duckdb, clock := [time.time() + 13 * DAY], settle=0, spans="14d",
                                   conversations="90d")
     try:
         cur = store.cursor()
@@ -207,6 +211,7 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
         con.execute(f"UPDATE {table} SET received_at = received_at {back}")
     con.execute(f"UPDATE live_conversations SET last_arrival_at = last_arrival_at {back}, "
                 f"first_arrival_at = first_arrival_at {back}")
+    traces = dict(con.execute("SELECT trace_id, count(*) FROM span_records GROUP BY trace_id").fetchall())
     con.close()
     daemon.config["storage"]["retention"] = {"spans": "14d", "conversations": "30d"}
     daemon.config_path.write_text(yaml.safe_dump(daemon.config), encoding="utf-8")
@@ -226,6 +231,8 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
         orphans = d.query("SELECT count(*) FROM messages WHERE conversation_id NOT IN "
                           "(SELECT conversation_id FROM conversations)")
         assert orphans == [(0,)]
+        left = dict(d.query("SELECT trace_id, count(*) FROM span_records GROUP BY trace_id"))
+        assert all(left.get(t, 0) in (0, n) for t, n in traces.items()), "a trace's rows go together"
 
     whole_or_gone(daemon)
     daemon.start()  # the sweeps go on from where the kill left them
@@ -242,6 +249,8 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
     assert text.returncode == 0, text.stderr
     assert "spans" in text.stdout and "kept 14d" in text.stdout and "running at" in text.stdout, text.stdout
     assert "of 128.0 MB (storage.memory_limit); key indexes" in text.stdout, text.stdout
+    assert "deletion caught up" in text.stdout, text.stdout
+    assert status["retention"]["behind_seconds"] == 0 and daemon.metric("tracejudge_retention_behind_seconds") == 0
     assert daemon.stop() == 0
     whole_or_gone(daemon)
     assert daemon.query("SELECT count(*) FROM span_records WHERE received_at < now() - INTERVAL 14 DAY") == [(0,)]
@@ -254,6 +263,9 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
         assert all(n > 0 for n in rows.values()), rows
     text = run_cli("status", "--config", str(daemon.config_path))  # from the file, the daemon stopped
     assert "not running" in text.stdout and "kept 30d" in text.stdout, text.stdout
+    assert "deletion caught up" in text.stdout, text.stdout
+    as_json = json.loads(run_cli("status", "--config", str(daemon.config_path), "--json").stdout)
+    assert as_json["storage"]["retention"]["behind_seconds"] == 0
 
 
 def test_retention_settings_are_checked(tmp_path: Path) -> None:
@@ -346,7 +358,7 @@ def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(m
     """Above a few thousand spans/s ingestion never pauses, and retention runs on its share of the time
     alone. A sweep's last piece must end with it: counted until the next sweep began, it took in the
     minute between them, and that sweep waited nine minutes (so under a steady load nothing was deleted).
-    A sweep that took longer than the interval between two gives the next a larger share."""
+    A sweep more than BEHIND seconds behind its horizon takes a larger share, and gives it back once caught up."""
     daemon = recorded(make_daemon(**sections(tmp_path)), [persona(1)])
     clock = [time.time() + 15 * DAY]
     store, stage = open_retention(daemon.duckdb, clock, spans="14d")
@@ -354,16 +366,16 @@ def test_under_ingestion_that_never_pauses_each_sweep_waits_for_its_share_only(m
     stage.pacing = Pacing(lambda: 0.0, idle_gap=IDLE_GAP, share=SHARE, max_wait=0, poll=0.01,
                           clock=lambda: clock[0])
     try:
+        assert stage.behind_seconds() > DAY - 60  # everything expired a day ago
         assert stage.sweep()["spans"] > 0
+        assert stage.pacing.share == SHARE_BEHIND  # it was a day behind
+        assert stage.behind_seconds() == 0
         clock[0] += INTERVAL  # the wait between two sweeps
         second = threading.Thread(target=stage.sweep, daemon=True)
         second.start()
         wait_until(lambda: not second.is_alive(), "the second sweep", timeout=30)
         assert stage.sweeps == 2
-        assert stage.pacing.share == SHARE  # it took far less than the interval between two
-        stage.interval = 0.0  # a sweep slower than data expires: the next takes more of the time
-        stage.sweep()
-        assert stage.pacing.share == SHARE_BEHIND
+        assert stage.pacing.share == SHARE  # caught up
     finally:
         stage.stop()
         store.close()
@@ -416,5 +428,121 @@ def test_a_sweep_warns_once_the_key_indexes_pass_half_of_duckdbs_memory(tmp_path
         stage.sweep()
         assert caplog.text.count(INDEX_WARNING) == 1  # nothing grew: said once
     finally:
+        stage.stop()
+        store.close()
+
+
+class CheckedPacing(Pacing):
+    """Ingestion always idle; ``check`` runs before each of retention's transactions (between two commits)."""
+
+    def __init__(self, check: Any) -> None:
+        super().__init__(lambda: 10.0, idle_gap=IDLE_GAP, share=SHARE, max_wait=0, poll=0.01)
+        self.check = check
+        self.turns = 0
+
+    def wait(self, stop: threading.Event | None = None) -> bool:
+        self.turns += 1
+        self.check()
+        return super().wait(stop)
+
+
+def span_counts(store: Store) -> dict[str, int]:
+    """Span rows per trace (every trace of the map, 0 for one without rows)."""
+    cur = store.cursor()
+    try:
+        return dict(cur.execute("SELECT m.trace_id, count(s.trace_id) FROM trace_map m LEFT JOIN span_records s "
+                                "USING (trace_id) GROUP BY m.trace_id").fetchall())
+    finally:
+        cur.close()
+
+
+@pytest.mark.slow
+def test_a_burst_is_swept_by_the_sweep_due_at_its_expiry_a_range_at_a_time_each_trace_whole(
+        make_daemon: Any, tmp_path: Path) -> None:
+    """The sweep after data expires is due when it expires (not a minute later), and deletes all of it however
+    many ranges of commits it takes. One trace's rows are split over two commits here, the second one
+    range later: it is held until both are swept, then goes whole. Between any two transactions every
+    trace has all its rows or none."""
+    daemon = recorded(make_daemon(**sections(tmp_path)), [persona(i) for i in range(1, 7)])
+    con = duckdb.connect(str(daemon.duckdb))
+    try:  # the last span of conv-001's first trace arrives in a commit of its own, after all the others
+        [(split, last)] = con.execute(
+            "SELECT trace_id, max(span_id) FROM span_records WHERE trace_id = (SELECT min(trace_id) FROM trace_map "
+            "WHERE conversation_id = 'conv-001') GROUP BY trace_id").fetchall()
+        [(top, newest)] = con.execute("SELECT max(batch_id), max(received_at) FROM span_records").fetchall()
+        con.execute("UPDATE span_records SET batch_id = ?, received_at = ? WHERE span_id = ?", [top + 1, newest, last])
+        con.execute("UPDATE trace_conversations SET last_batch = ? WHERE trace_id = ?", [top + 1, split])
+        con.execute("UPDATE tracejudge_state SET value = ? WHERE key = 'conversations.batch'", [str(top + 1)])
+        [(first,)] = con.execute("SELECT epoch(min(received_at)) FROM span_records").fetchall()
+    finally:
+        con.close()
+    clock = [first + 14 * DAY - 10]
+    store, stage = open_retention(daemon.duckdb, clock, spans="14d", rows=1)  # a commit per range
+    before = span_counts(store)
+    assert before[split] >= 2 and all(before.values()), before
+
+    def whole_or_gone() -> None:
+        now = span_counts(store)
+        assert all(now[t] in (0, n) for t, n in before.items()), {t: n for t, n in now.items() if n != before[t]}
+
+    stage.pacing = pacing = CheckedPacing(whole_or_gone)
+    try:
+        assert stage.sweep()["spans"] == 0  # 10 s before the first expires
+        assert SOON <= stage.next_sweep() <= 10  # due when it expires
+        assert stage.behind_seconds() == 0
+        clock[0] += 11 + INTERVAL  # all expired; one sweep, a range of one commit at a time
+        assert stage.behind_seconds() > INTERVAL - 1
+        assert stage.sweep()["spans"] == sum(before.values())
+        whole_or_gone()
+        assert pacing.turns >= top + 1  # a transaction per commit, the split trace's held in between
+        assert stage.behind_seconds() == 0 and stage.status()["storage"]["retention"]["held_traces"] == 0
+        assert stage.next_sweep() == INTERVAL  # nothing stored is left to expire
+        for cid in (f"conv-{i:03d}" for i in range(1, 7)):  # transcripts stay
+            assert rows_of(store, cid)["messages"] > 0
+    finally:
+        stage.stop()
+        store.close()
+
+
+@pytest.mark.slow
+def test_spans_of_a_conversation_open_unsampled_or_due_for_judgement_are_held_until_it_may_go(
+        make_daemon: Any, tmp_path: Path) -> None:
+    """conv-001 is still open, conv-002 has no sampling decision yet, conv-003 is due for judgement (its
+    judgement lost, as if the evaluator had stopped before it). Most of the range waits for them: the sweep
+    waits SETTLE seconds for them to end and be judged, then deletes the rest and holds their spans whole;
+    once each has ended, been sampled and been judged, the next sweep deletes them."""
+    daemon = recorded(make_daemon(**sections(tmp_path)), [persona(i) for i in range(1, 5)])
+    clock = [time.time() + 15 * DAY]
+    store, stage = open_retention(daemon.duckdb, clock, spans="14d")
+    before = {f"conv-{i:03d}": rows_of(store, f"conv-{i:03d}") for i in range(1, 5)}
+    cur = store.cursor()
+    try:
+        cur.execute("CREATE TEMP TABLE saved_decisions AS SELECT * FROM sampling_decisions "
+                    "WHERE conversation_id = 'conv-002'")
+        cur.execute("CREATE TEMP TABLE saved_progress AS SELECT * FROM eval_progress WHERE conversation_id = 'conv-003'")
+        cur.execute("UPDATE live_conversations SET state = 'open' WHERE conversation_id = 'conv-001'")
+        cur.execute("DELETE FROM sampling_decisions WHERE conversation_id = 'conv-002'")
+        cur.execute("DELETE FROM eval_progress WHERE conversation_id = 'conv-003'")
+        assert stage.sweep()["spans"] == 0  # three quarters of the range would be held: it waits for them
+        assert stage.next_sweep() == WAITING_AGAIN
+        clock[0] += SETTLE
+        assert stage.sweep()["spans"] == before["conv-004"]["spans"]
+        assert rows_of(store, "conv-004")["spans"] == 0
+        for cid in ("conv-001", "conv-002", "conv-003"):
+            assert rows_of(store, cid)["spans"] == before[cid]["spans"], cid
+        traces = sum(before[c]["trace_map"] for c in ("conv-001", "conv-002", "conv-003"))
+        assert stage.status()["storage"]["retention"]["held_traces"] == traces
+        assert stage.behind_seconds() == 0  # held on purpose, not behind
+        clock[0] += 60
+        assert stage.sweep()["spans"] == 0  # nothing has changed for them
+
+        cur.execute("UPDATE live_conversations SET state = 'ended' WHERE conversation_id = 'conv-001'")
+        cur.execute("INSERT INTO sampling_decisions SELECT * FROM saved_decisions")
+        cur.execute("INSERT INTO eval_progress SELECT * FROM saved_progress")
+        assert stage.sweep()["spans"] == sum(before[c]["spans"] for c in ("conv-001", "conv-002", "conv-003"))
+        assert one(store, "SELECT count(*) FROM span_records") == 0
+        assert one(store, "SELECT count(*) FROM retention_held") == 0
+    finally:
+        cur.close()
         stage.stop()
         store.close()

@@ -1,0 +1,276 @@
+"""Retention benchmark: does deletion keep pace with ingestion, after a burst and under a steady load?
+
+Three phases, each against a real daemon (``bench/ingest.py``'s launcher, 1-2 KB GenAI spans):
+
+burst   ``--burst`` spans (300,000) of bench/ingest.py's four-turn conversations (``--workload
+        one-span``: each span its own trace and conversation, the most conversations per span),
+        sent as fast as the daemon takes them (the ingest throughput), with no retention, until
+        every conversation has ended and been sampled. Then, on a copy of that file for each
+        code (``--baseline REF`` first, then this tree), the daemon starts with
+        ``storage.retention.spans: --keep`` (2s), by which all of it has expired: the time to zero
+        stored spans (target < 60 s) and the deletion throughput, as a share of the ingest
+        throughput. Retention deletes nothing the stages upstream have not finished with, so
+        their lag after a burst (minutes, for one-span conversations on two busy cores) is left
+        out: this is retention's own pace.
+live    the same burst of four-turn conversations sent to a daemon of each code keeping
+        ``--live-keep`` seconds (60) of spans, with the stages upstream catching up as they go:
+        the time from the last span's expiry (its ack plus the retention) to zero stored spans.
+steady  ``--rate`` spans/s (5,000) of bench/ingest.py's four-turn conversations for ``--minutes``
+        (10) with ``retention.spans: --steady-keep`` (2m): the stored span count, the file size
+        (with its WAL) and retention's lag behind its horizon each minute, and whether the count and
+        the file are flat (within 10%) from the fourth minute on.
+
+``--baseline REF`` deletes the burst first with another commit's code (``git archive REF``, e.g.
+``main``), then with this tree's, in the same run, and prints the ratio. Run by hand:
+
+    .venv/bin/python bench/retention.py [--baseline main] [--burst 300000] [--workload four-turn|one-span]
+                                        [--phases burst,steady] [--rate 5000] [--minutes 10] [--steady-keep 2m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ingest
+import memory
+import soak
+
+HERE = ingest.REPO
+POLL = 0.5
+MB = 1_000_000
+
+
+def one_span_requests(total: int) -> list[bytes]:
+    """Bodies of 512 spans each, every span its own trace and its own conversation."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    template = ExportTraceServiceRequest()
+    template.CopyFrom(ingest._template())
+    spans = template.resource_spans[0].scope_spans[0].spans
+    slots = []
+    for sp in spans:  # the conversation id: the agent spans' own attribute, one added to the others
+        found = [i for i, kv in enumerate(sp.attributes) if kv.key == "gen_ai.conversation.id"]
+        if not found:
+            kv = sp.attributes.add()
+            kv.key = "gen_ai.conversation.id"
+            found = [len(sp.attributes) - 1]
+        slots.append(found[0])
+    bodies = []
+    for r in range(max(1, total // ingest.SPANS_PER_REQUEST)):
+        for i, sp in enumerate(spans):
+            sp.trace_id = ingest._random_id(16, "one", r, i)
+            sp.span_id = ingest._random_id(8, "one", r, i)
+            sp.parent_span_id = b""
+            sp.attributes[slots[i]].value.string_value = f"one-{r:05d}-{i:03d}"
+        bodies.append(template.SerializeToString())
+    return bodies
+
+
+def daemon(code: Path, data: Path, keep: str | None) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """``tracejudge serve`` from ``code``'s tree, keeping ``keep`` of spans; conversations end 2 s idle and a
+    tenth are judged by a code check (the evaluator and the review queue work, as in bench/soak.py)."""
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "criteria.yaml").write_text(memory.CRITERIA)
+    ingest.REPO = code  # the launcher runs ``python -m collector`` in this folder: its code
+    ingest.STORAGE_EXTRA = f", retention: {{spans: {keep}}}" if keep else ""
+    try:
+        return ingest.start_daemon(data, "conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
+                                         f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
+    finally:
+        ingest.REPO = HERE
+
+
+def metric(api: str, name: str) -> float:
+    """The sum of a metric's samples on /metrics (0 when absent)."""
+    total = 0.0
+    for line in memory.get(api, "/metrics").splitlines():
+        if re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ", line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def burst(runs: list[tuple[str, Path]], work: Path, bodies: list[bytes], keep: str) -> dict[str, dict[str, float]]:
+    """Ingest the burst with no retention and wait until every conversation has ended and been sampled
+    (retention deletes only what the stages upstream are done with, and their lag is not retention's);
+    then, on a copy of that file for each run's code, start the daemon keeping ``keep``, by which all of
+    it has expired, and time it to zero stored spans."""
+    spans = len(bodies) * ingest.SPANS_PER_REQUEST
+    proc, info = daemon(HERE, work / "burst", None)
+    try:
+        elapsed, _, refused = asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+        print(f"  ingest: {spans:,} spans in {elapsed:.1f} s ({spans / elapsed:,.0f} spans/s, {refused} refusals "
+              "retried)", flush=True)
+        settled = memory.settled(info["api"], timeout=1800)
+        print(f"  conversations ended and sampled {settled:.0f} s after the last ack", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait()
+    out = {}
+    for name, code in runs:
+        data = work / name.replace(" ", "-").replace("/", "-")
+        data.mkdir()
+        shutil.copy(work / "burst" / "bench.duckdb", data / "bench.duckdb")
+        started = time.perf_counter()
+        proc, info = daemon(code, data, keep)
+        stored, report = spans, started + 15
+        try:
+            while stored:
+                time.sleep(POLL)
+                stored = memory.get(info["api"], "/api/spans/count")["spans"]
+                now = time.perf_counter()
+                if now >= report:
+                    print(f"  {name}: {now - started:5.0f} s after the start: {stored:,} spans stored", flush=True)
+                    report += 15
+                if now > started + 900:
+                    print(f"  {name}: {stored:,} spans still stored after 15 minutes", flush=True)
+                    break
+            cleared = time.perf_counter() - started
+        finally:
+            proc.terminate()
+            proc.wait()
+        out[name] = {"ingest": spans / elapsed, "clear": cleared, "delete": (spans - stored) / cleared,
+                     "left": stored, "file": (data / "bench.duckdb").stat().st_size / MB}
+        print(f"  {name}: {spans - stored:,} spans deleted {cleared:.1f} s after the start", flush=True)
+    return out
+
+
+def live(name: str, code: Path, work: Path, bodies: list[bytes], keep: float) -> dict[str, float]:
+    """The burst sent to a daemon of ``code`` keeping ``keep`` seconds of spans: the time from the last span's
+    expiry (its ack plus ``keep``) to zero stored, and when conversations were current (retention waits for them)."""
+    spans = len(bodies) * ingest.SPANS_PER_REQUEST
+    proc, info = daemon(code, work / f"live-{name.replace(' ', '-')}", f"{keep:g}s")
+    try:
+        start = time.perf_counter()
+        elapsed, _, _ = asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+        last_expiry = start + elapsed + keep
+        stored, current, report = spans, None, last_expiry
+        while stored and time.perf_counter() < last_expiry + 900:
+            time.sleep(POLL)
+            stored = memory.get(info["api"], "/api/spans/count")["spans"]
+            now = time.perf_counter()
+            if current is None:
+                st = memory.get(info["api"], "/api/status")
+                if st["conversations_batch"] >= st["committed_batch"] and not st["conversations_pending"]:
+                    current = now
+            if now >= report:
+                print(f"  live {name}: {now - last_expiry:5.0f} s after the last expiry: {stored:,} spans stored",
+                      flush=True)
+                report += 15
+        zero = time.perf_counter()
+    finally:
+        proc.terminate()
+        proc.wait()
+    return {"clear": zero - last_expiry, "left": stored, "current": (current or zero) - (start + elapsed),
+            "delete": (spans - stored) / (zero - start - keep), "ingest": spans / elapsed}
+
+
+def steady(work: Path, rate: float, minutes: float, keep: str) -> list[dict[str, float]]:
+    proc, info = daemon(HERE, work / "steady", keep)
+    db = work / "steady" / "bench.duckdb"
+    rows: list[dict[str, float]] = []
+    answered: list[tuple[float, float]] = []
+
+    async def run() -> None:
+        sender = asyncio.ensure_future(soak.paced(info["grpc"], int(rate * minutes * 60), rate, answered))
+        start = time.perf_counter()
+        for minute in range(1, int(minutes) + 1):
+            await asyncio.sleep(max(0.0, start + 60 * minute - time.perf_counter()))
+            stored = (await asyncio.to_thread(memory.get, info["api"], "/api/spans/count"))["spans"]
+            behind = await asyncio.to_thread(metric, info["api"], "tracejudge_retention_behind_seconds")
+            rows.append({"minute": minute, "stored": stored, "file": soak.file_bytes(db) / MB, "behind": behind,
+                         "sent": len(answered) * ingest.SPANS_PER_REQUEST})
+            r = rows[-1]
+            print(f"  minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB, "
+                  f"retention {r['behind']:4.0f} s behind, {r['sent']:>9,.0f} sent", flush=True)
+        await sender
+
+    try:
+        asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait()
+    return rows
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """``ref``'s tree of this repository, unpacked into ``into``."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(HERE), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phases", default="burst,live,steady")
+    ap.add_argument("--baseline", help="a git ref whose retention the burst also runs on, first (e.g. main)")
+    ap.add_argument("--burst", type=int, default=300_000)
+    ap.add_argument("--keep", default="2s", help="retention.spans after the burst (all of it has expired)")
+    ap.add_argument("--live-keep", type=float, default=60, help="seconds of spans kept in the live phase")
+    ap.add_argument("--workload", choices=("four-turn", "one-span"), default="four-turn")
+    ap.add_argument("--rate", type=float, default=5000)
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--steady-keep", default="2m")
+    args = ap.parse_args()
+    phases = args.phases.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "burst" in phases:
+            one_span = args.workload == "one-span"
+            bodies = one_span_requests(args.burst) if one_span else ingest.make_requests(args.burst)
+            print(f"burst: {len(bodies) * ingest.SPANS_PER_REQUEST:,} spans of "
+                  f"{'one-span' if one_span else 'four-turn'} conversations, then retention.spans {args.keep}",
+                  flush=True)
+            runs = [("this tree", HERE)]
+            if args.baseline:
+                runs.insert(0, (args.baseline, checkout(args.baseline, work / "baseline-code")))
+            results = burst(runs, work, bodies, args.keep)
+            del bodies
+            for name, r in results.items():
+                print(f"  {name}: deleted {r['delete']:,.0f} spans/s = {r['delete'] / r['ingest']:.0%} of ingest "
+                      f"({r['ingest']:,.0f} spans/s); all expired at the start, zero expired spans after "
+                      f"{r['clear']:.1f} s (target < 60 s); {r['left']:,} left; file {r['file']:.0f} MB")
+            if args.baseline:
+                new, old = results["this tree"], results[args.baseline]
+                print(f"  this tree vs {args.baseline}: deletion {new['delete'] / old['delete']:.1f}x as fast; "
+                      f"cleared in {new['clear']:.1f} s vs {old['clear']:.1f} s")
+        if "live" in phases:
+            bodies = ingest.make_requests(args.burst)
+            print(f"live: {len(bodies) * ingest.SPANS_PER_REQUEST:,} spans of four-turn conversations sent to a daemon "
+                  f"keeping {args.live_keep:g} s of spans", flush=True)
+            runs = [("this tree", HERE)]
+            if args.baseline:
+                runs.insert(0, (args.baseline, checkout(args.baseline, work / "live-baseline-code")))
+            for name, code in runs:
+                r = live(name, code, work, bodies, args.live_keep)
+                print(f"  live {name}: zero stored {r['clear']:.1f} s after the last span expired (target < 60 s), "
+                      f"{r['left']:,} left; deleted {r['delete']:,.0f} spans/s from the first expiry = "
+                      f"{r['delete'] / r['ingest']:.0%} of ingest ({r['ingest']:,.0f} spans/s); conversations "
+                      f"current {r['current']:.0f} s after the last ack", flush=True)
+        if "steady" in phases:
+            print(f"steady: {args.rate:,.0f} spans/s for {args.minutes:g} minutes, retention.spans "
+                  f"{args.steady_keep}", flush=True)
+            rows = steady(work, args.rate, args.minutes, args.steady_keep)
+            later = [r for r in rows if r["minute"] >= 4]
+            if later:
+                for key, label in (("stored", "stored spans"), ("file", "file size")):
+                    lo, hi = min(r[key] for r in later), max(r[key] for r in later)
+                    print(f"  {label} from minute 4: {lo:,.0f} to {hi:,.0f}, spread {hi / lo - 1 if lo else 0:.1%} "
+                          "(target <= 10%)")
+                print(f"  retention at most {max(r['behind'] for r in rows):.0f} s behind its horizon")
+
+
+if __name__ == "__main__":
+    main()
