@@ -36,6 +36,18 @@ GAPS: dict[str, str] = {
                                          "span, which is not an id attribute: every turn is a conversation of its "
                                          f"own; {SPLIT_CALLS}"),
     "agents-sdk-streamed-logfire-http-noid": f"{NO_STITCH}; {SPLIT_CALLS}",
+    "openai-v2-chat-nowrapper-grpc-noid": ("no wrapper span and no id: every LLM call is a trace of its own (a turn "
+                                           "with a tool call is two), and none is joined to the conversation whose "
+                                           "history it resends"),
+    "litellm-otel-callback-http": (
+        "LiteLLM's otel callback writes a non-streamed call onto the app's current span (`invoke_agent ShopBot`) "
+        "instead of a span of its own, so the second call of a turn overwrites the first (one call and its tokens "
+        "lost per tool-using turn); a streamed call is logged from a worker thread as a `litellm_request` root span "
+        "of a new trace without the id (alice and carol fall apart into one trace per call, with no content left "
+        "under their id); metadata.session_id is not exported"),
+    "litellm-otel-callback-http-noid": (
+        f"{NO_STITCH}; streamed calls are traces of their own; the second call of a non-streamed turn overwrites "
+        "the first on the app's span"),
 }
 
 
@@ -72,10 +84,10 @@ def differences(case: Case) -> list[str]:
                              [r for r in case.logs if r["trace_id"] in traces])
         record = conversation_v1(t, cid, "handover" if conv.get("handover") else "idle")
         usage = {"input_tokens": conv["usage"]["input_tokens"], "output_tokens": conv["usage"]["output_tokens"]}
-        if record["usage"] != usage:
-            out.append(f"{label}: usage {record['usage']} != {usage}")
-        if record["models"] != [conv["model"]]:
-            out.append(f"{label}: models {record['models']} != {[conv['model']]}")
+        if record.get("usage") != usage:
+            out.append(f"{label}: usage {record.get('usage')} != {usage}")
+        if record.get("models") != [conv["model"]]:
+            out.append(f"{label}: models {record.get('models')} != {[conv['model']]}")
         if t.llm_calls != conv["llm_calls"]:
             out.append(f"{label}: llm_calls {t.llm_calls} != {conv['llm_calls']}")
         if t.unparsed_spans or t.unparsed_logs:
