@@ -48,6 +48,12 @@ GAPS: dict[str, str] = {
     "litellm-otel-callback-http-noid": (
         f"{NO_STITCH}; streamed calls are traces of their own; the second call of a non-streamed turn overwrites "
         "the first on the app's span"),
+    "haystack-agent-grpc": (
+        "Haystack's spans (opentelemetry-haystack) are not read at all: `haystack.agent.step.llm` carries the call's "
+        "input as the Python repr of ChatMessage objects in `haystack.agent.step.llm.input` and its answer as "
+        "Haystack's ChatMessage JSON in `haystack.agent.step.llm.output` (model and usage in replies[].meta); no "
+        "gen_ai.* keys, so no LLM call, model, tokens or message is found"),
+    "haystack-agent-grpc-noid": f"{NO_STITCH}; Haystack's `haystack.agent.step.llm` spans are not read at all",
 }
 
 
@@ -83,7 +89,9 @@ def differences(case: Case) -> list[str]:
         t = build_transcript([r for r in case.spans if r["trace_id"] in traces],
                              [r for r in case.logs if r["trace_id"] in traces])
         record = conversation_v1(t, cid, "handover" if conv.get("handover") else "idle")
-        usage = {"input_tokens": conv["usage"]["input_tokens"], "output_tokens": conv["usage"]["output_tokens"]}
+        # no usage when no call reported token counts (a stream without include_usage)
+        usage = conv["usage"] and {"input_tokens": conv["usage"]["input_tokens"],
+                                   "output_tokens": conv["usage"]["output_tokens"]}
         if record.get("usage") != usage:
             out.append(f"{label}: usage {record.get('usage')} != {usage}")
         if record.get("models") != [conv["model"]]:
@@ -129,4 +137,5 @@ def test_framework_capture(name: str) -> None:
         assert found, f"{name} is rebuilt exactly now: remove it from GAPS"
         pytest.xfail(f"{GAPS[name]} | seen: " + " ; ".join(found)[:600])
     assert not found, found
-    _assert_rebuilt_exactly(case)
+    if all(c["usage"] for c in case.expected["conversations"]):
+        _assert_rebuilt_exactly(case)
