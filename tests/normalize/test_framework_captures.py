@@ -54,6 +54,14 @@ GAPS: dict[str, str] = {
         "Haystack's ChatMessage JSON in `haystack.agent.step.llm.output` (model and usage in replies[].meta); no "
         "gen_ai.* keys, so no LLM call, model, tokens or message is found"),
     "haystack-agent-grpc-noid": f"{NO_STITCH}; Haystack's `haystack.agent.step.llm` spans are not read at all",
+    "langchain-agent-openllmetry-http": (
+        "each create_agent() call emits a `create_agent agent` span (gen_ai.system_instructions, tool definitions) "
+        "in a trace of its own while the agent is built, outside any turn: one empty conversation per agent built "
+        "(4 here); and streamed calls' ChatOpenAI.chat spans carry the request model as gen_ai.response.model "
+        "(the library's doing: the model the server reported is not in the span)"),
+    "langchain-agent-openllmetry-http-noid": (
+        f"{NO_STITCH}; one empty conversation per agent built (`create_agent agent` spans); streamed calls "
+        "report the request model as the response model"),
 }
 
 
