@@ -62,6 +62,7 @@ GAPS: dict[str, str] = {
     "langchain-agent-openllmetry-http-noid": (
         f"{NO_STITCH}; one empty conversation per agent built (`create_agent agent` spans); streamed calls "
         "report the request model as the response model"),
+    "node-ai-sdk-toolloopagent-proto-noid": NO_STITCH,
 }
 
 
