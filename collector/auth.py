@@ -1,4 +1,4 @@
-"""The one bearer-token check, for the OTLP receivers and the API alike.
+"""The one bearer-token check, for the OTLP receivers and the API alike, and the signature of alert webhooks.
 
 Compared in constant time, so a wrong token's answer says nothing of how much of it
 was right.
@@ -6,6 +6,7 @@ was right.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 
@@ -25,3 +26,8 @@ def bearer_ok(header: str | None, token: str | None) -> bool:
     if not token:
         return True
     return same_secret(header.strip() if header is not None else None, f"Bearer {token}")
+
+
+def signature(secret: str, body: bytes) -> str:
+    """``sha256=`` and the hex HMAC-SHA256 of ``body`` with ``secret``: what an alert webhook's receiver checks."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()

@@ -22,6 +22,8 @@ Lifecycle: ``Stage(store, metrics)`` -> ``start()`` -> running -> ``stop()``.
   CRITICAL, ``state`` says ``stopped: <reason>``, ``/readyz`` answers 503 naming
   it and ``/api/status`` shows it under ``stages``. The daemon goes on taking
   data (nothing acknowledged is lost; the next start catches up).
+- ``tracejudge_stage_running{stage}`` on /metrics is 1 from ``start()`` until the
+  stage stops, for good or at ``stop()``, for an alert rule to see a stopped stage.
 - ``held()`` says what the stage keeps in memory (``tracejudge_stage_held{stage,what}``
   on /metrics), so that growth shows where it is.
 - ``stop()`` sets ``stopping``, wakes the loop, joins the thread, then closes the
@@ -126,6 +128,7 @@ class Stage:
         return {}
 
     def _report_held(self) -> None:
+        self.metrics.stage_running.set(1 if self.state == "running" else 0, stage=self.name)
         for what, n in self.held().items():
             self.metrics.stage_held.set(n, stage=self.name, what=what)
 

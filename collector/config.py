@@ -41,6 +41,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from .alerts import ALERT_TYPES, AlertType
 from .auth import same_secret
 from .backends import BACKENDS, Backend
 from .errors import ConfigError
@@ -444,9 +445,10 @@ def _check_reviewer_name(value: str) -> str:
     return name
 
 
-def _problem_at(loc: tuple[str | int, ...], value: Any, message: str) -> InitErrorDetails:
-    """A problem at a key path below the validator raising it (``ValidationError.from_exception_data``)."""
-    return InitErrorDetails(type=PydanticCustomError("invalid", "{message}", {"message": message}), loc=loc,
+def _problem_at(loc: tuple[str | int, ...], value: Any, message: str, kind: str = "invalid") -> InitErrorDetails:
+    """A problem at a key path below the validator raising it (``ValidationError.from_exception_data``);
+    ``kind`` ``key_rule`` for a key given or left out against a rule (its message says it; no value is repeated)."""
+    return InitErrorDetails(type=PydanticCustomError(kind, "{message}", {"message": message}), loc=loc,
                             input=value)
 
 
@@ -675,6 +677,113 @@ class Exporter(Section):
         return self.backend.signals
 
 
+# --------------------------------------------------------------- alerts
+
+
+class Webhook(Section):
+    """Where alerts are POSTed (``collector.alerts.webhooks``)."""
+
+    url: str
+    """The receiver's http(s) URL; printed with its user, password and query values masked."""
+    secret: str | None = None
+    """Signs every body: ``X-Tracejudge-Signature: sha256=<hex HMAC-SHA256 of the raw body>``; none: unsigned."""
+    format: Literal["json", "slack"] = "json"
+    """json: the alert as a JSON object; slack: a Slack incoming-webhook message (``text`` and ``blocks``)."""
+    events: list[AlertType] = Field(default_factory=lambda: list(ALERT_TYPES), min_length=1)
+    """The alert types sent to it."""
+    timeout: Duration = Field(10.0, gt=0)
+    """Bounds one whole exchange; then the delivery is retried."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        url = urlsplit(value)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"{masked_url(value)!r} is not an http(s) URL")
+        return value
+
+
+MonitorKind = Literal["failure_rate", "judge_agreement", "judge_errors"]
+# What each kind of monitor reads (required: all of the first, and one at least of the second), and what it takes.
+_MONITOR_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "failure_rate": (("criterion", "window", "above"), (), ("criterion", "window", "above")),
+    "judge_agreement": (("criterion",), ("max_false_pass", "min_kappa"), ("criterion", "max_false_pass", "min_kappa")),
+    "judge_errors": (("window", "above"), (), ("criterion", "window", "above")),
+}
+
+
+class Monitor(Section):
+    """A rate watched over time; it fires an alert when it crosses its threshold."""
+
+    kind: MonitorKind
+    """failure_rate: a criterion's failure rate over ``window`` above ``above``; judge_agreement: a criterion's
+    judge against people on the blind labels (false passes above ``max_false_pass``, Cohen's kappa below
+    ``min_kappa``); judge_errors: the share of judge calls that errored over ``window`` above ``above``."""
+    criterion: str | None = None
+    """The criterion id (judge_errors: none for every criterion)."""
+    window: Duration | None = Field(None, gt=0)
+    """The time the rate is computed over (failure_rate, judge_errors)."""
+    above: Rate | None = None
+    """The threshold the rate must exceed to fire (failure_rate, judge_errors)."""
+    max_false_pass: Rate | None = None
+    """judge_agreement: fires when the false-pass rate is above this."""
+    min_kappa: float | None = Field(None, ge=-1, le=1)
+    """judge_agreement: fires when agreement (Cohen's kappa) is below this."""
+    name: str | None = None
+    """Names it on /metrics and in its alerts; default ``<kind>:<criterion>`` (``judge_errors`` alone)."""
+
+    @model_validator(mode="after")
+    def _fits_its_kind(self) -> "Monitor":
+        required, one_of, takes = _MONITOR_KEYS[self.kind]
+        problems = [_problem_at((key,), None, f"required by kind {self.kind}", "key_rule")
+                    for key in required if getattr(self, key) is None]
+        if one_of and all(getattr(self, key) is None for key in one_of):
+            problems.append(_problem_at((one_of[0],), None, f"kind {self.kind} needs {' or '.join(one_of)} "
+                                                            "(or both)", "key_rule"))
+        problems += [_problem_at((key,), None, f"not used by kind {self.kind}", "key_rule")
+                     for key in ("criterion", "window", "above", "max_false_pass", "min_kappa")
+                     if key not in takes and getattr(self, key) is not None]
+        if problems:
+            raise ValidationError.from_exception_data("monitor", problems)
+        if self.name is None:
+            object.__setattr__(self, "name", f"{self.kind}:{self.criterion}" if self.criterion else self.kind)
+        return self
+
+
+class Alerts(Section):
+    """The ``alerts:`` section: live criteria, monitors and the webhooks their alerts go to."""
+
+    live_settle: Duration = Field(2.0, gt=0)
+    """Live criteria judge an open conversation once its newest turn has had no new data for this long (a
+    turn's spans arrive over a moment)."""
+    webhooks: list[Webhook] = []
+    """Every alert goes to each webhook whose ``events`` include its type."""
+    monitors: list[Monitor] = []
+    """Rates watched on the stored verdicts and labels."""
+
+    @field_validator("webhooks")
+    @classmethod
+    def _distinct_urls(cls, webhooks: list[Webhook]) -> list[Webhook]:
+        seen: dict[str, int] = {}
+        problems = [_problem_at((n, "url"), None, f"the same URL as alerts.webhooks[{seen[w.url]}]: give each "
+                                                  "receiver once, with every event it takes")
+                    for n, w in enumerate(webhooks) if seen.setdefault(w.url, n) != n]
+        if problems:
+            raise ValidationError.from_exception_data("webhooks", problems)
+        return webhooks
+
+    @field_validator("monitors")
+    @classmethod
+    def _distinct_names(cls, monitors: list[Monitor]) -> list[Monitor]:
+        seen: dict[str, int] = {}
+        problems = [_problem_at((n, "name"), m.name, f"the same name as alerts.monitors[{seen[str(m.name)]}]: "
+                                                     "give one of them a name of its own")
+                    for n, m in enumerate(monitors) if seen.setdefault(str(m.name), n) != n]
+        if problems:
+            raise ValidationError.from_exception_data("monitors", problems)
+        return monitors
+
+
 def _check_exporter_name(value: dict[str, Any]) -> dict[str, Any]:
     for name in value:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", str(name)):
@@ -698,6 +807,7 @@ class Config(BaseModel):
     simulate: Simulate = Simulate()
     exporters: Annotated[dict[str, Exporter], AfterValidator(_check_exporter_name)] = {}
     """Where every accepted request is forwarded, each by a name of the user's."""
+    alerts: Alerts = Alerts()
     source: str = "<defaults>"
     unbuilt: dict[str, Any] = {}
 
@@ -744,7 +854,7 @@ class Config(BaseModel):
 
 
 BUILT = ("receivers", "storage", "api", "conversations", "sampling", "judges", "review", "scenarios", "exporters",
-         "simulate")
+         "simulate", "alerts")
 
 # --------------------------------------------------------------- loading
 
@@ -842,7 +952,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-_SECRETS = ("token", "api_key")
+_SECRETS = ("token", "api_key", "secret", "url")
 """Keys whose values an error never repeats."""
 
 
@@ -851,7 +961,7 @@ def _problem(err: Any) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
-    elif (err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], (dict, list))
+    elif (err["type"] not in ("missing", "key_rule") and "input" in err and not isinstance(err["input"], (dict, list))
           and not str(err["loc"][-1]).endswith(_SECRETS)):
         msg = f"{msg} (got {err['input']!r})"
     return f"{where}: {msg}"

@@ -2,8 +2,8 @@
 
 Start: refuse if a daemon already serves this DuckDB file, open the store
 (a damaged file stops the start with one line naming it), start the
-conversation, eval and retention stages (then any a downstream package adds: `serve` adds
-replay's scenarios stage), bind every listener, write the runtime file,
+conversation, eval and retention stages, the alerts' and the monitors' (then any a downstream package
+adds: `serve` adds replay's scenarios stage), bind every listener, write the runtime file,
 print where to look.
 Stop (SIGTERM or SIGINT, see ``shutdown``; a second signal changes nothing):
 stop intake on every listener at once (in-flight requests still get their
@@ -38,6 +38,10 @@ from aiohttp import web
 
 from judges import Criterion, Provider, set_check_workers
 
+from .alerts import store as alerts_store
+from .alerts.delivery import AlertDelivery
+from .alerts.live import on_live_fail
+from .alerts.monitors import Monitors
 from .api.app import API
 from .background import Stage
 from .config import Config, is_loopback
@@ -284,6 +288,7 @@ class Daemon:
             cur = store.cursor()
             try:
                 review_queue.ensure_schema(cur)  # before the evaluator, which opens items as it stores
+                alerts_store.ensure_schema(cur)  # before every stage that may fire one
             finally:
                 cur.close()
             set_check_workers(cfg.judges.check_workers)  # the process's pool: the daemon's to size
@@ -293,6 +298,12 @@ class Daemon:
             evaluator.start()
             parts.retention = retention = Retention(store, cfg.storage.retention, metrics)
             retention.start()
+            delivery = AlertDelivery(store, metrics, cfg.alerts.webhooks)
+            parts.extra.append(delivery)
+            delivery.start()
+            monitors = Monitors(store, cfg.alerts.monitors, metrics)  # also with none: it resolves removed ones'
+            parts.extra.append(monitors)
+            monitors.start()
             for make in self.extra_stages:
                 stage = make(store, cfg, metrics)
                 parts.extra.append(stage)
@@ -340,6 +351,7 @@ class Daemon:
             return False
         scheme = "https" if cfg.api.tls.enabled else "http"
         api_url = f"{scheme}://{address(cfg.api.endpoint, api_port)}"
+        evaluator.go_live(on_live_fail(api_url))  # now that its alerts can link to the review page
         RuntimeInfo(
             pid=os.getpid(), version=version("tracejudge"), duckdb=str(cfg.storage.duckdb.path),
             grpc=grpc_addr, http=http_addr, api=api_url,
@@ -411,6 +423,7 @@ class Daemon:
             f"  DuckDB      {self.config.storage.duckdb.path}",
             f"  runtime     {self.config.runtime_file}",
             *self._exporters(),
+            *self._webhooks(),
             "Point your bot at it: OTEL_EXPORTER_OTLP_ENDPOINT=http://"
             f"{grpc_addr or http_addr}  (Ctrl-C or SIGTERM stops it)",
         ]
@@ -424,6 +437,10 @@ class Daemon:
         return [f"  exporter    {name}: {exp.type} {masked_url(exp.url)} ({', '.join(exp.sends)}; "
                 f"redact {exp.redact.mode})" for name, exp in exporters.items()]
 
+    def _webhooks(self) -> list[str]:
+        """A banner line per alert webhook: where it is (masked) and which alerts it takes."""
+        return [f"  webhook     {masked_url(w.url)} ({w.format}: {', '.join(w.events)}"
+                f"{'' if w.secret else '; unsigned'})" for w in self.config.alerts.webhooks]
 
     def _retention(self) -> None:
         keep = self.config.storage.retention

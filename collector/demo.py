@@ -139,19 +139,40 @@ def _chat_span(tracer: Tracer, history: list[dict[str, Any]], output: dict[str, 
         pass
 
 
-def play(tracer: Tracer, persona: Persona) -> int:
-    """Send one conversation, a trace per user turn; returns the number of spans sent."""
+def play(tracer: Tracer, persona: Persona, start: int = 0) -> int:
+    """Send one conversation, a trace per user turn; returns the number of spans sent.
+
+    ``start``: the turns before it were sent already (a conversation still going on): they are only the
+    history its LLM calls resend.
+    """
     token = CONVERSATION.set(persona.conversation_id)
     try:
-        return _play(tracer, persona)
+        return _play(tracer, persona, start)
     finally:
         CONVERSATION.reset(token)
 
 
-def _play(tracer: Tracer, persona: Persona) -> int:
+def _tool_call(persona: Persona, i: int, tool: ToolCall) -> dict[str, Any]:
+    return {"role": "assistant", "parts": [{"type": "tool_call", "id": f"call_{persona.conversation_id[:8]}_{i}",
+                                            "name": tool.name, "arguments": tool.arguments}]}
+
+
+def _tool_result(call: dict[str, Any], tool: ToolCall) -> dict[str, Any]:
+    return {"role": "tool", "parts": [{"type": "tool_call_response", "id": call["parts"][0]["id"],
+                                       "response": tool.result}]}
+
+
+def _play(tracer: Tracer, persona: Persona, start: int) -> int:
     history: list[dict[str, Any]] = []
     spans = 0
     for i, turn in enumerate(persona.turns):
+        if i < start:
+            history.append(_text("user", turn.user))
+            if turn.tool is not None:
+                call = _tool_call(persona, i, turn.tool)
+                history += [call, _tool_result(call, turn.tool)]
+            history.append(_text("assistant", turn.answer))
+            continue
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "invoke_agent",
             "gen_ai.agent.name": "ShopBot",
@@ -164,18 +185,14 @@ def _play(tracer: Tracer, persona: Persona) -> int:
             spans += 1
             history.append(_text("user", turn.user))
             if turn.tool is not None:
-                call_id = f"call_{persona.conversation_id[:8]}_{i}"
-                call = {"role": "assistant", "parts": [{"type": "tool_call", "id": call_id,
-                                                        "name": turn.tool.name, "arguments": turn.tool.arguments}]}
+                call = _tool_call(persona, i, turn.tool)
                 _chat_span(tracer, list(history), call, "tool_call")
                 with tracer.start_as_current_span(f"execute_tool {turn.tool.name}", attributes={
                     "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": turn.tool.name,
-                    "gen_ai.tool.call.id": call_id,
+                    "gen_ai.tool.call.id": call["parts"][0]["id"],
                 }):
                     pass
-                history.append(call)
-                history.append({"role": "tool", "parts": [{"type": "tool_call_response", "id": call_id,
-                                                           "response": turn.tool.result}]})
+                history += [call, _tool_result(call, turn.tool)]
                 spans += 2
             answer = _text("assistant", turn.answer)
             _chat_span(tracer, list(history), answer, "stop")

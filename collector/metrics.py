@@ -74,6 +74,11 @@ class Gauge(_Instrument):
         with self._lock:
             self._values[self._key(labels)] = value
 
+    def remove(self, **labels: str) -> None:
+        """Drop this label set from /metrics: a value that cannot be had now is absent, never a stale one."""
+        with self._lock:
+            self._values.pop(self._key(labels), None)
+
 
 class Histogram(_Instrument):
     kind = "histogram"
@@ -138,6 +143,9 @@ class Metrics:
         self.stage_errors = Counter("tracejudge_stage_errors_total",
                                     "Failures a background stage logged with their traceback and went on from, "
                                     "by stage.", ("stage",))
+        self.stage_running = Gauge("tracejudge_stage_running",
+                                   "1 while a background stage runs, 0 once it stopped for good (/readyz names it): "
+                                   "restart the daemon.", ("stage",))
         self.stage_held = Gauge("tracejudge_stage_held",
                                 "What a background stage holds in memory, by stage and structure (rows or entries).",
                                 ("stage", "what"))
@@ -166,7 +174,7 @@ class Metrics:
         for inst in (self.spans_received, self.spans_stored, self.spans_rejected, self.logs_received,
                      self.logs_stored, self.logs_rejected, self.metric_points, self.requests,
                      self.queue_depth, self.commit_seconds, self.conversations_ended,
-                     self.conversations_reopened, self.stage_errors, self.stage_held):
+                     self.conversations_reopened, self.stage_errors, self.stage_running, self.stage_held):
             lines.extend(inst.render())
         for collect in self._extra:
             lines.extend(collect())

@@ -23,6 +23,7 @@ from ._calibration import (
     ReviewerAgreement,
     calibrate,
     compare_reruns,
+    kappa_interval,
 )
 from ._check_process import set_check_workers
 from ._checks import AppliesIf, CheckParams, CodeCheck, register_check
@@ -123,6 +124,7 @@ __all__ = [
     "escape_line_breaks",
     "fisher_exact",
     "json_line",
+    "kappa_interval",
     "load_criteria",
     "locate_evidence",
     "make_provider",

@@ -46,6 +46,8 @@ class _Criterion(BaseModel):
     severity: Literal["high", "medium", "low"] = "medium"
     group: str | None = None
     """For per-group reporting."""
+    live: bool = False
+    """Also judged on open conversations, turn by turn (by the daemon; offline it is data only)."""
 
 
 class LLMCriterion(_Criterion):
@@ -80,7 +82,7 @@ class CodeCriterion(_Criterion):
 
 Criterion = LLMCriterion | CodeCriterion
 
-_CODE_KEYS = {"id", "version", "kind", "severity", "group", "check", "applies_if", "timeout"}
+_CODE_KEYS = {"id", "version", "kind", "severity", "group", "live", "check", "applies_if", "timeout"}
 _LLM_KEYS = set(LLMCriterion.model_fields)
 
 
@@ -141,6 +143,8 @@ def _parse_one(raw: dict[str, Any], base: Path) -> tuple[Criterion | None, list[
             params = check.Params.model_validate(rest, context={"base": base})
         except ValidationError as exc:
             problems += _problems(exc, _CODE_KEYS | set(check.Params.model_fields))
+    if check_name == "ended_by" and raw.get("live") is True:
+        problems.append(("live", "an ended_by check has nothing to decide while the conversation is open"))
     try:
         crit = CodeCriterion.model_validate({**common, "params": params or CheckParams()})
     except ValidationError as exc:

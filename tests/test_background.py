@@ -138,6 +138,8 @@ def test_a_stage_that_stopped_is_named_by_readyz_and_status(store: Store,
     assert "the doomed stage stopped (RuntimeError: the loop itself broke)" in ready["error"]["message"]
     assert status["stages"] == {"doomed": "stopped: RuntimeError: the loop itself broke", "flaky": "running"}
     assert 'tracejudge_stage_errors_total{stage="doomed"} 0' in metrics_text
+    assert 'tracejudge_stage_running{stage="doomed"} 0' in metrics_text  # for an alert rule
+    assert 'tracejudge_stage_running{stage="flaky"} 1' in metrics_text
     assert "the doomed stage stopped (RuntimeError: the loop itself broke)" in caplog.text
     assert "Traceback" in caplog.text
 

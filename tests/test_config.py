@@ -242,7 +242,7 @@ def test_a_bad_lag_warning_names_the_key(value: str, problem: str) -> None:
     assert cfg.conversations.lag_warning == 120
 
 
-def test_the_simulate_section_is_read_and_alerts_waits_for_its_version() -> None:
+def test_the_simulate_section_is_read() -> None:
     cfg, warnings = load_config(TESTDATA / "simulate.yaml", environ={"TRACEJUDGE_JUDGE_MODEL": "judge-env"})
     sim = cfg.simulate
     assert sim.user.provider is not None and sim.user.provider.model == "user-model"
@@ -250,9 +250,7 @@ def test_the_simulate_section_is_read_and_alerts_waits_for_its_version() -> None
     assert (sim.user.temperature, sim.max_turns, sim.replicates) == (0.7, 8, 3)
     assert (sim.min_realism, sim.realism_sample_rate, sim.bot_timeout, sim.concurrency) == (0.9, 0.5, 120.0, 16)
     assert cfg.judges.provider.model == "judge-model"
-    assert cfg.unbuilt == {"alerts": {"monitors": []}}
-    assert warnings == [f"{TESTDATA / 'simulate.yaml'}: section 'alerts' is not used by this version of tracejudge "
-                        "yet; ignored"]
+    assert cfg.unbuilt == {} and cfg.alerts.monitors == [] and warnings == []
 
 
 def test_the_simulated_user_falls_back_to_the_judges_provider() -> None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from judges import Conversation, Verdict
 
 from .. import config, conversations
+from ..alerts import store as alerts
 from ..errors import StoreUnavailable, UserError
 from ..background import Stage
 from ..conversations.reindex import AlreadyRunning, Runner
@@ -111,6 +112,8 @@ class API:
         r.add_get("/api/calibration/export", self.calibration_export)
         r.add_post("/api/calibration/labels", self.calibration_import)
         r.add_get("/api/calibration/set", self.calibration_set)
+        r.add_get("/api/alerts", self.alerts_list)
+        r.add_post("/api/alerts/{alert_id}/ack", self.alert_ack)
         r.add_get("/", self.home)
         r.add_get("/review", self.review_page)
         r.add_route("*", "/review/sign-in", self.signed_in)
@@ -121,6 +124,7 @@ class API:
         r.add_get("/review/label/{item_id}", self.label_page)
         r.add_post("/review/label/{item_id}", self.label_form)
         r.add_get("/calibration", self.calibration_page)
+        r.add_post("/review/alerts/{alert_id}/ack", self.alert_form)
 
     async def read(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(cursor)`` in a worker thread on a cursor of its own (writes too: evals' own transactions)."""
@@ -129,7 +133,7 @@ class API:
         except calibration.LabelImportError as exc:
             raise APIError(exc.status, "invalid_labels", str(exc),
                            {"problems": [{"row": n, "message": m} for n, m in exc.problems]}) from None
-        except review.ReviewError as exc:
+        except (review.ReviewError, alerts.AlertError) as exc:
             raise APIError(exc.status, exc.code, str(exc)) from None
 
     def recorder(self, request: web.Request, typed: Any, what: str = "reviewer") -> str:
@@ -535,6 +539,38 @@ class API:
         return web.json_response(await self.read(lambda cur: calibration.frozen_items(cur, criterion)),
                                  dumps=_dumps)
 
+    # ------------------------------------------------------------ alerts
+
+    async def alerts_list(self, request: web.Request) -> web.Response:
+        """``?state=open|acknowledged|resolved|all&limit=``: alerts, the newest first, each with its deliveries."""
+        q = request.query
+        state, limit = q.get("state") or "open", _int(q, "limit", 100)
+        found = await self.read(lambda cur: alerts.list_alerts(cur, state=state, limit=limit))
+        return web.json_response({"alerts": found}, dumps=_dumps)
+
+    async def alert_ack(self, request: web.Request) -> web.Response:
+        """``{"by": "..."}``: someone looks at the alert; with reviewer tokens, the token's reviewer (``by`` left
+        out or theirs)."""
+        body = await _json_object(request, {"by"})
+        by, alert_id = self.recorder(request, body.get("by"), "by"), request.match_info["alert_id"]
+        return web.json_response(await self.read(lambda cur: alerts.acknowledge(cur, alert_id, by)), dumps=_dumps)
+
+    async def alert_form(self, request: web.Request) -> web.Response:
+        """The queue page's Acknowledge button: back to the queue, which says so."""
+        form = await request.post()
+        typed, alert_id = str(form.get("reviewer", "")), request.match_info["alert_id"]
+
+        def ack(cur: Any) -> dict[str, Any]:
+            return alerts.acknowledge(cur, alert_id, self.identity.recorder(request.get(REVIEWER), typed))
+
+        try:
+            await self._on_cursor(ack)
+        except (review.ReviewError, alerts.AlertError) as exc:
+            return html_response(review_page.render_message("Alert", str(exc)), status=exc.status)
+        response = web.HTTPSeeOther("/review?" + urlencode({"acknowledged": alert_id}))
+        self.remember(response, request, typed)
+        raise response
+
     # ------------------------------------------------------------ the review page (HTML)
 
     async def home(self, request: web.Request) -> web.Response:
@@ -544,15 +580,18 @@ class API:
         q = request.query
         filters = {k: q.get(k, "") for k in review_page.FILTERS}
         try:
-            items, progress, services = await self._on_cursor(lambda cur: (
-                review.list_reviews(cur, limit=500, **_queue_filters(q)), review.progress(cur), _services(cur)))
+            items, progress, services, open_alerts = await self._on_cursor(lambda cur: (
+                review.list_reviews(cur, limit=500, **_queue_filters(q)), review.progress(cur), _services(cur),
+                alerts.list_alerts(cur, state="open", limit=50)))
         except (review.ReviewError, APIError) as exc:
             status = exc.status
             return html_response(review_page.render_message("Review queue", str(exc)), status=status)
-        saved = q.get("saved")
+        saved, acknowledged = q.get("saved"), q.get("acknowledged")
+        message = (f"Saved #{q.get('item', '')}: {saved}. The queue is done for these filters." if saved else
+                   f"Alert {acknowledged} acknowledged." if acknowledged else None)
         return html_response(review_page.render_list(
             items, filters=filters, criteria=self._criterion_ids(), services=services, progress=progress,
-            message=f"Saved #{q.get('item', '')}: {saved}. The queue is done for these filters." if saved else None))
+            message=message, alerts=open_alerts, **self.looking(request)))
 
     def looking(self, request: web.Request) -> dict[str, Any]:
         """Who looks at a page, as its templates take it: ``reviewer`` (the reviewer of the token signed in

@@ -70,6 +70,10 @@ class Client(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    def alerts(self, *, state: str, limit: int) -> list[dict[str, Any]]: ...
+
+    def ack_alert(self, alert_id: str, by: str | None) -> dict[str, Any]: ...
+
     def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
                              criterion_failed: str | None) -> Export: ...
 
@@ -233,6 +237,14 @@ class APIClient:
         body: dict[str, Any] = self.get("/api/status")
         body["daemon"] = self.base
         return body
+
+    def alerts(self, *, state: str, limit: int) -> list[dict[str, Any]]:
+        return list(self.get("/api/alerts" + _query(state=state, limit=limit))["alerts"])
+
+    def ack_alert(self, alert_id: str, by: str | None) -> dict[str, Any]:
+        found: dict[str, Any] = self.request(f"/api/alerts/{urllib.parse.quote(alert_id, safe='')}/ack", {"by": by},
+                                             missing_ok=False)
+        return found
 
     def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
                              criterion_failed: str | None) -> Export:

@@ -97,7 +97,7 @@ _PICKED = "{a}sampled AND {a}skipped_reason IS NULL"
 # The current verdict per conversation on one criterion, as ``review.stats`` counts it: on the current
 # transcript, the newest criterion version, the newest verdict (an aggregate, which spills to disk when it
 # must, where a window would not).
-_FAILED = ("SELECT conversation_id FROM verdicts WHERE criterion_id = ? AND NOT superseded "
+_FAILED = ("SELECT conversation_id FROM verdicts WHERE criterion_id = ? AND NOT superseded AND NOT live "
            "GROUP BY conversation_id HAVING arg_max(result, (criterion_version, seq)) = 'fail'")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .. import conversations
+from ..alerts import store as alerts_store
 from ..config import Retention, Review, Simulate
 from ..errors import UserError
 from ..evals import simulations, verdicts
@@ -75,6 +76,17 @@ class FileClient:
             # starting on the file would, or production's figures would count them.
             self._writing(simulations.ensure_schema)
             self.tables.add("simulated_verdicts")
+        if "verdicts" in self.tables and not self.con.execute(
+                "SELECT 1 FROM information_schema.columns WHERE table_name = 'verdicts' AND column_name = 'live'"
+        ).fetchall():
+            # Verdicts of a version before live criteria, all made at the end, are marked so once (review
+            # items too, by ``_writing``), as a daemon starting on the file would: reads leave live ones out.
+            self._writing(self._add_live_columns)
+
+    def _add_live_columns(self, con: "duckdb.DuckDBPyConnection") -> None:
+        for table in ("verdicts", "simulated_verdicts"):
+            if table in self.tables:
+                verdicts.add_live_column(con, table)
 
     def _evals(self) -> bool:
         # A file the daemon has not opened since evals came has no eval tables: nothing judged yet.
@@ -193,6 +205,18 @@ class FileClient:
         if not {"simulated_conversations", "calibration_items", "calibration_labels"} <= self.tables:
             return review_realism.figure(who, [], self.simulate.min_realism)
         return review_realism.realism(self.con, who, self.simulate.min_realism)
+
+    def alerts(self, *, state: str, limit: int) -> list[dict[str, Any]]:
+        alerts_store.check_state(state)
+        if "alerts" not in self.tables:  # no daemon has opened this file since alerts came
+            return []
+        return alerts_store.list_alerts(self.con, state=state, limit=limit)
+
+    def ack_alert(self, alert_id: str, by: str | None) -> dict[str, Any]:
+        who = self.identity.recorder(self.signed_in, by)
+        if "alerts" not in self.tables:
+            raise alerts_store.AlertNotFound(f"no alert {alert_id!r}")
+        return self._writing(lambda con: alerts_store.acknowledge(con, alert_id, who))
 
     def export_conversations(self, *, since: str | None, state: str | None, sampled_only: bool,
                              criterion_failed: str | None) -> Export:

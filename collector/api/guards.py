@@ -26,8 +26,9 @@ Each request passes, in order:
    sign-in page (``POST /review/sign-in``); either sets an HttpOnly,
    SameSite=Strict cookie in place of the header. With ``review.reviewers``,
    each reviewer's own token opens the pages and the review stage's JSON API
-   (/api/review..., /api/calibration...) the same ways, and names the reviewer
-   every claim, decision and label of the request records
+   (/api/review..., /api/calibration..., and /api/alerts...) the same ways, and
+   names the reviewer every claim, decision, label and acknowledgement of the
+   request records
    (``review.identity``); the pages then need a token even with no API token.
 """
 
@@ -125,8 +126,9 @@ def _signed_in(request: web.Request, token: str, after: str) -> web.HTTPSeeOther
 
 REVIEWER = "reviewer"
 """The request key naming the reviewer whose token the request carries (``review.reviewers``)."""
-REVIEW_API = ("/api/review", "/api/calibration")
-"""The JSON API of the review stage: a reviewer's token opens it, as it opens the pages."""
+REVIEW_API = ("/api/review", "/api/calibration", "/api/alerts")
+"""The JSON API of the review stage, and the alerts reviewers acknowledge: a reviewer's token opens it, as it
+opens the pages."""
 
 
 def _reviews(path: str) -> bool:
@@ -163,8 +165,8 @@ def token_check(token: str | None, identity: Identity) -> Any:
                 # for a reviewer's token (``review.identity``).
                 return await handler(request)
             raise APIError(401, "unauthorized", "missing or wrong bearer token: api.auth.bearer_token opens the "
-                                                "API; a reviewer's token (review.reviewers) opens /api/review and "
-                                                "/api/calibration")
+                                                "API; a reviewer's token (review.reviewers) opens /api/review, "
+                                                "/api/calibration and /api/alerts")
         if request.path == SIGN_IN:  # also when signed in already: to sign in with another token
             if request.method != "POST":
                 return html_response(review_page.render_sign_in(), status=200 if who(_cookie(request))[0] else 401)

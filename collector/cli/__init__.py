@@ -35,6 +35,7 @@ COMMANDS = {
     "labels": "collector.cli.labels:labels",
     "calibrate": "collector.cli.labels:calibrate",
     "simulate": "collector.cli.simulate:simulate",
+    "alerts": "collector.cli.alerts:alerts",
 }
 
 

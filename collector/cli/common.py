@@ -93,8 +93,8 @@ def ask(config_path: Path | None, fn: Callable[["Client"], T], db: Path | None =
 
     cfg = load(config_path)
     if records and cfg.review.reviewers and not reviewer_token:
-        raise UserError("review.reviewers is set: decisions and labels carry the reviewer of the token they are "
-                        "made with: give your own with --token or $TRACEJUDGE_REVIEWER_TOKEN")
+        raise UserError("review.reviewers is set: decisions, labels and acknowledgements carry the reviewer of the "
+                        "token they are made with: give your own with --token or $TRACEJUDGE_REVIEWER_TOKEN")
     c = client(cfg, db, reviewer_token)
     try:
         return fn(c)

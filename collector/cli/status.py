@@ -27,6 +27,12 @@ def _exporter(e: dict[str, Any]) -> str:
     return f"{e['type']} {e['endpoint']} ({', '.join(e['signals'])}): {state}; {queued}; {counts}{error}"
 
 
+def _webhook(w: dict[str, Any]) -> str:
+    """One alert webhook of ``/api/status``: what it takes, what waits for it and its last error."""
+    error = f"; retrying, last error: {w['last_error']}" if w["last_error"] else ""
+    return f"{w['format']}: {', '.join(w['events'])}; {plural(w['pending'], 'alert')} waiting{error}"
+
+
 def render(body: dict[str, Any]) -> str:
     """The status as text."""
     storage = body["storage"]
@@ -40,6 +46,7 @@ def render(body: dict[str, Any]) -> str:
         lines.append(["ingest", f"{plural(body['queue_depth'], 'row')} waiting; commit {body['committed_batch']} "
                                 f"stored, conversations current up to commit {body['conversations_batch']}{lag}"])
         lines += [[f"exporter {name}", _exporter(e)] for name, e in body.get("exporters", {}).items()]
+        lines += [[f"webhook {w['url']}", _webhook(w)] for w in body.get("alert_webhooks", [])]
     else:
         lines.append(["daemon", f"not running; conversations current up to commit {body['conversations_batch']}"])
     lines.append(["DuckDB file", f"{storage['path']}: {size_text(storage['file_bytes'])}"
@@ -70,7 +77,8 @@ def render(body: dict[str, Any]) -> str:
 def status(config_path: Path | None, as_json: bool) -> None:
     """Whether a daemon serves this config, how far its stages have got, and the DuckDB file: its size,
     what storage.retention keeps and the oldest row of each kind; with a daemon, each exporter (where it
-    forwards, its state, queue, counts and last error), DuckDB's memory and its key indexes' share (a
+    forwards, its state, queue, counts and last error), each alert webhook (what waits for it, its last
+    error), DuckDB's memory and its key indexes' share (a
     warning past half of storage.memory_limit).
 
     Through the daemon's API when one runs, else read from the file.

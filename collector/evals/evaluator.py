@@ -30,6 +30,10 @@ With a provider, the first cycles also queue, page by page, the sampled
 conversations whose LLM criteria were not run for want of one (no key at an
 earlier start): their verdicts replace those not-run records.
 
+Criteria written ``live: true`` are also judged on open conversations, turn by
+turn, in passes of their own on the same loop (``evals.live``), once ``go_live``
+says what to do with a live fail.
+
 Everything that says what is done lives in DuckDB (``sampling_decisions``,
 ``verdicts``, ``eval_progress``), so a restart neither loses nor repeats work:
 a conversation in flight at a crash has no progress row and is judged again,
@@ -52,7 +56,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import duckdb
@@ -68,6 +72,7 @@ from ..store import Store
 from ..store.transactions import batch_filter, by_keys, trace_batches
 from . import verdicts
 from .backfill import Backfill, backfill_jobs, run_backfill
+from . import live
 from .judging import JUDGEMENT_DUE, Job, Judging, OnStored, Outcome, Prepared, ensure_schema, utc
 from .sampling import ConversationFacts, Sampler
 from .setup import NO_PROVIDER
@@ -182,6 +187,14 @@ class Evaluator(Stage):
         self.max_in_flight = 2 * cfg.judges.concurrency
         self.m = EvalMetrics(metrics)
         self._keys, self._status = _attribute_keys(self.sampler)
+        # Live LLM criteria need a provider: without one they are reported as not run at the end, as the others.
+        live_criteria = [c for c in criteria if c.live and (provider is not None or not isinstance(c, LLMCriterion))]
+        self.live = live.Live(
+            live_criteria, self.judging, self.sampler, metrics, settle=cfg.alerts.live_settle, tokens=self.m.tokens,
+            facts=lambda cur, row: conversation_facts(cur, row, self._keys, self._status),
+            spans=bool(self._keys or self._status), clock=clock) if live_criteria else None
+        """Judges live criteria on open conversations, from ``go_live`` on; None when no criterion is live."""
+        self._live_task: asyncio.Task[None] | None = None
         self._pending: OrderedDict[str, Job] = OrderedDict()
         self._attempts: dict[str, int] = {}
         self._backfills: list[Backfill] = []
@@ -207,6 +220,7 @@ class Evaluator(Stage):
         cur = self.cur
         assert cur is not None
         ensure_schema(cur)
+        live.ensure_schema(cur)
         verdicts.store_criteria(cur, self.judging.criteria, now=utc(self.clock()))
         now = self.clock()
         admitted = cur.execute("SELECT epoch(decided_at) FROM sampling_decisions WHERE sampled "
@@ -221,6 +235,34 @@ class Evaluator(Stage):
 
     def _wake(self) -> None:
         self.wake()
+
+    def go_live(self, on_fail: live.OnLiveFail) -> None:
+        """Start judging live criteria on open conversations (none: nothing to do); ``on_fail`` is told of each
+        live fail in the transaction that stores it. The daemon calls it once its API listens: its alerts link
+        to review items there."""
+        if self.live is None or self._loop is None:
+            return
+        self.live.on_fail = on_fail
+        self._loop.call_soon_threadsafe(self._start_live)
+
+    def _start_live(self) -> None:
+        self._live_task = asyncio.ensure_future(self._live_passes())
+
+    async def _live_passes(self) -> None:
+        """A live pass every ``live.POLL`` seconds, and as soon as judged turns wait to be stored."""
+        assert self.live is not None and self.cur is not None
+        cur = self.cur
+
+        def db(work: Callable[[duckdb.DuckDBPyConnection], T]) -> Awaitable[T]:
+            return self._db(lambda: work(cur))
+
+        while not self.stopping.is_set():
+            try:
+                await self.live.pass_(db)
+            except Exception:  # noqa: BLE001 - one failed pass must not end live judging
+                await self.live.sleep(self.cycle_failed("a live pass failed; its work is tried again"))
+                continue
+            await self.live.sleep(live.POLL)
 
     @property
     def judged(self) -> int:
@@ -271,7 +313,8 @@ class Evaluator(Stage):
 
     def held(self) -> dict[str, int]:
         return {"pending": len(self._pending), "attempts": len(self._attempts), "in_flight": len(self._in_flight),
-                "judged_unstored": len(self._finished), "backfills": len(self._backfills)}
+                "judged_unstored": len(self._finished), "backfills": len(self._backfills),
+                **(self.live.held() if self.live is not None else {})}
 
     # ------------------------------------------------------------ the loop
 
@@ -300,7 +343,11 @@ class Evaluator(Stage):
         finally:
             for task in self._in_flight.values():
                 task.cancel()
-            await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+            stopped = [*self._in_flight.values(), *(self.live.cancel() if self.live is not None else [])]
+            if self._live_task is not None:
+                self._live_task.cancel()
+                stopped.append(self._live_task)
+            await asyncio.gather(*stopped, return_exceptions=True)
             try:  # what was judged before the stop is kept; after any piece still running
                 await self._loop.run_in_executor(self._db_thread, self._store_outcomes, self._take_finished())
             except Exception:  # noqa: BLE001
@@ -432,7 +479,7 @@ class Evaluator(Stage):
             "WHERE c.state = 'ended' AND s.sampled AND s.skipped_reason IS NULL AND n.conversation_id > ? "
             f"AND list_contains(?, n.criterion_id || chr(31) || n.criterion_version) AND ({reasons}) "
             "AND NOT EXISTS (SELECT 1 FROM verdicts v WHERE v.conversation_id = n.conversation_id "
-            "AND v.criterion_id = n.criterion_id AND NOT v.superseded) "
+            "AND v.criterion_id = n.criterion_id AND NOT v.superseded AND NOT v.live) "
             "AND n.conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY n.conversation_id LIMIT ?",
             [self._not_run_mark, llm, *NO_PROVIDER, busy, room]).fetchall()
         if not rows:

@@ -63,7 +63,7 @@ RETRY_DUE = "(p.retry_at IS NOT NULL AND p.revision = c.revision)"
 # The evals tables have no key (``verdicts.UNKEYED``): a store writes each row once by reading first, in
 # its transaction. The evaluator and a ``tracejudge eval`` pass store on two cursors of one daemon, so
 # their stores take turns: each begins after the other has committed, and sees what it wrote.
-_STORING = threading.Lock()
+STORING = threading.Lock()
 
 RETRIES = 3
 """How many times a conversation's judge errors are judged again."""
@@ -225,7 +225,8 @@ class Judging:
                     "SELECT v.conversation_id, criterion_id, criterion_version, judge_model, result "
                     f"FROM {verdicts.verdicts_table(simulated)} v JOIN (SELECT unnest(?::VARCHAR[]) AS "
                     "conversation_id, unnest(?::VARCHAR[]) AS transcript_sha256) USING (conversation_id, "
-                    "transcript_sha256)", [list(mine), list(mine.values())]).fetchall():
+                    "transcript_sha256) WHERE NOT v.live",  # a live verdict stands in for no end verdict
+                    [list(mine), list(mine.values())]).fetchall():
                 found.setdefault((simulated, cid), []).append((criterion, version, model, result))
         out: list[Prepared | None] = []
         for job in jobs:
@@ -270,7 +271,7 @@ class Judging:
         one by one (three quarters of its time in bench/online.py) while judge calls waited to start.
         """
         now = utc(self.clock())
-        with _STORING, Transaction(cur):
+        with STORING, Transaction(cur):
             groups: dict[tuple[bool, float, str | None], list[Outcome]] = defaultdict(list)
             for o in outcomes:
                 groups[(o.job.simulated, o.job.probability, o.job.rule)].append(o)

@@ -30,7 +30,7 @@ from judges import Conversation, Verdict
 
 from ..errors import UserError
 from ..store.transactions import Transaction, insert_rows, one, utc_now
-from .verdicts import UNKEYED, not_run_table, store_verdicts, verdicts_table
+from .verdicts import UNKEYED, add_live_column, not_run_table, store_verdicts, verdicts_table
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS simulated_conversations (
@@ -72,6 +72,7 @@ def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     with Transaction(cur):
         moving = not present(cur) and _table(cur, "verdicts")
         cur.execute(SCHEMA)
+        add_live_column(cur, verdicts_table(simulated=True))  # rows move between the two tables by name
         if moving:
             _move_simulated_rows(cur)
 

@@ -38,7 +38,7 @@ from ..store.transactions import Transaction, one, registered, registered_rows, 
 # conversation kept against 94-99 without (``bench/conversation_keys.py``). Nothing read them by key: the
 # evaluator's scans join whole tables. A row is stored once by reading first, in the same transaction:
 # sampling decisions by the evaluator's scan alone, the rest by ``Judging.store``, whose stores take
-# turns (``judging._STORING``).
+# turns (``judging.STORING``).
 UNKEYED = {
     "sampling_decisions": """CREATE TABLE IF NOT EXISTS {name} (
     conversation_id VARCHAR NOT NULL,
@@ -71,7 +71,8 @@ UNKEYED = {
     inclusion_probability DOUBLE NOT NULL,
     sampling_rule VARCHAR,
     judged_at TIMESTAMPTZ NOT NULL,
-    superseded BOOLEAN NOT NULL
+    superseded BOOLEAN NOT NULL,
+    live BOOLEAN NOT NULL DEFAULT false
 )""",
     "not_run": """CREATE TABLE IF NOT EXISTS {name} (
     conversation_id VARCHAR NOT NULL,
@@ -105,7 +106,7 @@ VERDICT_COLUMNS = (
     "id", "conversation_id", "criterion_id", "criterion_version", "judge_provider", "judge_model",
     "transcript_sha256", "result", "error_reason", "reasoning", "evidence", "evidence_verified", "flagged",
     "input_tokens", "output_tokens", "raw_reply", "inclusion_probability", "sampling_rule", "judged_at",
-    "superseded",
+    "superseded", "live",
 )
 
 
@@ -124,7 +125,13 @@ def ensure_schema(cur: duckdb.DuckDBPyConnection) -> None:
     cur.execute(SCHEMA)
     for table, ddl in UNKEYED.items():
         drop_primary_key(cur, table, ddl.format(name=f"{table}_unkeyed"), "its index grew with what is kept")
+    add_live_column(cur, "verdicts")
     migrate_digests(cur)
+
+
+def add_live_column(cur: duckdb.DuckDBPyConnection, table: str) -> None:
+    """``live`` on a verdicts table of a file older than live criteria: its verdicts were all made at the end."""
+    cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS live BOOLEAN DEFAULT false")
 
 
 # --- the transcript digest across upgrades -----------------------------------------------------------
@@ -272,13 +279,18 @@ def store_criteria(cur: duckdb.DuckDBPyConnection, criteria: Sequence[Criterion]
                         [c.id, c.version, c.kind, c.severity, c.group, _criterion_text(c), at])
 
 
-def verdict_id(v: Verdict) -> str:
-    """The id of a verdict: a digest of what makes it unique, so a repeated call maps to the same row."""
-    return _verdict_key(v.conversation_id, v.criterion_id, v.criterion_version, v.judge.model, v.transcript_sha256)
+def verdict_id(v: Verdict, *, live: bool = False) -> str:
+    """The id of a verdict: a digest of what makes it unique, so a repeated call maps to the same row.
+
+    A live verdict (made on an open conversation) has an id of its own: the verdict made at the end on
+    the same transcript is another one, and is still made."""
+    return _verdict_key(v.conversation_id, v.criterion_id, v.criterion_version, v.judge.model, v.transcript_sha256,
+                        live)
 
 
-def _verdict_key(conversation_id: str, criterion_id: str, version: int, model: str, sha256: str) -> str:
-    key = "\x1f".join([conversation_id, criterion_id, str(version), model, sha256])
+def _verdict_key(conversation_id: str, criterion_id: str, version: int, model: str, sha256: str,
+                 live: bool = False) -> str:
+    key = "\x1f".join([conversation_id, criterion_id, str(version), model, sha256, *(["live"] if live else [])])
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
 
 
@@ -295,7 +307,8 @@ def _current_sha256(cur: duckdb.DuckDBPyConnection, conversation_id: str) -> str
 
 def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], *, probability: float,
                    rule: str | None, now: dt.datetime | None = None,
-                   current: Mapping[str, str] | None = None, simulated: bool = False) -> list[str]:
+                   current: Mapping[str, str] | None = None, simulated: bool = False,
+                   live: bool = False) -> list[str]:
     """Store verdicts and supersede older transcripts' verdicts.
 
     Idempotent per (conversation, criterion, criterion version, judge model,
@@ -318,6 +331,8 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
         current: the current transcript hash of conversations the caller has just read
             (saves reading them again); the others are read (production ones only).
         simulated: the verdicts are on simulated conversations (``verdicts_table``).
+        live: live verdicts, made on an open conversation (``evals.live``): kept apart, they supersede
+            only the conversation's earlier live verdicts, and replace no not-run record.
 
     Returns:
         The ids of the verdicts stored or replaced by this call (not those already there),
@@ -329,7 +344,7 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
     # One verdict per key within the batch too: the first wins, unless it is an error and a real verdict follows.
     batch: dict[str, Verdict] = {}
     for v in verdicts:
-        vid = verdict_id(v)
+        vid = verdict_id(v, live=live)
         if vid not in batch or (batch[vid].result == "error" and v.result != "error"):
             batch[vid] = v
     if not batch:
@@ -362,9 +377,12 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
                     "transcript_sha256": [v.transcript_sha256 for v in fresh]})):
                 cur.execute(f"UPDATE {table} v SET superseded = true FROM _supersede n "
                             "WHERE v.conversation_id = n.conversation_id AND v.criterion_id = n.criterion_id "
-                            "AND v.transcript_sha256 <> n.transcript_sha256 AND NOT v.superseded")
-                cur.execute(f"DELETE FROM {not_run} r USING _supersede n WHERE r.conversation_id = n.conversation_id "
-                            "AND r.criterion_id = n.criterion_id AND r.criterion_version = n.criterion_version")
+                            "AND v.transcript_sha256 <> n.transcript_sha256 AND NOT v.superseded "
+                            "AND v.live = ?", [live])
+                if not live:
+                    cur.execute(f"DELETE FROM {not_run} r USING _supersede n WHERE r.conversation_id = "
+                                "n.conversation_id AND r.criterion_id = n.criterion_id "
+                                "AND r.criterion_version = n.criterion_version")
         rows = list(new.values())
         new_verdicts = Table({
             "id": list(new), "conversation_id": [v.conversation_id for v in rows],
@@ -378,7 +396,8 @@ def store_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Iterable[Verdict], 
             "output_tokens": [v.usage.output_tokens for v in rows],
             "raw_reply": [v.raw_reply for v in rows], "inclusion_probability": [probability] * len(rows),
             "sampling_rule": [rule] * len(rows), "judged_at": [at] * len(rows),
-            "superseded": [stale[vid] for vid in new], "batch_order": list(range(len(rows))),
+            "superseded": [stale[vid] for vid in new], "live": [live] * len(rows),
+            "batch_order": list(range(len(rows))),
         })
         with registered(cur, "_new_verdicts", new_verdicts):
             cur.execute(f"INSERT INTO {table} ({', '.join(VERDICT_COLUMNS)}, seq) "
@@ -414,7 +433,7 @@ def verdict_dict(row: Sequence[Any]) -> dict[str, Any]:
         "usage": {"input_tokens": d["input_tokens"], "output_tokens": d["output_tokens"]},
         "transcript_sha256": d["transcript_sha256"], "raw_reply": d["raw_reply"] or "",
         "inclusion_probability": d["inclusion_probability"], "sampling_rule": d["sampling_rule"],
-        "judged_at": iso_utc(d["judged_at"]), "superseded": d["superseded"],
+        "judged_at": iso_utc(d["judged_at"]), "superseded": d["superseded"], "live": bool(d["live"]),
     }
 
 

@@ -26,7 +26,11 @@ restart goes on from there (an event queued just before a crash may be sent
 twice, never lost); ``/api/status`` shows it (``verdict_events_seq``,
 ``review_events_id``). Superseded verdicts are not sent, nor are simulated
 conversations' verdicts, which are kept apart (``evals.simulations``) and
-never read here.
+never read here. Nor are live verdicts (made turn by turn on an open
+conversation, ``evals.live``): a backend that turns these events into scores
+would count a conversation once per turn; the verdict at its end is sent, with
+the state of the live item that stands for it, and decisions on live items are
+sent like any other.
 """
 
 from __future__ import annotations
@@ -122,12 +126,16 @@ class VerdictEvents(Stage):
         verdict_at, review_at = self.verdict_at, self.review_at
         rows = cur.execute(
             "SELECT v.seq, v.conversation_id, v.criterion_id, v.criterion_version, v.judge_model, v.result, "
-            "v.error_reason, v.reasoning, v.evidence, v.evidence_verified, r.state, c.newest_trace_id, "
+            "v.error_reason, v.reasoning, v.evidence, v.evidence_verified, coalesce(r.state, l.state), "
+            "c.newest_trace_id, "
             "(SELECT span_id FROM messages m WHERE m.conversation_id = v.conversation_id AND m.role = 'assistant' "
             " ORDER BY seq DESC LIMIT 1) "
             "FROM verdicts v LEFT JOIN review_items r ON r.verdict_id = v.id "
+            "LEFT JOIN review_items l ON l.live AND v.result = 'fail' AND l.conversation_id = v.conversation_id "
+            "AND l.criterion_id = v.criterion_id "
             "LEFT JOIN conversations c ON c.conversation_id = v.conversation_id "
-            "WHERE v.seq > ? AND NOT v.superseded ORDER BY v.seq LIMIT ?", [verdict_at, BATCH]).fetchall()
+            "WHERE v.seq > ? AND NOT v.superseded AND NOT v.live ORDER BY v.seq LIMIT ?",
+            [verdict_at, BATCH]).fetchall()
         decisions = cur.execute(
             "SELECT h.id, v.seq, v.conversation_id, v.criterion_id, v.criterion_version, v.judge_model, v.result, "
             "v.error_reason, v.reasoning, v.evidence, v.evidence_verified, h.state, c.newest_trace_id, "

@@ -114,7 +114,7 @@ def choose(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], rate: flo
     if not verdict_ids or rate <= 0:
         return 0
     rows = cur.execute("SELECT DISTINCT conversation_id, criterion_id FROM verdicts WHERE list_contains(?, id) "
-                       "AND NOT superseded AND list_contains(?, result)", [list(verdict_ids), list(JUDGED)]
+                       "AND NOT superseded AND NOT live AND list_contains(?, result)", [list(verdict_ids), list(JUDGED)]
                        ).fetchall()
     picked = [(c, k) for c, k in rows if chosen(c, k, rate, seed)]
     return _add(cur, picked, now)
@@ -323,7 +323,7 @@ def _pool(cur: duckdb.DuckDBPyConnection, criterion: str) -> list[str]:
         return [c for c, attributes in rows
                 if attributes and SimulatedUser.of_record(orjson.loads(attributes)) is not None]
     return [c for (c,) in cur.execute(
-        "SELECT DISTINCT conversation_id FROM verdicts WHERE criterion_id = ? AND NOT superseded "
+        "SELECT DISTINCT conversation_id FROM verdicts WHERE criterion_id = ? AND NOT superseded AND NOT live "
         "AND list_contains(?, result)", [criterion, list(JUDGED)]).fetchall()]
 
 
@@ -404,10 +404,26 @@ def pairs(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -> list[
     rows = cur.execute(
         "SELECT i.criterion_id, i.conversation_id, l.reviewer, l.label, "
         "(SELECT v.result FROM verdicts v WHERE v.conversation_id = i.conversation_id "
-        " AND v.criterion_id = i.criterion_id AND NOT v.superseded ORDER BY v.seq DESC LIMIT 1) "
+        " AND v.criterion_id = i.criterion_id AND NOT v.superseded AND NOT v.live ORDER BY v.seq DESC LIMIT 1) "
         f"FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id {where_clause(where)} "
         "ORDER BY i.id, l.reviewer", params).fetchall()
     return [Pair(criterion_id=c, item=conv, reviewer=who, human=h, judge=j) for c, conv, who, h, j in rows]
+
+
+NEWEST_ITEMS = 100
+"""How many labelled tasks ``newest_pairs`` takes: enough for kappa to tell, few enough that a judge (or a
+kind of traffic) that changed shows within a hundred labels."""
+
+
+def newest_pairs(cur: duckdb.DuckDBPyConnection, criterion: str) -> list[Pair]:
+    """The labels of a criterion's newest ``NEWEST_ITEMS`` labelled tasks (by their last label) beside the judge's
+    current verdict, as ``pairs`` gives them; each task with all its labels, older ones included, for its
+    majority."""
+    newest = {conv for (conv,) in cur.execute(
+        "SELECT i.conversation_id FROM calibration_labels l JOIN calibration_items i ON i.id = l.item_id "
+        "WHERE i.criterion_id = ? GROUP BY i.conversation_id ORDER BY max(l.labelled_at) DESC, "
+        "i.conversation_id DESC LIMIT ?", [criterion, NEWEST_ITEMS]).fetchall()}
+    return [p for p in pairs(cur, criterion) if p.item in newest]
 
 
 def report(cur: duckdb.DuckDBPyConnection, criterion: str | None, max_false_pass: float) -> dict[str, Any]:
@@ -452,7 +468,7 @@ def frozen_items(cur: duckdb.DuckDBPyConnection, criterion: str | None = None) -
             continue
         verdict = one(cur.execute(
             "SELECT result, judge_model, judge_provider, criterion_version FROM verdicts WHERE conversation_id = ? "
-            "AND criterion_id = ? AND NOT superseded ORDER BY seq DESC LIMIT 1",
+            "AND criterion_id = ? AND NOT superseded AND NOT live ORDER BY seq DESC LIMIT 1",
             [conversation_id, criterion_id]))
         version = verdict[3] if verdict else _criterion(cur, criterion_id)["version"]
         out.append({**record, KEY: {

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from judges import Located, Message, ToolCall, locate_evidence, tool_call_text
 
+from ..alerts import TITLES
 from ..evals.criterion_text import describe_criterion
 from ..words import calibration_rate_text
 
@@ -112,19 +113,57 @@ def render_sign_in(*, error: str | None = None, next_url: str = "/review") -> st
     return _render("sign_in.html", error=error, next_url=next_url)
 
 
+class AlertShown(NamedTuple):
+    """An open alert as the queue page shows it, above the queue."""
+
+    id: str
+    title: str
+    at: object
+    facts: list[tuple[str, str]]
+    """The body's own values, by key (the type's: conversation, severity...; a monitor's value...)."""
+    evidence: list[str]
+    link: str | None
+    """The item's review page, when the body names one on http(s)."""
+    action: str
+    """Where its Acknowledge form posts."""
+
+
+_ALERT_APART = ("id", "type", "at", "state", "evidence", "review_url", "reasoning")
+
+
+def _alert_shown(a: Mapping[str, Any]) -> AlertShown:
+    body = a.get("body") or {}
+    title = TITLES.get(str(a.get("type")), str(a.get("type"))) + (f": {body['criterion']}" if body.get("criterion")
+                                                                   else "")
+    facts = [(str(k), v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+             for k, v in body.items() if k not in _ALERT_APART and k != "criterion"]
+    if body.get("reasoning"):
+        facts.append(("reasoning", str(body["reasoning"])))
+    link = str(body.get("review_url") or "")
+    evidence = [str(q) for q in body.get("evidence") or []] if isinstance(body.get("evidence"), list) else []
+    return AlertShown(str(a.get("id")), title, a.get("at"), facts, evidence,
+                      link if link.startswith(("http://", "https://")) else None,
+                      _item_url("/review/alerts", a.get("id")) + "/ack")
+
+
 def render_list(items: Sequence[Mapping[str, Any]], *, filters: Mapping[str, str] | None = None,
                 criteria: Iterable[str] = (), services: Iterable[str] = (),
-                progress: Mapping[str, Any] | None = None, message: str | None = None, base: str = "/review") -> str:
-    """The review queue page: filters, progress, and one row per item in the queue's order (high severity
-    first, then the oldest).
+                progress: Mapping[str, Any] | None = None, message: str | None = None, base: str = "/review",
+                alerts: Sequence[Mapping[str, Any]] = (), reviewer: str = "", signed_in: bool = False,
+                token_needed: bool = False) -> str:
+    """The review queue page: the open alerts, each with an Acknowledge button, then filters, progress, and one
+    row per item in the queue's order (high severity first, then the oldest).
 
     Args:
         items: from ``queue.list_reviews``.
         filters: the filters in use, by name (``FILTERS``), as the query string gave them.
         criteria, services: offered in the filters (the ones in use always are).
         progress: from ``queue.progress``.
-        message: a notice on top (the last item was decided).
+        message: a notice on top (the last item was decided, an alert acknowledged).
         base: the URL of this page; items live at ``{base}/{id}``.
+        alerts: the open alerts (``alerts.store.list_alerts``); each form posts ``reviewer`` to
+            ``/review/alerts/{id}/ack``.
+        reviewer, signed_in, token_needed: who looks, as for ``render_item``.
 
     Returns:
         A complete HTML document; the filter form submits by GET to ``base``.
@@ -143,7 +182,9 @@ def render_list(items: Sequence[Mapping[str, Any]], *, filters: Mapping[str, str
          f.get("flagged", "")),
     ]
     return _render("queue.html", items=items, state=state, selects=selects, filters=f, progress=progress,
-                   message=message, base=base, query=urlencode(f), keys=QUEUE_KEYS)
+                   message=message, base=base, query=urlencode(f), keys=QUEUE_KEYS,
+                   alerts=[_alert_shown(a) for a in alerts], reviewer=reviewer, signed_in=signed_in,
+                   token_needed=token_needed)
 
 
 # --- evidence highlighting ----------------------------------------------------------------------------
@@ -296,7 +337,10 @@ def render_item(detail: Mapping[str, Any], *, base: str = "/review", action: str
     messages = list((conv or {}).get("messages") or [])
     located = _located(messages, [str(q) for q in verdict.get("evidence") or []])
     warnings = []
-    if verdict.get("superseded"):
+    if item.get("live"):
+        warnings.append("Judged live, while the conversation was still going on: on the transcript up to that "
+                        "answer. The transcript here is the current one, with what came after.")
+    elif verdict.get("superseded"):
         warnings.append("The conversation changed after this verdict (late data or a new turn); "
                         "the transcript is the current one, which may differ from what the judge read.")
     if verdict.get("flagged") or not verdict.get("evidence_verified", True):

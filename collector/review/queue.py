@@ -3,6 +3,10 @@
 The evals stage stores verdicts; ``open_items`` (called with the ids it stored,
 in its transaction) opens an item for each one that needs a reviewer: every
 verdict whose result is in ``review.queue_results``, and every flagged fail.
+A live fail (a live criterion failed on an open conversation) opens its item at
+once (``open_live_item``), marked ``live`` and first in the queue while pending;
+it stands for its conversation and criterion: no other live fail, nor the fail
+at the end, opens a second one.
 This module lists, shows and decides them. Decisions are history: each one is
 a row of ``review_history`` with the state it replaced. Reviewers are compared
 by ``names.reviewer_key`` (``Eve`` and ``eve`` are one) and kept as
@@ -43,6 +47,8 @@ CREATE TABLE IF NOT EXISTS review_items (
     created_at TIMESTAMPTZ NOT NULL,
     decided_at TIMESTAMPTZ
 );
+-- Opened by a live fail, on an open conversation. Added to older files, whose items are all of ended ones.
+ALTER TABLE review_items ADD COLUMN IF NOT EXISTS live BOOLEAN DEFAULT false;
 CREATE TABLE IF NOT EXISTS review_claims (
     item_id BIGINT PRIMARY KEY,
     reviewer VARCHAR NOT NULL,
@@ -70,7 +76,7 @@ _DECIDED: dict[str, ReviewState] = {"confirm": "confirmed", "reject": "rejected"
 judge error; the criterion's authors have work to do)."""
 SEVERITY_ORDER = ("high", "medium", "low")
 _ITEM_COLUMNS = ("id", "verdict_id", "conversation_id", "criterion_id", "state", "reviewer", "note",
-                 "created_at", "decided_at")
+                 "created_at", "decided_at", "live")
 _DECIDING = threading.Lock()
 
 
@@ -87,7 +93,8 @@ def open_items(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], queue
 
     Those on the current transcript whose result is in ``queue_results`` (config
     ``review.queue_results``) and every flagged fail; an ``error`` never. A verdict
-    queued before is not queued again. Runs in the caller's transaction, if any.
+    queued before is not queued again, nor a fail whose conversation and criterion
+    have a live item (``open_live_item``). Runs in the caller's transaction, if any.
 
     Returns:
         How many items were opened.
@@ -100,9 +107,31 @@ def open_items(cur: duckdb.DuckDBPyConnection, verdict_ids: Sequence[str], queue
             "SELECT nextval('review_item_seq'), id, conversation_id, criterion_id, 'pending', ? "
             "FROM (SELECT * FROM verdicts WHERE list_contains(?, id) AND NOT superseded AND result <> 'error' "
             "AND (list_contains(?, result) OR (result = 'fail' AND flagged)) "
-            "AND id NOT IN (SELECT verdict_id FROM review_items) ORDER BY seq)",
+            "AND id NOT IN (SELECT verdict_id FROM review_items) AND NOT (result = 'fail' AND EXISTS "
+            "(SELECT 1 FROM review_items r WHERE r.live AND r.conversation_id = verdicts.conversation_id "
+            "AND r.criterion_id = verdicts.criterion_id)) ORDER BY seq)",
             [utc_now(now), list(verdict_ids), list(queue_results)]))
     return int(row[0]) if row else 0
+
+
+def open_live_item(cur: duckdb.DuckDBPyConnection, verdict_id: str, *, now: dt.datetime | None = None) -> int:
+    """The live item of a live fail's conversation and criterion: the one opened by an earlier live fail, else
+    a new pending one for this verdict. Runs in the caller's transaction, if any.
+
+    Returns:
+        The item's id.
+    """
+    with Transaction(cur):
+        row = one(cur.execute(
+            "SELECT r.id FROM review_items r JOIN verdicts v ON v.conversation_id = r.conversation_id "
+            "AND v.criterion_id = r.criterion_id WHERE v.id = ? AND r.live", [verdict_id]))
+        if row is None:
+            row = one(cur.execute(
+                "INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at, live) "
+                "SELECT nextval('review_item_seq'), id, conversation_id, criterion_id, 'pending', ?, true "
+                "FROM verdicts WHERE id = ? RETURNING id", [utc_now(now), verdict_id]))
+    assert row is not None, "a live item is opened for a verdict just stored"
+    return int(row[0])
 
 
 def item_opener(cfg: Config) -> Callable[[duckdb.DuckDBPyConnection, list[str], dt.datetime], int]:
@@ -127,8 +156,8 @@ def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criteri
                  limit: int = 100, *, severity: str | None = None, service: str | None = None,
                  flagged: bool | None = None, since: dt.datetime | None = None, assignee: str | None = None,
                  order: str = "severity", now: dt.datetime | None = None) -> list[dict[str, Any]]:
-    """Review items in the queue's order: high severity first, then the oldest (``order="age"``: the oldest
-    first).
+    """Review items in the queue's order: pending live items first (a conversation may still be going
+    on), then high severity, then the oldest (``order="age"``: the oldest first after the live ones).
 
     Args:
         state: ``pending`` (default), ``confirmed``, ``rejected``, ``unclear`` or ``all``.
@@ -140,7 +169,7 @@ def list_reviews(cur: duckdb.DuckDBPyConnection, state: str = "pending", criteri
 
     Returns:
         Items with ``id``, ``conversation_id``, ``criterion_id``, ``state``, ``reviewer``,
-        ``note``, ``created_at``, ``decided_at``, ``verdict_id``; from the verdict
+        ``note``, ``created_at``, ``decided_at``, ``live``, ``verdict_id``; from the verdict
         ``criterion_version``, ``result``, ``flagged``, ``evidence_verified`` and ``superseded``;
         ``severity``, ``service``, and ``claimed_by`` / ``claimed_until`` (None when nobody holds it).
 
@@ -184,7 +213,8 @@ def _items(cur: duckdb.DuckDBPyConnection, where: list[str], params: list[Any], 
         "LEFT JOIN criteria c ON c.criterion_id = v.criterion_id AND c.criterion_version = v.criterion_version "
         "LEFT JOIN conversations conv ON conv.conversation_id = r.conversation_id "
         "LEFT JOIN review_claims k ON k.item_id = r.id "
-        f"{where_clause(where)} ORDER BY {_SEVERITY_RANK + ', ' if order == 'severity' else ''}r.created_at, r.id "
+        f"{where_clause(where)} ORDER BY r.live AND r.state = 'pending' DESC, "
+        f"{_SEVERITY_RANK + ', ' if order == 'severity' else ''}r.created_at, r.id "
         "LIMIT ?", [at, at, *params, limit]).fetchall()
     return [{k: iso_utc(v) for k, v in zip(_ITEM_KEYS, r)} for r in rows]
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter, defaultdict
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import duckdb
 
-from judges import CriterionCalibration, Pair, calibrate, weighted_proportion
+from judges import CriterionCalibration, Pair, Proportion, calibrate, weighted_proportion
 
 from ..config import Review
 from ..evals import simulations
@@ -76,9 +76,10 @@ class _Tally:
 
 
 def _current(table: str, since: dt.datetime | None, criterion: str | None) -> tuple[str, list[Any]]:
-    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest."""
+    """The verdicts that count, per (conversation, criterion): current transcript, newest version, newest;
+    never a live one (made on the open conversation: the verdict at its end counts)."""
     where, params = verdict_filters(criterion=criterion, since=since)
-    where.append("NOT superseded")
+    where.append("NOT superseded AND NOT live")
     return (f"SELECT * FROM {table} {where_clause(where)} QUALIFY row_number() OVER (PARTITION BY conversation_id, "
             "criterion_id ORDER BY criterion_version DESC, seq DESC) = 1"), params
 
@@ -123,6 +124,30 @@ def stats(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
     return stats_of([stats_rows(cur, since=since, criterion=criterion, source=source)], max_false_pass)
 
 
+class Window(NamedTuple):
+    """The current production verdicts judged since a time (``window``)."""
+
+    judged: int
+    """Verdicts, whatever their result (a conversation counts once per criterion)."""
+    error: int
+    """Of them, judge errors."""
+    failure_rate: Proportion | None
+    """Weighted, among clean passes and fails, as ``stats`` gives it; None when there were none."""
+
+
+def window(cur: duckdb.DuckDBPyConnection, since: dt.datetime, criterion: str | None = None) -> Window:
+    """The current production verdicts (of ``criterion``, else of every criterion) judged at or after ``since``,
+    counted and weighted as ``stats`` counts them: what a monitor reads over its window."""
+    current, params = _current("verdicts", since, criterion)
+    tally = _Tally()
+    # Sorted: the weighted sums then add up in one order, and a reading taken twice is the same.
+    for result, verified, flagged, p, n in cur.execute(
+            f"SELECT result, evidence_verified, flagged, inclusion_probability, count(*) FROM ({current}) "
+            "GROUP BY ALL ORDER BY ALL", params).fetchall():
+        tally.add(result, verified, flagged, None, p, None, n)
+    return Window(judged=tally.judged, error=tally.counts["error"], failure_rate=weighted_proportion(tally.pairs))
+
+
 def stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None = None,
                criterion: str | None = None, source: Source = "production") -> dict[str, Any]:
     """What ``stats`` is computed from, as JSON: the current verdicts and not-run records counted per
@@ -151,16 +176,20 @@ def _stats_rows(cur: duckdb.DuckDBPyConnection, since: dt.datetime | None, crite
                 "tokens": {"input_tokens": 0, "output_tokens": 0}, "calibration": _labels(cur, criterion)}
     table, not_run_of = verdicts_table(simulated), not_run_table(simulated)
     current, params = _current(table, since, criterion)
-    # Aggregated in DuckDB: a few rows per criterion however many verdicts there are.
+    # Aggregated in DuckDB: a few rows per criterion however many verdicts there are. A fail whose
+    # conversation and criterion had a live item opened none of its own: the live item is its review.
     rows = cur.execute(
         "SELECT v.criterion_id, max(v.criterion_version), v.result, v.evidence_verified, v.flagged, "
         "CASE WHEN v.result = 'error' THEN split_part(coalesce(v.error_reason, ''), ':', 1) END AS code, "
-        "v.inclusion_probability, r.state, count(*) "
+        "v.inclusion_probability, coalesce(r.state, l.state) AS review_state, count(*) "
         f"FROM ({current}) v LEFT JOIN review_items r ON r.verdict_id = v.id "
-        "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, r.state",
+        "LEFT JOIN review_items l ON l.live AND v.result = 'fail' AND l.conversation_id = v.conversation_id "
+        "AND l.criterion_id = v.criterion_id "
+        "GROUP BY v.criterion_id, v.result, v.evidence_verified, v.flagged, code, v.inclusion_probability, "
+        "review_state",
         params).fetchall()
     nr_where = [f"NOT EXISTS (SELECT 1 FROM {table} v WHERE v.conversation_id = n.conversation_id "
-                "AND v.criterion_id = n.criterion_id AND NOT v.superseded)"]
+                "AND v.criterion_id = n.criterion_id AND NOT v.superseded AND NOT v.live)"]
     nr_params: list[Any] = []
     if criterion is not None:
         nr_where.append("n.criterion_id = ?")
@@ -305,7 +334,7 @@ def _conversation_counts(cur: duckdb.DuckDBPyConnection, since: dt.datetime | No
 
 def _tokens(cur: duckdb.DuckDBPyConnection, table: str, since: dt.datetime | None,
             criterion: str | None) -> dict[str, int]:
-    # Tokens are money spent: superseded verdicts count too.
+    # Tokens are money spent: superseded and live verdicts count too.
     where, params = verdict_filters(criterion=criterion, since=since)
     row = one(cur.execute(f"SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) FROM {table} "
                           f"{where_clause(where)}", params))

@@ -65,6 +65,7 @@ EXPORTED = [
     "escape_line_breaks",
     "fisher_exact",
     "json_line",
+    "kappa_interval",
     "load_criteria",
     "locate_evidence",
     "make_provider",

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 
-from judges import LABELS, MIN_N, InputError, Pair, calibrate, compare_reruns
+from judges import LABELS, MIN_N, InputError, Pair, calibrate, compare_reruns, kappa_interval
 
 Z = 1.959963984540054
 
@@ -236,3 +236,28 @@ def test_too_few_labels_says_how_many_it_takes_whatever_the_bound() -> None:
                                 f"rate takes at least {MIN_N} of their fails")
     assert e["false_pass"]["too_few"] is True and e["false_pass"]["count"] == 1
     assert e["false_fail"]["too_few"] is True and e["false_fail"]["n"] == 3
+
+
+def _matrix(cells: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {h: {j: cells.get(h, {}).get(j, 0) for j in LABELS} for h in LABELS}
+
+
+def test_kappa_interval_is_close_to_the_large_sample_one_and_the_same_on_every_run() -> None:
+    m = _matrix({"pass": {"pass": 200, "fail": 20}, "fail": {"pass": 30, "fail": 150}})
+    # po = 350/400, pe = (220*230 + 180*170)/400^2, kappa = (po - pe)/(1 - pe) = 0.746; its large-sample
+    # standard error sqrt(po(1 - po) / (n (1 - pe)^2)) = 0.0337 gives 0.680 to 0.812.
+    po, pe = 350 / 400, (220 * 230 + 180 * 170) / 400 ** 2
+    kappa, se = (po - pe) / (1 - pe), math.sqrt(po * (1 - po) / (400 * (1 - pe) ** 2))
+    interval = kappa_interval(m)
+    assert interval is not None
+    low, high = interval
+    assert low < kappa < high
+    assert low == pytest.approx(kappa - Z * se, abs=0.01) and high == pytest.approx(kappa + Z * se, abs=0.01)
+    assert kappa_interval(m) == interval  # seeded: a monitor re-evaluated on the same labels decides the same
+    assert kappa_interval(m, seed=1) != interval
+
+
+def test_kappa_interval_of_nothing_or_of_one_label_everywhere_is_none() -> None:
+    assert kappa_interval(_matrix({})) is None
+    assert kappa_interval(_matrix({"pass": {"pass": 30}})) is None  # kappa is undefined in every resample
+    assert kappa_interval(_matrix({"pass": {"pass": 30}, "fail": {"fail": 20}})) == (1.0, 1.0)

@@ -76,6 +76,19 @@ def test_good_file_loads(tmp_path: Path) -> None:
     assert isinstance(code, CodeCriterion) and code.check == "tool_called" and code.applies_if is not None
 
 
+def test_live_is_a_flag_on_either_kind_off_unless_written(tmp_path: Path) -> None:
+    crits = load_criteria(write(tmp_path, """
+        criteria:
+          - {id: a, version: 1, kind: llm, prompt: x, live: true}
+          - {id: b, version: 1, kind: code, check: max_user_turns, max: 3, live: true}
+          - {id: c, version: 1, kind: code, check: max_user_turns, max: 3}
+    """))
+    assert [c.live for c in crits] == [True, True, False]
+    assert "criterion 'a': live" in problem(tmp_path, "- {id: a, version: 1, kind: llm, prompt: x, live: often}")
+    assert "criterion 'a': live: an ended_by check has nothing to decide while the conversation is open" in problem(
+        tmp_path, "- {id: a, version: 1, kind: code, check: ended_by, one_of: [handover], live: true}")
+
+
 def problem(tmp_path: Path, body: str) -> str:
     with pytest.raises(CriteriaError) as info:
         load_criteria(write(tmp_path, "criteria:\n" + textwrap.indent(textwrap.dedent(body), "  ")))

@@ -16,10 +16,12 @@ from .daemon import DaemonProcess, wait_until
 from .judge_server import FAIL_WORD, JUNK_WORD
 
 
-def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test", *, every_span: bool = False) -> None:
+def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test", *, every_span: bool = False,
+         start: int = 0) -> None:
     """Play each conversation through the OpenTelemetry SDK's OTLP/gRPC exporter and flush.
 
     ``every_span``: the conversation id on every span, through the demo's (the README's) span processor.
+    ``start``: send the turns from this one on (the earlier ones were sent before: a conversation going on).
     """
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     if every_span:
@@ -28,7 +30,7 @@ def send(grpc: str, personas: Sequence[Persona], service: str = "shop-test", *, 
     try:
         tracer = provider.get_tracer("tests")
         for persona in personas:
-            play(tracer, persona)
+            play(tracer, persona, start)
         assert provider.force_flush(60_000), "the OTLP exporter could not deliver"
     finally:
         provider.shutdown()

@@ -22,8 +22,8 @@ from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
 from collector.conversations.transcript import Transcript, TranscriptMessage, Usage
 from collector.conversations.writes import message_rows
 from collector.evals import judging
-from collector.evals.verdicts import VERDICT_COLUMNS
 from collector.normalize import ToolCall
+from collector.review import calibration
 from collector.review import queue as review_queue
 from collector.store import Store, insert_rows
 
@@ -123,19 +123,40 @@ def write(path: Path, conversations: Sequence[StoredConversation], *,
         for cid, sampled, probability, rule, skipped in decisions:
             con.execute("INSERT INTO sampling_decisions VALUES (?, 1, NULL, ?, ?, ?, ?, ?)",
                         [cid, sampled, probability, rule, skipped, T0])
-        for n, v in enumerate(verdicts):
-            values = verdict_row(**v)
-            con.execute(f"INSERT INTO verdicts ({', '.join(VERDICT_COLUMNS)}, seq) VALUES "
-                        f"({', '.join('?' for _ in VERDICT_COLUMNS)}, ?)", [values[c] for c in VERDICT_COLUMNS] + [n])
+        add_verdicts(con, verdicts)
     finally:
         con.close()
 
 
+def add_verdicts(cur: duckdb.DuckDBPyConnection, verdicts: Sequence[dict[str, Any]]) -> None:
+    """Store verdicts (``verdict_row`` fields, and any column the table has), numbered after those stored."""
+    if not verdicts:  # a store may have no verdicts table at all
+        return
+    [(last,)] = cur.execute("SELECT coalesce(max(seq), -1) FROM verdicts").fetchall()
+    for n, v in enumerate(verdicts, start=last + 1):
+        values = {**verdict_row(**v), "seq": n}
+        cur.execute(f"INSERT INTO verdicts ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
+                    list(values.values()))
+
+
 def verdict_row(conversation_id: str, criterion_id: str, result: str, *, version: int = 1,
-                superseded: bool = False, sha: str = "0" * 64) -> dict[str, Any]:
+                superseded: bool = False, sha: str = "0" * 64, **columns: Any) -> dict[str, Any]:
+    """A verdict's columns; ``columns`` set others (``judged_at``, ``inclusion_probability``...)."""
     key = f"{conversation_id}/{criterion_id}/{version}/{sha}/{superseded}"
     return {"id": key, "conversation_id": conversation_id, "criterion_id": criterion_id,
             "criterion_version": version, "judge_provider": "code", "judge_model": "code",
             "transcript_sha256": sha, "result": result, "error_reason": None, "reasoning": "r", "evidence": "[]",
             "evidence_verified": True, "flagged": False, "input_tokens": 0, "output_tokens": 0, "raw_reply": "",
-            "inclusion_probability": 1.0, "sampling_rule": "default", "judged_at": T0, "superseded": superseded}
+            "inclusion_probability": 1.0, "sampling_rule": "default", "judged_at": T0, "superseded": superseded,
+            **columns}
+
+
+def label(cur: duckdb.DuckDBPyConnection, conversation_id: str, criterion_id: str, value: str, at: dt.datetime,
+          reviewer: str = "ana") -> None:
+    """A blind label of ``reviewer`` given at ``at``, on the conversation's labelling task (made if need be)."""
+    cur.execute("INSERT INTO calibration_items SELECT nextval('calibration_item_seq'), ?, ?, ? WHERE NOT EXISTS "
+                "(SELECT 1 FROM calibration_items WHERE conversation_id = ? AND criterion_id = ?)",
+                [conversation_id, criterion_id, at, conversation_id, criterion_id])
+    [(item,)] = cur.execute("SELECT id FROM calibration_items WHERE conversation_id = ? AND criterion_id = ?",
+                            [conversation_id, criterion_id]).fetchall()
+    calibration.label(cur, item, value, reviewer, now=at)
