@@ -27,18 +27,14 @@ CASES = case_names(CAPTURES)
 # case -> what today's normalizer gets wrong (the precise reason the case xfails).
 SPLIT_CALLS = ("the parallel function_call items resent in the next call's input are read as one assistant "
                "message per call, so the answer that made both calls is added again as two messages")
-NO_STITCH = ("no conversation id: each turn is a trace of its own and is not joined to the conversation whose "
-             "history its LLM calls resend")
+UNREAD_HISTORY = "so a turn's calls do not resend the history as its conversation was rebuilt, and it is not stitched"
 GAPS: dict[str, str] = {
     "agents-sdk-streamed-openinference-grpc": f"OpenInference llm.input_messages: {SPLIT_CALLS}",
-    "agents-sdk-streamed-openinference-grpc-noid": f"{NO_STITCH}; {SPLIT_CALLS}",
+    "agents-sdk-streamed-openinference-grpc-noid": f"{SPLIT_CALLS}, {UNREAD_HISTORY} (alice)",
     "agents-sdk-streamed-logfire-http": ("Logfire puts RunConfig(group_id=...) as `group_id` on each trace's root "
                                          "span, which is not an id attribute: every turn is a conversation of its "
                                          f"own; {SPLIT_CALLS}"),
-    "agents-sdk-streamed-logfire-http-noid": f"{NO_STITCH}; {SPLIT_CALLS}",
-    "openai-v2-chat-nowrapper-grpc-noid": ("no wrapper span and no id: every LLM call is a trace of its own (a turn "
-                                           "with a tool call is two), and none is joined to the conversation whose "
-                                           "history it resends"),
+    "agents-sdk-streamed-logfire-http-noid": SPLIT_CALLS,
     "litellm-otel-callback-http": (
         "LiteLLM's otel callback writes a non-streamed call onto the app's current span (`invoke_agent ShopBot`) "
         "instead of a span of its own, so the second call of a turn overwrites the first (one call and its tokens "
@@ -46,23 +42,23 @@ GAPS: dict[str, str] = {
         "of a new trace without the id (alice and carol fall apart into one trace per call, with no content left "
         "under their id); metadata.session_id is not exported"),
     "litellm-otel-callback-http-noid": (
-        f"{NO_STITCH}; streamed calls are traces of their own; the second call of a non-streamed turn overwrites "
-        "the first on the app's span"),
+        "the second call of a non-streamed turn overwrites the first on the app's span, and a streamed turn's first "
+        f"call is not read, {UNREAD_HISTORY}; carol's first turn has no content, so her second is stitched to dave's "
+        "first (the same two messages)"),
     "haystack-agent-grpc": (
         "Haystack's spans (opentelemetry-haystack) are not read at all: `haystack.agent.step.llm` carries the call's "
         "input as the Python repr of ChatMessage objects in `haystack.agent.step.llm.input` and its answer as "
         "Haystack's ChatMessage JSON in `haystack.agent.step.llm.output` (model and usage in replies[].meta); no "
         "gen_ai.* keys, so no LLM call, model, tokens or message is found"),
-    "haystack-agent-grpc-noid": f"{NO_STITCH}; Haystack's `haystack.agent.step.llm` spans are not read at all",
+    "haystack-agent-grpc-noid": f"Haystack's `haystack.agent.step.llm` spans are not read at all, {UNREAD_HISTORY}",
     "langchain-agent-openllmetry-http": (
         "each create_agent() call emits a `create_agent agent` span (gen_ai.system_instructions, tool definitions) "
         "in a trace of its own while the agent is built, outside any turn: one empty conversation per agent built "
         "(4 here); and streamed calls' ChatOpenAI.chat spans carry the request model as gen_ai.response.model "
         "(the library's doing: the model the server reported is not in the span)"),
     "langchain-agent-openllmetry-http-noid": (
-        f"{NO_STITCH}; one empty conversation per agent built (`create_agent agent` spans); streamed calls "
+        "one empty conversation per agent built (`create_agent agent` spans); streamed calls "
         "report the request model as the response model"),
-    "node-ai-sdk-toolloopagent-proto-noid": NO_STITCH,
 }
 
 
@@ -72,7 +68,10 @@ def differences(case: Case) -> list[str]:
     The same checks as ``test_normalize._assert_rebuilt_exactly``, collected instead of stopping at the first.
     """
     out: list[str] = []
-    groups = group_traces(by_trace(case.spans, case.logs))
+    logs: dict[str, list[dict[str, Any]]] = {}
+    for row in case.logs:
+        logs.setdefault(row["trace_id"], []).append(row)
+    groups = group_traces(by_trace(case.spans, case.logs), logs=logs)
     expected = case.expected["conversations"]
     want = {c["conversation_key"] or f"trace:{c['trace_ids'][0]}": c for c in expected}
     extra = sorted(set(groups) - set(want))
