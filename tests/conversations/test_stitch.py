@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,7 +28,9 @@ from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Store
 
 from ..support.conversations import comparable_message
+from ..support.daemon import wait_conversations
 from ..support.served import Served
+from ..support.wire import replay
 
 CASES = Path(__file__).resolve().parents[1] / "fixtures" / "frameworks" / "cases"
 # The noid captures whose every conversation the normalizer rebuilds exactly today (the others wait for
@@ -277,7 +280,7 @@ def test_stitching_survives_a_restart_and_a_reindex(store: Store, caplog: pytest
         clock.now += 30
     stored = _stored(store)
     _assert_as_expected(stored, case)
-    warned = [r.getMessage() for r in caplog.records if "no conversation id" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "with no conversation id" in r.getMessage()]
     assert len(warned) == 2 and "shopbot-support" in warned[0] and "README.md" in warned[0]  # once per stage run
 
     job = Reindex(store, Settings(), clock=clock)
@@ -289,3 +292,32 @@ def test_stitching_survives_a_restart_and_a_reindex(store: Store, caplog: pytest
     finally:
         cur.close()
     assert _stored(store) == stored
+
+
+def _requests(case: str) -> list[dict[str, Any]]:
+    """The capture's export requests as sent on the wire (``support.wire.replay`` takes them)."""
+    meta = json.loads((CASES / f"{case}.meta.json").read_text())
+    out = []
+    for req in meta["export_requests"]:
+        body = (CASES / req["file"]).read_bytes()
+        if req.get("stored_gzip_compressed") and req.get("content_encoding") != "gzip":
+            body = gzip.decompress(body)  # stored compressed, sent plain
+        out.append({**req, "body": body})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EXACT)
+def test_the_daemon_stitches_a_noid_capture_over_the_wire(make_daemon: Any, case: str) -> None:
+    """The real daemon on ephemeral ports, sent the capture as the bot sent it: the API lists one conversation
+    per user, each record ``grouped_by: history``, and the log said once how to set an id."""
+    daemon = make_daemon()
+    for req in _requests(case):
+        replay(req, daemon.grpc, daemon.http)
+    wait_conversations(daemon)
+    listed = daemon.get("/api/conversations?limit=100")[1]["conversations"]
+    expected = {f"trace:{c['trace_ids'][0]}": c for c in _expected(case)}
+    assert {c["conversation_id"]: c["grouped_by"] for c in listed} == {cid: "history" for cid in expected}
+    stored = {cid: daemon.get("/api/conversations/" + urllib.parse.quote(cid, safe=""))[1] for cid in expected}
+    _assert_as_expected(stored, case)
+    assert daemon.output().count("with no conversation id") == 1
