@@ -302,7 +302,7 @@ DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
 class Stitch(Section):
     window: Duration = Field(900.0, ge=0)
     """A trace with no id continues a conversation of its service by its history only if that
-    conversation's data last arrived at most this long before (daemon clock); 0 turns stitching off."""
+    conversation's data last arrived at most this long before (daemon clock); 0s turns stitching off."""
     conversations: int = Field(10_000, ge=0)
     """At most this many recent conversations without an id are remembered to be continued (about 200
     bytes each); 0 turns stitching off."""
