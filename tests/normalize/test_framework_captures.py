@@ -63,6 +63,7 @@ GAPS: dict[str, str] = {
         f"{NO_STITCH}; one empty conversation per agent built (`create_agent agent` spans); streamed calls "
         "report the request model as the response model"),
     "node-ai-sdk-toolloopagent-proto-noid": NO_STITCH,
+    "crewai-agent-openinference-grpc-noid": NO_STITCH,
 }
 
 
