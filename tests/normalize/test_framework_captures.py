@@ -25,17 +25,11 @@ CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "frameworks" / "ca
 CASES = case_names(CAPTURES)
 
 # case -> what today's normalizer gets wrong (the precise reason the case xfails).
-SPLIT_CALLS = ("the parallel function_call items resent in the next call's input are read as one assistant "
-               "message per call, so the answer that made both calls is added again as two messages")
 NO_STITCH = ("no conversation id: each turn is a trace of its own and is not joined to the conversation whose "
              "history its LLM calls resend")
 GAPS: dict[str, str] = {
-    "agents-sdk-streamed-openinference-grpc": f"OpenInference llm.input_messages: {SPLIT_CALLS}",
-    "agents-sdk-streamed-openinference-grpc-noid": f"{NO_STITCH}; {SPLIT_CALLS}",
-    "agents-sdk-streamed-logfire-http": ("Logfire puts RunConfig(group_id=...) as `group_id` on each trace's root "
-                                         "span, which is not an id attribute: every turn is a conversation of its "
-                                         f"own; {SPLIT_CALLS}"),
-    "agents-sdk-streamed-logfire-http-noid": f"{NO_STITCH}; {SPLIT_CALLS}",
+    "agents-sdk-streamed-openinference-grpc-noid": NO_STITCH,
+    "agents-sdk-streamed-logfire-http-noid": NO_STITCH,
     "openai-v2-chat-nowrapper-grpc-noid": ("no wrapper span and no id: every LLM call is a trace of its own (a turn "
                                            "with a tool call is two), and none is joined to the conversation whose "
                                            "history it resends"),
