@@ -296,6 +296,9 @@ DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
     "thread_id",
     "gen_ai.thread.id",
     "gcp.vertex.agent.session_id",
+    # The OpenAI Agents SDK's RunConfig(group_id=...), "the traces of one chat thread"; Logfire writes it on
+    # each trace's root span.
+    "group_id",
 )
 
 

@@ -96,16 +96,21 @@ def json_column(row: Mapping[str, Any], column: str) -> Any:
     return load_json_column(row.get(column))
 
 
+# An unset id written as text (Logfire writes RunConfig's group_id=None as "null"): no id at all, else every
+# conversation of such a bot would be one.
+_UNSET = frozenset({"null", "None", "undefined"})
+
+
 def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
     if name.endswith("*"):
         prefix = name[:-1]
         for key in sorted(k for k in attrs if k.startswith(prefix)):
             v = as_str(attrs[key])
-            if v:
+            if v and v not in _UNSET:
                 return repair_text(v)
         return None
     v = as_str(attrs.get(name))
-    return repair_text(v) if v else None
+    return repair_text(v) if v and v not in _UNSET else None
 
 
 def conversation_key(spans: Sequence[dict[str, Any]],

@@ -25,16 +25,8 @@ CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "frameworks" / "ca
 CASES = case_names(CAPTURES)
 
 # case -> what today's normalizer gets wrong (the precise reason the case xfails).
-SPLIT_CALLS = ("the parallel function_call items resent in the next call's input are read as one assistant "
-               "message per call, so the answer that made both calls is added again as two messages")
 UNREAD_HISTORY = "so a turn's calls do not resend the history as its conversation was rebuilt, and it is not stitched"
 GAPS: dict[str, str] = {
-    "agents-sdk-streamed-openinference-grpc": f"OpenInference llm.input_messages: {SPLIT_CALLS}",
-    "agents-sdk-streamed-openinference-grpc-noid": f"{SPLIT_CALLS}, {UNREAD_HISTORY} (alice)",
-    "agents-sdk-streamed-logfire-http": ("Logfire puts RunConfig(group_id=...) as `group_id` on each trace's root "
-                                         "span, which is not an id attribute: every turn is a conversation of its "
-                                         f"own; {SPLIT_CALLS}"),
-    "agents-sdk-streamed-logfire-http-noid": SPLIT_CALLS,
     "litellm-otel-callback-http": (
         "LiteLLM's otel callback writes a non-streamed call onto the app's current span (`invoke_agent ShopBot`) "
         "instead of a span of its own, so the second call of a turn overwrites the first (one call and its tokens "
