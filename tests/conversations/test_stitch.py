@@ -324,3 +324,14 @@ def test_the_daemon_stitches_a_noid_capture_over_the_wire(make_daemon: Any, case
     stored = {cid: daemon.get("/api/conversations/" + urllib.parse.quote(cid, safe=""))[1] for cid in expected}
     _assert_as_expected(stored, case)
     assert daemon.output().count("with no conversation id") == 1
+
+
+def test_an_id_written_as_the_text_of_nothing_is_no_id() -> None:
+    """Logfire writes the Agents SDK's group_id=None as "null": taken as an id, it made every conversation one."""
+    from collector.conversations.keys import conversation_key
+
+    rows = [{"trace_id": "t", "span_id": "s", "attributes": json.dumps({"group_id": "null", "session.id": "None"}),
+             "resource": "{}"}]
+    assert conversation_key(rows, ["group_id", "session.id"]) is None
+    rows[0]["attributes"] = json.dumps({"group_id": "null", "session.id": "s-1"})
+    assert conversation_key(rows, ["group_id", "session.id"]) == "s-1"
