@@ -296,7 +296,19 @@ DEFAULT_ID_ATTRIBUTES: tuple[str, ...] = (
     "thread_id",
     "gen_ai.thread.id",
     "gcp.vertex.agent.session_id",
+    # The OpenAI Agents SDK's RunConfig(group_id=...), "the traces of one chat thread"; Logfire writes it on
+    # each trace's root span.
+    "group_id",
 )
+
+
+class Stitch(Section):
+    window: Duration = Field(900.0, ge=0)
+    """A trace with no id continues a conversation of its service by its history only if that
+    conversation's data last arrived at most this long before (daemon clock); 0s turns stitching off."""
+    conversations: int = Field(10_000, ge=0)
+    """At most this many recent conversations without an id are remembered to be continued (about 200
+    bytes each); 0 turns stitching off."""
 
 
 class Conversations(Section):
@@ -308,6 +320,8 @@ class Conversations(Section):
     """Attribute values that end a conversation at once (a handover, the bot closing it)."""
     lag_warning: Duration = Field(60.0, gt=0)
     """The log warns once conversations fall this far behind ingestion, and says when they catch up."""
+    stitch: Stitch = Stitch()
+    """Traces with no conversation id continued by the history their model calls resend."""
 
 
 class JudgeProvider(Section):

@@ -112,6 +112,8 @@ class Conversation(_Record):
     models: list[str] = []
     usage: Usage | None = None
     trace_ids: list[str] = []
+    grouped_by: str | None = None
+    """Production: how its traces were grouped (``id``, ``response``, ``history``, ``trace``)."""
     persona_id: str | None = None
     """Simulation: the scenario id; records with the same persona_id are replicates."""
     expected: dict[str, Any] | None = None

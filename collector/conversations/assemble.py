@@ -24,7 +24,7 @@ Public: ``DEFAULT_ID_ATTRIBUTES``, ``conversation_key``, ``group_traces``,
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +47,12 @@ from ..normalize import (
 from .keys import (
     DEFAULT_ID_ATTRIBUTES,
     conversation_key,
-    group_traces,
+    group_keyed,
     json_column,
     load_json_column,
     response_links,
 )
+from .stitch import Stitcher, answered, opening
 from .transcript import DigestMemo, Transcript, TranscriptMessage, Usage, from_unix_nano
 
 __all__ = [
@@ -68,6 +69,8 @@ __all__ = [
     "merge_history",
     "response_links",
 ]
+
+STITCH_KEPT = 10_000  # recent conversations without an id that a trace may continue (``stitch``)
 
 NO_CONTENT_REASON = (
     "no message content was captured (the instrumentation sent only metadata); "
@@ -455,6 +458,7 @@ class _Assembly:
         self.truncated: list[str] = []
         self.tool_names: dict[str, str] = {}
         self.service: str | None = None
+        self.opening = 0  # messages the first call with content was sent: the history it resends
 
     def copy(self) -> _Assembly:
         """A copy that adding traces to leaves this one as it is."""
@@ -492,6 +496,8 @@ class _Assembly:
         for call in content_calls:
             if self.system is None and call.content is not None and call.content.system:
                 self.system = call.content.system
+            if not self.merged.msgs and call.content is not None:
+                self.opening = len(call.content.input or [])
             self.merged.merge(call)
 
 
@@ -710,4 +716,56 @@ def build_transcript(spans: Sequence[dict[str, Any]], logs: Sequence[dict[str, A
         unparsed_logs=bad_logs,
         truncated_spans=tuple(state.truncated),
         sources=tuple(sorted({e.source for e in state.merged.entries})),
+        opening=state.opening,
     )
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def group_traces(traces: Mapping[str, list[dict[str, Any]]],
+                 id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES,
+                 logs: Mapping[str, list[dict[str, Any]]] | None = None,
+                 stitch_kept: int = STITCH_KEPT) -> dict[str, list[str]]:
+    """Group whole traces into conversations: ``{conversation id: [trace ids]}``.
+
+    By their ids, else by the previous response their calls continue (``keys.group_keyed``); then,
+    in the order they started, a trace with neither continues the conversation whose whole
+    transcript its first call was sent (``stitch``; ``logs``: each trace's log rows, where its
+    content may be). There are no arrival times here, so no time window: the daemon keeps the same
+    map incrementally, on its clock (``stage``). For tests and tools.
+    """
+    groups = group_keyed(traces, id_attributes)
+    logs = logs or {}
+    owner = {t: g for g, ts in groups.items() for t in ts}
+
+    def start(t: str) -> tuple[int, str]:
+        times = [as_int(r.get("start_time_unix_nano")) or 0 for r in traces[t]]
+        times += [as_int(r.get("time_unix_nano")) or 0 for r in logs.get(t, [])]
+        return (min((x for x in times if x), default=0), t)
+
+    def transcript(ts: list[str]) -> Transcript:
+        return build_transcript([r for t in ts for r in traces[t]], [r for t in ts for r in logs.get(t, [])])
+
+    stitcher = Stitcher(window=float("inf"), kept=stitch_kept)
+    placed: dict[str, list[str]] = {}  # conversation -> its traces placed so far
+    moved: dict[str, str] = {}  # a group stitched -> the conversation it continues
+    for t in sorted((t for t, g in owner.items() if g.startswith("trace:")), key=start):
+        group = owner[t]
+        if group == f"trace:{t}" and group not in moved:
+            op = opening(transcript([t]))
+            found = stitcher.find(op, 0.0, exclude=group) if op is not None else None
+            if found is not None:
+                moved[group] = found
+        cid = moved.get(group, group)
+        placed.setdefault(cid, []).append(t)
+        tr = transcript(placed[cid])  # exact, where the daemon keeps the digest it can be sure of
+        digest = answered(tr.messages)
+        if digest is None:
+            stitcher.drop(cid)
+        else:
+            stitcher.put(cid, tr.service, digest, start(placed[cid][0])[0], 0.0)
+    out: dict[str, list[str]] = {}
+    for g, ts in groups.items():
+        out.setdefault(moved.get(g, g), []).extend(ts)
+    return {g: sorted(ts) for g, ts in sorted(out.items())}

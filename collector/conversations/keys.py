@@ -3,7 +3,7 @@
 Ids often sit only on the root span (or only on the app's agent span), so the
 key is resolved per trace: an id on any span applies to the whole trace.
 
-Public: ``conversation_key``, ``group_traces``, ``response_links``, ``load_json_column``, and
+Public: ``conversation_key``, ``group_keyed``, ``response_links``, ``load_json_column``, and
 ``StoredRow`` with ``json_column`` (a row whose JSON columns every reader shares, parsed once; the
 default attributes to look in are ``config.DEFAULT_ID_ATTRIBUTES``).
 """
@@ -96,16 +96,21 @@ def json_column(row: Mapping[str, Any], column: str) -> Any:
     return load_json_column(row.get(column))
 
 
+# An unset id written as text (Logfire writes RunConfig's group_id=None as "null"): no id at all, else every
+# conversation of such a bot would be one.
+_UNSET = frozenset({"null", "None", "undefined"})
+
+
 def _lookup(attrs: Mapping[str, Any], name: str) -> str | None:
     if name.endswith("*"):
         prefix = name[:-1]
         for key in sorted(k for k in attrs if k.startswith(prefix)):
             v = as_str(attrs[key])
-            if v:
+            if v and v not in _UNSET:
                 return repair_text(v)
         return None
     v = as_str(attrs.get(name))
-    return repair_text(v) if v else None
+    return repair_text(v) if v and v not in _UNSET else None
 
 
 def conversation_key(spans: Sequence[dict[str, Any]],
@@ -115,7 +120,7 @@ def conversation_key(spans: Sequence[dict[str, Any]],
     For each attribute in ``id_attributes`` order: the span attributes of any
     span (earliest span first), then their resource attributes. Malformed rows
     are skipped. Returns None when no span carries one; the caller then keys the
-    trace as ``trace:<trace_id>`` (or chains it, see ``group_traces``).
+    trace as ``trace:<trace_id>`` (or chains it, see ``group_keyed``).
     """
     ordered = iter(sorted(spans, key=_span_order))
     parsed: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -173,14 +178,14 @@ def response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]
     return ids, previous
 
 
-def group_traces(traces: Mapping[str, list[dict[str, Any]]],
-                 id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> dict[str, list[str]]:
-    """Group whole traces into conversations: ``{conversation id: [trace ids]}``.
+def group_keyed(traces: Mapping[str, list[dict[str, Any]]],
+                id_attributes: Sequence[str] = DEFAULT_ID_ATTRIBUTES) -> dict[str, list[str]]:
+    """Group whole traces into conversations by their ids: ``{conversation id: [trace ids]}``.
 
     A trace with no id attribute joins the conversation of the trace whose
     response it continues (``gen_ai.request.previous_response.id``), else stands
-    alone as ``trace:<trace_id>``. For reindexing and tests; the daemon keeps
-    the same map incrementally.
+    alone as ``trace:<trace_id>`` (``assemble.group_traces`` then stitches those
+    by their history).
     """
     keys: dict[str, str | None] = {t: conversation_key(rows, id_attributes) for t, rows in traces.items()}
     links = {t: response_links(rows) for t, rows in traces.items()}

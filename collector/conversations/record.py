@@ -25,11 +25,13 @@ from .transcript import Transcript, TranscriptMessage, Usage
 
 def conversation_v1(transcript: Transcript, conversation_id: str, ended_by: str = "open", *,
                     sampling: Mapping[str, Any] | None = None,
-                    attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    attributes: Mapping[str, Any] | None = None,
+                    grouped_by: str | None = None) -> dict[str, Any]:
     """The conversation/v1 record of a transcript.
 
     Facts outside the format's table (call count, capture status, sources, and
     the caller's ``attributes``) go under ``attributes``, as the format requires.
+    ``grouped_by``: how its traces were grouped (``stitch.GROUPED_BY``), when known.
     """
     t = transcript
     attrs: dict[str, Any] = {"llm_calls": t.llm_calls, "content_captured": t.content_captured,
@@ -55,6 +57,8 @@ def conversation_v1(transcript: Transcript, conversation_id: str, ended_by: str 
         "trace_ids": list(t.trace_ids),
         "attributes": attrs,
     }
+    if grouped_by is not None:
+        record["grouped_by"] = grouped_by
     if t.usage is not None:  # absent when no LLM call reported token counts
         record["usage"] = {"input_tokens": t.usage.input_tokens, "output_tokens": t.usage.output_tokens}
     if sampling is not None:
@@ -65,7 +69,7 @@ def conversation_v1(transcript: Transcript, conversation_id: str, ended_by: str 
 STORED_COLUMNS = (
     "conversation_id", "service", "started_at", "ended_at", "state", "ended_by", "system", "models", "input_tokens",
     "output_tokens", "trace_ids", "llm_calls", "content_captured", "no_content_reason", "revision", "transcript_hash",
-    "user_turns", "unparsed_spans", "unparsed_logs", "sources",
+    "user_turns", "unparsed_spans", "unparsed_logs", "sources", "grouped_by",
 )
 """The ``conversations`` columns ``stored_transcripts`` reads a transcript from, in the order it takes them."""
 
@@ -78,6 +82,7 @@ class StoredFacts(NamedTuple):
     revision: int
     transcript_hash: str
     user_turns: int
+    grouped_by: str | None = None
 
 
 def stored_select(alias: str = "", text_times: bool = False) -> str:
@@ -131,7 +136,7 @@ def stored_record(conversation_id: str, transcript: Transcript, facts: StoredFac
     ended_by = facts.ended_by if facts.state == "ended" and facts.ended_by else "open"
     return conversation_v1(transcript, conversation_id, ended_by, sampling=sampling,
                            attributes={"revision": facts.revision, "transcript_hash": facts.transcript_hash,
-                                       "user_turns": facts.user_turns})
+                                       "user_turns": facts.user_turns}, grouped_by=facts.grouped_by)
 
 
 def stored_transcript(cur: duckdb.DuckDBPyConnection, conversation_id: str
@@ -190,7 +195,7 @@ def stored_conversation(row: Sequence[Any], messages: Sequence[TranscriptMessage
     """A stored conversation's transcript and facts, from its ``conversations`` row (selected as
     ``stored_select`` lists the columns; more after those are ignored) and its messages in order."""
     (_, service, started, ended, state, ended_by, system, models, inp, out_tokens, trace_ids, llm_calls,
-     captured, reason, revision, digest, user_turns, unparsed_spans, unparsed_logs, sources) = row[:_STORED]
+     captured, reason, revision, digest, user_turns, unparsed_spans, unparsed_logs, sources, grouped_by) = row[:_STORED]
     transcript = Transcript(
         messages=tuple(messages), system=system, models=tuple(orjson.loads(models or "[]")),
         usage=None if inp is None and out_tokens is None else Usage(inp or 0, out_tokens or 0),
@@ -198,7 +203,7 @@ def stored_conversation(row: Sequence[Any], messages: Sequence[TranscriptMessage
         ended_at=_utc(ended), llm_calls=llm_calls, content_captured=bool(captured), no_content_reason=reason,
         unparsed_spans=unparsed_spans or 0, unparsed_logs=unparsed_logs or 0,
         sources=tuple(orjson.loads(sources or "[]")))
-    return transcript, StoredFacts(state, ended_by, revision, digest, user_turns)
+    return transcript, StoredFacts(state, ended_by, revision, digest, user_turns, grouped_by)
 
 
 _STORED = len(STORED_COLUMNS)

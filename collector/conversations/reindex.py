@@ -220,10 +220,13 @@ class Reindex:
                 upto = self.store.batch_id
                 # One pass over the rows, so that each chunk reads its traces by number, each within its commits.
                 shadow.execute(
-                    "CREATE TABLE reindex_traces AS SELECT row_number() OVER (ORDER BY batch, arrived, trace_id) "
+                    # Within a commit, traces in the order they started: a chunk's are stitched in that order (as
+                    # the live stage takes them), so a turn must not come in a chunk before the one it continues.
+                    "CREATE TABLE reindex_traces AS SELECT row_number() OVER (ORDER BY batch, arrived, start, trace_id) "
                     "AS n, trace_id, arrived, first, batch AS last FROM (SELECT trace_id, epoch(max(received_at)) AS arrived, "
-                    "max(batch_id) AS batch, min(batch_id) AS first FROM (SELECT trace_id, received_at, batch_id FROM main.span_records "
-                    "WHERE batch_id <= ? UNION ALL SELECT trace_id, received_at, batch_id FROM main.log_records "
+                    "max(batch_id) AS batch, min(batch_id) AS first, min(t) AS start FROM (SELECT trace_id, received_at, "
+                    "batch_id, start_time_unix_nano AS t FROM main.span_records WHERE batch_id <= ? UNION ALL "
+                    "SELECT trace_id, received_at, batch_id, time_unix_nano FROM main.log_records "
                     "WHERE batch_id <= ? AND trace_id IS NOT NULL) GROUP BY trace_id)", [upto, upto])
                 # A conversation with a trace whose rows are gone cannot be rebuilt whole.
                 shadow.execute(

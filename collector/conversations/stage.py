@@ -51,9 +51,10 @@ from ..store.transactions import batch_filter, conversation_traces, one, trace_b
 from .assemble import ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
 from .keys import conversation_key
-from .record import stored_transcript
+from .record import stored_select, stored_transcript, stored_transcripts
 from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
 from .archive import ARCHIVE_KEPT, ConversationArchive
+from .stitch import Opening, Stitcher, answered, opening, started
 from .tables import TRACES_KEPT, ensure_tables
 from .tracemap import TraceMap, Tracked, is_genai
 from .transcript import Transcript, from_unix_nano
@@ -100,6 +101,8 @@ class Conversations(Stage):
         self.map = TraceMap(ConversationArchive(conversations_kept))  # ended ones keyed (``archive``)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._warned_no_content: set[str] = set()
+        self._warned_no_id: set[str | None] = set()  # services told how to set a conversation id
+        self.stitcher = Stitcher(settings.stitch.window, settings.stitch.conversations)
         # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
         # Bounded in rows parsed, not conversations: a long conversation's memo holds all of them.
         self._memos: OrderedDict[str, tuple[ParseMemo, int]] = OrderedDict()  # conversation -> (memo, rows)
@@ -154,6 +157,27 @@ class Conversations(Stage):
         self._opened_batch = self.store.opened_batch
         self.map.archive.load(cur)
         self.map.load_open(cur)
+        self._load_stitcher(cur)
+
+    def _load_stitcher(self, cur: duckdb.DuckDBPyConnection) -> None:
+        """The recent conversations without an id, as stored, to continue them (``stitch``); those with new
+        data since are taken in again by the catch-up, which drops and puts them again."""
+        self.stitcher.clear()
+        if not self.stitcher.enabled:
+            return
+        since = dt.datetime.fromtimestamp(self.clock() - self.stitcher.window, dt.timezone.utc)
+        rows = cur.execute(
+            f"SELECT {stored_select()}, epoch(last_arrival_at) FROM live_conversations "
+            "WHERE starts_with(conversation_id, 'trace:') AND content_captured AND last_arrival_at >= ? "
+            "ORDER BY last_arrival_at DESC, conversation_id LIMIT ?", [since, self.stitcher.kept]).fetchall()
+        rows.reverse()  # the most recent are put last: the last to go
+        for i in range(0, len(rows), 500):
+            part = rows[i:i + 500]
+            arrived = {r[0]: r[-1] for r in part}
+            for cid, tr, _ in stored_transcripts(cur, part):
+                digest = answered(tr.messages)
+                if digest is not None:
+                    self.stitcher.put(cid, tr.service, digest, started(tr), arrived[cid])
 
     @property
     def processed_batch(self) -> int:
@@ -168,7 +192,7 @@ class Conversations(Stage):
 
     def held(self) -> dict[str, int]:
         return {**self.rows.held(), **self.map.held(), "memo_rows": self._memo_rows, "rebuilds_due": len(self._dirty),
-                "queued": self._queue.qsize()}
+                "queued": self._queue.qsize(), "stitch_conversations": len(self.stitcher)}
 
     def on_commit(self, committed: Committed | Light) -> None:
         """Called by the store's writer thread after each commit: hand off, return.
@@ -400,10 +424,12 @@ class Conversations(Stage):
         last = 2**63 - 1 if upto is None else upto
         return [(t, at, int(a), int(b)) for t, at, a, b in self._db().execute(
             "SELECT trace_id, epoch(max(received_at)), min(batch_id), max(batch_id) FROM ("
-            " SELECT trace_id, received_at, batch_id FROM span_records WHERE batch_id BETWEEN ? AND ? UNION ALL"
-            " SELECT trace_id, received_at, batch_id FROM log_records WHERE batch_id BETWEEN ? AND ?"
+            " SELECT trace_id, received_at, batch_id, start_time_unix_nano AS t FROM span_records"
+            " WHERE batch_id BETWEEN ? AND ? UNION ALL"
+            " SELECT trace_id, received_at, batch_id, time_unix_nano FROM log_records WHERE batch_id BETWEEN ? AND ?"
             " AND trace_id IS NOT NULL) "
-            "GROUP BY trace_id ORDER BY 4, 2, 1", [batch + 1, last, batch + 1, last]).fetchall()]
+            # a chunk's traces are stitched in the order they started (``_touch``): so are the chunks
+            "GROUP BY trace_id ORDER BY 4, 2, min(t), 1", [batch + 1, last, batch + 1, last]).fetchall()]
 
     def rebuild(self, arrived: dict[str, float], batches: Mapping[str, Batches] | None = None) -> None:
         """A reindex's step, on a stage ``open``ed in the reindex's schema: take these traces in (their
@@ -476,6 +502,8 @@ class Conversations(Stage):
             return taken[tid] if complete and taken is not None and tid in taken else (None, None)
 
         keys: dict[str, str] = {}
+        how: dict[str, str] = {}  # trace -> how it joined a conversation without an id, if not alone
+        stitching: list[tuple[int, str, Opening | None]] = []  # traces to stitch by history, once all are read
         trace_batches: dict[str, Batches] = {}
         for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
             chunk = traces[i:i + 500]
@@ -493,16 +521,39 @@ class Conversations(Stage):
                 self.map.pending.pop(tid, None)
                 if key is None:
                     key = self.map.chained(tid, rows[tid])
-                keys[tid] = key or f"trace:{tid}"
+                    if key is not None:
+                        how[tid] = "response"
+                    else:
+                        key = self._unkeyed(tid, rows[tid], current.get(tid), stitching)
+                if key is not None:
+                    keys[tid] = key
             del rows
+        # In the order they started: a turn after the one it continues, whatever order they came in.
+        for _, tid, op in sorted(stitching, key=lambda s: (s[0], s[1])):
+            own = f"trace:{tid}"
+            found = self.stitcher.find(op, arrived[tid], exclude=own) if op is not None else None
+            keys[tid] = found or own
+            if found is not None:
+                how[tid] = "history"
+                self.stitcher.drop(own)
+            # The conversation's transcript is now the trace's own: alone, or the one it continues extended.
+            if op is not None and op.digest is not None:
+                self.stitcher.put(keys[tid], op.service, op.digest, op.started, arrived[tid])
+            else:
+                self.stitcher.drop(keys[tid])
         self.map.load(cur, [*keys.values(), *(c for c in current.values() if c is not None)])
         now = self.clock()
         for tid, cid in keys.items():
             conv = self.map.convs[cid]
             old = current.get(tid)
             first = since if isinstance(since, int) else since[tid]
+            if tid in how:
+                conv.grouped(how[tid])
+                if how[tid] == "response":  # its transcript is known again once rebuilt
+                    self.stitcher.drop(cid)
             if old != cid:
                 if old is not None:  # the span carrying the id arrived after its children
+                    self.stitcher.drop(old)
                     prev = self.map.convs[old]
                     if tid in prev.traces:
                         prev.traces.remove(tid)
@@ -535,6 +586,28 @@ class Conversations(Stage):
             self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
             self._since.setdefault(cid, first)
         return set(keys.values())
+
+    def _unkeyed(self, tid: str, rows: TraceRows, current: str | None,
+                 stitching: list[tuple[int, str, Opening | None]]) -> str | None:
+        """The conversation of a trace with no id nor previous response: the one it is in already, or None
+        with the trace added to ``stitching`` (its conversation is decided once every trace is read)."""
+        service = next((s for r in rows.spans if (s := r.get("service"))), None)
+        if service not in self._warned_no_id:
+            self._warned_no_id.add(service)
+            log.warning("service %s sends traces with no conversation id: each is a conversation of its own, but "
+                        "for one whose model call resends a recent conversation of the service whole, which "
+                        "continues it (grouped_by: history). Set gen_ai.conversation.id on a span around each turn; "
+                        "README.md, 'Point your bot at it', shows how with opentelemetry-instrumentation-openai-v2",
+                        service or "(unnamed)")
+        own = f"trace:{tid}"
+        alone = current == own and self.map.convs[own].traces in ([], [tid])
+        if current is not None and not alone:
+            self.stitcher.drop(current)  # new rows: its transcript is known again once rebuilt
+            return current
+        # Still alone: with more of its rows it may turn out to continue another conversation.
+        op = opening(build_transcript(rows.spans, rows.logs)) if self.stitcher.enabled else None
+        stitching.append((op.started if op is not None else rows.start(), tid, op))
+        return None
 
     def _batches(self, unstored: Callable[[str], Batches], taken: Mapping[str, Batches] | None = None
                  ) -> Callable[[list[str]], dict[str, Batches]]:
@@ -607,6 +680,7 @@ class Conversations(Stage):
     def _rebuild(self, conv: Tracked, rows: dict[str, TraceRows] | None = None) -> None:
         conv.rebuilt_at = self.clock()
         if not conv.traces:  # every trace moved to a keyed conversation
+            self.stitcher.drop(conv.id)
             self._writes.delete(conv.id)
             if conv.archived:
                 self._writes.unarchive.add(conv.id)
@@ -638,6 +712,12 @@ class Conversations(Stage):
             if digest != conv.hash:
                 conv.revision += 1
                 conv.hash = digest
+        if conv.grouped_by != "id":  # what a trace with no id may continue now
+            history = answered(tr.messages) if self.stitcher.enabled else None
+            if history is None:
+                self.stitcher.drop(conv.id)
+            else:
+                self.stitcher.put(conv.id, tr.service, history, started(tr), conv.last_arrival)
         conv.newest_trace = max(conv.traces, key=lambda t: (rows[t].start(), t))
         if conv.state == "open" and conv.newest_trace in rows:
             ended_by = ended_by_rule(self.settings.end_rules, rows[conv.newest_trace].spans)

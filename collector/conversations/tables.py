@@ -42,7 +42,8 @@ _CONVERSATION_FIELDS = """
     unparsed_logs INTEGER,
     sources VARCHAR,
     first_batch UBIGINT,
-    messages_batch UBIGINT
+    messages_batch UBIGINT,
+    grouped_by VARCHAR
 """
 
 SCHEMA = f"""
@@ -59,6 +60,10 @@ ALTER TABLE live_conversations ADD COLUMN IF NOT EXISTS messages_batch UBIGINT;
 CREATE TABLE IF NOT EXISTS archived_conversations (
     conversation_id VARCHAR NOT NULL,
 {_CONVERSATION_FIELDS});
+-- How its traces were grouped (``stitch.GROUPED_BY``). Added to older files, in both tables at once (the
+-- ``conversations`` view is one over the other); NULL there until the conversation is rebuilt.
+ALTER TABLE live_conversations ADD COLUMN IF NOT EXISTS grouped_by VARCHAR;
+ALTER TABLE archived_conversations ADD COLUMN IF NOT EXISTS grouped_by VARCHAR;
 -- A Bloom filter of every id ever archived, in layers of growing capacity (``archive.ArchiveFilter``).
 CREATE TABLE IF NOT EXISTS conversation_filter (
     layer INTEGER PRIMARY KEY, capacity BIGINT NOT NULL, ids BIGINT NOT NULL, bits BLOB NOT NULL,
@@ -92,6 +97,7 @@ CONVERSATION_COLUMNS = (
     "output_tokens", "llm_calls", "message_count", "models", "system", "content_captured", "no_content_reason",
     "transcript_hash", "revision", "trace_ids", "newest_trace_id", "first_arrival_at", "last_arrival_at",
     "closed_at", "updated_at", "unparsed_spans", "unparsed_logs", "sources", "first_batch", "messages_batch",
+    "grouped_by",
 )
 MESSAGE_COLUMNS = ("conversation_id", "seq", "role", "content", "tool_calls", "tool_call_id", "name", "at",
                    "span_id", "source", "truncated", "first_batch")
@@ -118,7 +124,7 @@ def ensure_tables(cur: duckdb.DuckDBPyConnection) -> None:
 CONVERSATION_LIST_COLUMNS = (
     "conversation_id", "service", "state", "ended_by", "started_at", "ended_at", "user_turns",
     "message_count", "llm_calls", "input_tokens", "output_tokens", "content_captured", "revision",
-    "last_arrival_at",
+    "last_arrival_at", "grouped_by",
 )
 
 

@@ -53,6 +53,17 @@ class Tracked:
     # The first commit holding rows of its traces, so that reading them skips older commits; None when
     # unknown (stored before it was kept: read whole once, and its rebuild learns it).
     first_batch: int | None = None
+    grouped_by: str = "trace"  # ``stitch.GROUPED_BY``
+
+    def __post_init__(self) -> None:
+        if not self.id.startswith("trace:"):
+            self.grouped_by = "id"
+
+    def grouped(self, how: str) -> None:
+        """One of its traces joined it ``how`` (``response`` or ``history``): the weakest link is the one
+        it reports."""
+        if _WEAKNESS[how] > _WEAKNESS[self.grouped_by]:
+            self.grouped_by = how
 
     def end(self, ended_by: str, at: float) -> None:
         self.state, self.ended_by, self.closed_at = "ended", ended_by, at
@@ -159,8 +170,9 @@ class TraceMap:
         return cid
 
 
+_WEAKNESS = {"id": 0, "trace": 0, "response": 1, "history": 2}
 _COLUMNS = ("conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-            "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch")
+            "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch, grouped_by")
 
 
 def _read(cur: duckdb.DuckDBPyConnection, where: str, keys: list[str] | None = None) -> list[Tracked]:
@@ -170,5 +182,9 @@ def _read(cur: duckdb.DuckDBPyConnection, where: str, keys: list[str] | None = N
 
 
 def _tracked(rows: list[tuple[Any, ...]]) -> list[Tracked]:
-    return [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
-                    rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10]) for rec in rows]
+    out = [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
+                   rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10]) for rec in rows]
+    for conv, rec in zip(out, rows):
+        if rec[11] and conv.grouped_by != "id":  # NULL in rows older than the column
+            conv.grouped_by = rec[11]
+    return out

@@ -96,6 +96,9 @@ class Transcript:
         truncated_spans: span ids whose content JSON did not parse (cut by an
             attribute length limit); their messages may be missing.
         sources: the dialect/location names the messages came from.
+        opening: how many of ``messages`` the first call with content was sent (its input, the history
+            it resends): a trace with no conversation id continues a conversation whose whole
+            transcript these begin with (``stitch``). 0 when not rebuilt from rows.
     """
 
     messages: tuple[TranscriptMessage, ...] = ()
@@ -113,6 +116,7 @@ class Transcript:
     unparsed_logs: int = 0
     truncated_spans: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
+    opening: int = 0
 
     @property
     def user_turns(self) -> int:

@@ -78,6 +78,7 @@ class ConversationRow:
     sources: str
     first_batch: int | None
     messages_batch: int | None
+    grouped_by: str
 
     @classmethod
     def of(cls, conv: Tracked, tr: Transcript, now: float, written: int) -> "ConversationRow":
@@ -95,7 +96,7 @@ class ConversationRow:
             last_arrival_at=_ts(conv.last_arrival), closed_at=_ts(conv.closed_at), updated_at=_ts(now),
             unparsed_spans=tr.unparsed_spans, unparsed_logs=tr.unparsed_logs,
             sources=orjson.dumps(list(tr.sources)).decode(), first_batch=conv.first_batch,
-            messages_batch=written)
+            messages_batch=written, grouped_by=conv.grouped_by)
 
     def ended(self, conv: Tracked, now: float) -> "ConversationRow":
         """This row once the conversation ended idle, its transcript unchanged."""

@@ -290,9 +290,41 @@ class _LastHistory(threading.local):
     items: list[Any] = []
     out: list[Message] = []  # ``read`` flattened
     ends: list[int] = [0]  # ends[i]: where item i's messages start in ``out``
+    # tails[i]: the last message read from the first i items; a later item may fold into it (``folds``)
+    tails: list[Message | None] = [None]
 
 
 _last = _LastHistory()
+
+
+def folds(prev: Message, msg: Message) -> bool:
+    """Whether ``msg`` continues ``prev``: an assistant message of tool calls alone right after an
+    assistant message.
+
+    The Responses API lists each call of a parallel answer as an item of its own
+    (``function_call``), and OpenInference and Logfire pass them on as one
+    assistant message per call; chat histories never hold two assistant messages
+    in a row. One answer is one message (conversation-v1).
+    """
+    return (msg.role == "assistant" and prev.role == "assistant" and bool(msg.tool_calls)
+            and not msg.content and not msg.tool_call_id)
+
+
+def fold(prev: Message, msg: Message) -> Message:
+    """``prev`` with ``msg``'s tool calls appended (see ``folds``)."""
+    return Message("assistant", prev.content, prev.tool_calls + msg.tool_calls, name=prev.name,
+                   truncated=prev.truncated or msg.truncated)
+
+
+def fold_calls(messages: list[Message]) -> list[Message]:
+    """``messages`` with each run of ``folds`` made one message."""
+    out: list[Message] = []
+    for m in messages:
+        if out and folds(out[-1], m):
+            out[-1] = fold(out[-1], m)
+        else:
+            out.append(m)
+    return out
 
 
 def _common_prefix(a: list[Any], b: list[Any]) -> int:
@@ -316,13 +348,21 @@ def read_messages(items: Any, truncated: bool = False) -> list[Message]:
     k = 0 if truncated or not last.items else _common_prefix(items, last.items)
     fresh = [read_message(item, truncated) for item in items[k:]]
     out = last.out[:last.ends[k]] if k else []
+    tail = last.tails[k] if k else None
+    if out and tail is not None:
+        out[-1] = tail  # as it was before any later item folded into it
+    ends: list[int] = last.ends[:k + 1] if k else [0]
+    tails: list[Message | None] = last.tails[:k + 1] if k else [None]
     for msgs in fresh:
-        out.extend(msgs)
+        if msgs and out and folds(out[-1], msgs[0]):
+            out[-1] = fold(out[-1], msgs[0])
+            out.extend(msgs[1:])
+        else:
+            out.extend(msgs)
+        ends.append(len(out))
+        tails.append(out[-1] if out else None)
     if len(items) > 1 and not truncated:  # a one-message answer must not evict the history
-        ends = last.ends[:k + 1]
-        for msgs in fresh:
-            ends.append(ends[-1] + len(msgs))
-        last.items, last.out, last.ends = items, out, ends
+        last.items, last.out, last.ends, last.tails = items, out, ends, tails
         return list(out)  # ``out`` stays ours: callers may extend what they get
     return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import responses
 from ._indexed import OPENINFERENCE_PREFIXES, unflatten
 from ._messages import answer, history
 from ._model import Attrs, Content, Message, Truncated
@@ -52,6 +53,8 @@ def _raw_input(value: Any) -> tuple[list[Message], str | None] | None:
 def _raw_output(value: Any) -> list[Message] | None:
     if isinstance(value, str):
         return [Message("assistant", value)] if value else None
+    if responses.is_response(value):  # the Agents SDK's response spans
+        return responses.output(value)
     if isinstance(value, dict) and ("choices" in value or "role" in value):
         return answer(value) or None
     return None
@@ -83,7 +86,10 @@ def read(attrs: Attrs) -> Content | None:
         raw_in = _raw_input(_value(attrs, "input"))
         if raw_in is not None:
             content.input, content.system = raw_in
-        content.output = _raw_output(_value(attrs, "output"))
+        raw_out = _value(attrs, "output")
+        content.output = _raw_output(raw_out)
+        if content.system is None and responses.is_response(raw_out):
+            content.system = responses.instructions(raw_out)
     except Truncated:
         content.truncated = True
     return content if content.has_messages() or content.truncated else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping, Sequence
 
-from ._messages import read_message, split_system
+from ._messages import fold, folds, read_message, split_system
 from ._model import Content, Event, Message, Truncated, loads_maybe
 
 NAME = "otel-events"
@@ -108,6 +108,9 @@ def read_events(events: Sequence[Event]) -> Content | None:
         if role is None:
             if output is None:
                 output = msgs
+        elif msgs and history and folds(history[-1], msgs[0]):  # a parallel call sent as a message of its own
+            history[-1] = fold(history[-1], msgs[0])
+            history.extend(msgs[1:])
         else:
             history.extend(msgs)
     if not truncated:

@@ -1,6 +1,7 @@
 """Load the shared OTLP fixture cases as stored rows, the way the daemon stores them.
 
-Every ``NAME.expected.json`` in ``../shared/fixtures/otlp`` is a case; its
+Every ``NAME.expected.json`` in ``../shared/fixtures/otlp`` (or in the
+``directory`` given, e.g. ``tests/fixtures/frameworks/cases``) is a case; its
 payloads are ``NAME[.logs][.N].(pb|json)[.gz]``, decoded with
 ``collector.ingest.decode`` exactly as the receivers do; log rows carry their
 ``arrival`` (request, place in it) as the conversation stage gives it.
@@ -32,13 +33,13 @@ class Case:
         return not str(self.expected.get("content_in_payload", "")).startswith("none")
 
 
-def case_names() -> list[str]:
-    return sorted(p.name[: -len(".expected.json")] for p in FIXTURES.glob("*.expected.json"))
+def case_names(directory: Path = FIXTURES) -> list[str]:
+    return sorted(p.name[: -len(".expected.json")] for p in directory.glob("*.expected.json"))
 
 
-def _payloads(name: str) -> list[Path]:
+def _payloads(name: str, directory: Path = FIXTURES) -> list[Path]:
     pattern = re.compile(rf"^{re.escape(name)}(\.logs)?(\.\d+)?\.(pb|json)(\.gz)?$")
-    files = [p for p in FIXTURES.iterdir() if pattern.match(p.name)]
+    files = [p for p in directory.iterdir() if pattern.match(p.name)]
 
     def arrival(p: Path) -> tuple[int, int]:
         m = pattern.match(p.name)
@@ -48,11 +49,11 @@ def _payloads(name: str) -> list[Path]:
     return sorted(files, key=arrival)
 
 
-def load_case(name: str) -> Case:
-    expected = json.loads((FIXTURES / f"{name}.expected.json").read_text(encoding="utf-8"))
+def load_case(name: str, directory: Path = FIXTURES) -> Case:
+    expected = json.loads((directory / f"{name}.expected.json").read_text(encoding="utf-8"))
     spans: list[dict[str, Any]] = []
     logs: list[dict[str, Any]] = []
-    for n, path in enumerate(_payloads(name)):
+    for n, path in enumerate(_payloads(name, directory)):
         body = path.read_bytes()
         if path.name.endswith(".gz"):
             body = gzip.decompress(body)

@@ -67,7 +67,7 @@ class StoredConversation:
             "newest_trace_id": tr.trace_ids[-1], "first_arrival_at": tr.started_at, "last_arrival_at": self.arrived,
             "closed_at": self.arrived if ended else None, "updated_at": self.arrived, "unparsed_spans": 0,
             "unparsed_logs": 0, "sources": json.dumps(list(tr.sources)), "first_batch": None,
-            "messages_batch": None,
+            "messages_batch": None, "grouped_by": "trace" if self.conversation_id.startswith("trace:") else "id",
         }
         return tuple(values[c] for c in CONVERSATION_COLUMNS), message_rows(self.conversation_id, tr, None)
 
