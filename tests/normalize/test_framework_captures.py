@@ -45,12 +45,7 @@ GAPS: dict[str, str] = {
     "litellm-otel-callback-http-noid": (
         f"{NO_STITCH}; streamed calls are traces of their own; the second call of a non-streamed turn overwrites "
         "the first on the app's span"),
-    "haystack-agent-grpc": (
-        "Haystack's spans (opentelemetry-haystack) are not read at all: `haystack.agent.step.llm` carries the call's "
-        "input as the Python repr of ChatMessage objects in `haystack.agent.step.llm.input` and its answer as "
-        "Haystack's ChatMessage JSON in `haystack.agent.step.llm.output` (model and usage in replies[].meta); no "
-        "gen_ai.* keys, so no LLM call, model, tokens or message is found"),
-    "haystack-agent-grpc-noid": f"{NO_STITCH}; Haystack's `haystack.agent.step.llm` spans are not read at all",
+    "haystack-agent-grpc-noid": NO_STITCH,
     "langchain-agent-openllmetry-http": STREAMED_MODEL,
     "langchain-agent-openllmetry-http-noid": f"{NO_STITCH}; {STREAMED_MODEL}",
     "node-ai-sdk-toolloopagent-proto-noid": NO_STITCH,
