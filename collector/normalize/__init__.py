@@ -17,7 +17,7 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from . import haystack, langfuse, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
+from . import haystack, langfuse, litellm, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
 from ._meta import read_meta, span_kind
 from ._indexed import INDEXED_PREFIXES
 from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated, as_int, as_str, repair_text, repaired
@@ -66,6 +66,7 @@ class Dialect(NamedTuple):
 # span carrying both (OpenInference's input.value, Logfire v2's request_data)
 # is read from the structured copy.
 SPAN_DIALECTS: tuple[Dialect, ...] = (
+    Dialect(litellm.NAME, litellm.read, litellm.KEYS),  # otel_genai's keys, with a fix of its own
     Dialect(otel_genai.NAME, otel_genai.read, otel_genai.KEYS),
     Dialect(openllmetry.NAME, openllmetry.read, (), openllmetry.KEY_PREFIXES),
     Dialect(openinference.NAME, openinference.read, openinference.KEYS, openinference.KEY_PREFIXES),

@@ -36,15 +36,18 @@ GAPS: dict[str, str] = {
     "openai-v2-chat-nowrapper-grpc-noid": ("no wrapper span and no id: every LLM call is a trace of its own (a turn "
                                            "with a tool call is two), and none is joined to the conversation whose "
                                            "history it resends"),
+    # What LiteLLM 1.110's otel callback loses (collector/normalize/litellm.py): the transcripts of bob and
+    # dave (not streamed) are exact, their usage and call counts cannot be.
     "litellm-otel-callback-http": (
-        "LiteLLM's otel callback writes a non-streamed call onto the app's current span (`invoke_agent ShopBot`) "
-        "instead of a span of its own, so the second call of a turn overwrites the first (one call and its tokens "
-        "lost per tool-using turn); a streamed call is logged from a worker thread as a `litellm_request` root span "
-        "of a new trace without the id (alice and carol fall apart into one trace per call, with no content left "
-        "under their id); metadata.session_id is not exported"),
+        "lost by the library: a non-streamed call is written onto the app's current span (`invoke_agent "
+        "ShopBot`), so the second call of a tool-using turn overwrites the first (bob and dave: messages exact, "
+        "but one call and its tokens per tool-using turn are gone); a streamed call is logged from a worker "
+        "thread as a `litellm_request` root span of a trace of its own, without the app's conversation id "
+        "(alice and carol have no content under their id; their calls are 7 id-less traces); "
+        "metadata.session_id is not exported; tool calls carry no ids in the answer"),
     "litellm-otel-callback-http-noid": (
-        f"{NO_STITCH}; streamed calls are traces of their own; the second call of a non-streamed turn overwrites "
-        "the first on the app's span"),
+        f"{NO_STITCH}; and as with an id: the second call of a non-streamed turn overwrites the first on the "
+        "app's span, streamed calls are traces of their own"),
     "haystack-agent-grpc-noid": NO_STITCH,
     "langchain-agent-openllmetry-http": STREAMED_MODEL,
     "langchain-agent-openllmetry-http-noid": f"{NO_STITCH}; {STREAMED_MODEL}",
