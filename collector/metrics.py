@@ -140,6 +140,11 @@ class Metrics:
                                            "Conversations ended, by how (idle or an end rule).", ("ended_by",))
         self.conversations_reopened = Counter("tracejudge_conversations_reopened_total",
                                               "Ended conversations reopened by a new trace.")
+        self.genai_traces_without_content = Counter(
+            "tracejudge_genai_traces_without_content_total",
+            "Traces with LLM calls but neither a conversation id nor message content: their spans are stored, "
+            "they make no conversation (turn content capture on, e.g. "
+            "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY).")
         self.stage_errors = Counter("tracejudge_stage_errors_total",
                                     "Failures a background stage logged with their traceback and went on from, "
                                     "by stage.", ("stage",))
@@ -174,7 +179,8 @@ class Metrics:
         for inst in (self.spans_received, self.spans_stored, self.spans_rejected, self.logs_received,
                      self.logs_stored, self.logs_rejected, self.metric_points, self.requests,
                      self.queue_depth, self.commit_seconds, self.conversations_ended,
-                     self.conversations_reopened, self.stage_errors, self.stage_running, self.stage_held):
+                     self.conversations_reopened, self.genai_traces_without_content, self.stage_errors,
+                     self.stage_running, self.stage_held):
             lines.extend(inst.render())
         for collect in self._extra:
             lines.extend(collect())

@@ -48,6 +48,7 @@ from .keys import (
     DEFAULT_ID_ATTRIBUTES,
     conversation_key,
     group_keyed,
+    has_messages,
     json_column,
     load_json_column,
     response_links,
@@ -768,4 +769,6 @@ def group_traces(traces: Mapping[str, list[dict[str, Any]]],
     out: dict[str, list[str]] = {}
     for g, ts in groups.items():
         out.setdefault(moved.get(g, g), []).extend(ts)
-    return {g: sorted(ts) for g, ts in sorted(out.items())}
+    # No conversation from nothing: one without an id exists only if a trace of it holds message content.
+    return {g: sorted(ts) for g, ts in sorted(out.items())
+            if not g.startswith("trace:") or any(has_messages(traces[t], logs.get(t, ())) for t in ts)}

@@ -3,7 +3,7 @@
 Ids often sit only on the root span (or only on the app's agent span), so the
 key is resolved per trace: an id on any span applies to the whole trace.
 
-Public: ``conversation_key``, ``group_keyed``, ``response_links``, ``load_json_column``, and
+Public: ``conversation_key``, ``group_keyed``, ``has_messages``, ``response_links``, ``load_json_column``, and
 ``StoredRow`` with ``json_column`` (a row whose JSON columns every reader shares, parsed once; the
 default attributes to look in are ``config.DEFAULT_ID_ATTRIBUTES``).
 """
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import orjson
 
 from ..config import DEFAULT_ID_ATTRIBUTES
-from ..normalize import Attrs, as_str, read_meta, repair_text, repaired
+from ..normalize import Attrs, Content, Event, as_str, read_events, read_meta, read_span, repair_text, repaired
 
 def _inexact(value: Any) -> bool:
     """Whether a value orjson decoded holds a float that may have been an integer past 64 bits
@@ -176,6 +176,43 @@ def response_links(spans: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]
             if meta.previous_response_id:
                 previous.add(meta.previous_response_id)
     return ids, previous
+
+
+def _found(content: Content | None) -> bool:
+    return content is not None and content.has_messages()
+
+
+def has_messages(spans: Iterable[Mapping[str, Any]], logs: Iterable[Mapping[str, Any]] = ()) -> bool:
+    """Whether any row of a trace carries message content (the history or answer of a call or agent
+    turn, in its attributes, span events or log records): a trace with no conversation id and none
+    makes no conversation (the construction of an agent, a call with content capture off).
+
+    Stops at the first span that has some; rows that do not parse are skipped.
+    """
+    for row in spans:
+        try:
+            attrs = json_column(row, "attributes")
+            events = json_column(row, "events") or []
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(attrs, dict):
+            continue
+        if _found(read_span(attrs, str(row.get("name") or ""))[1]):
+            return True
+        if isinstance(events, list) and _found(read_events(
+                [Event(e.get("name") or "", e.get("attributes") or {}, None) for e in events if isinstance(e, dict)])):
+            return True
+    by_span: dict[Any, list[Event]] = {}
+    for row in logs:
+        try:
+            attrs = json_column(row, "attributes") or {}
+            body = json_column(row, "body")
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(attrs, dict):
+            name = row.get("event_name") or attrs.get("event.name") or ""
+            by_span.setdefault(row.get("span_id"), []).append(Event(str(name), attrs, body))
+    return any(_found(read_events(events, "log")) for events in by_span.values())
 
 
 def group_keyed(traces: Mapping[str, list[dict[str, Any]]],

@@ -48,9 +48,9 @@ from ..config import Conversations as Settings
 from ..metrics import Metrics
 from ..store import Committed, Transaction, registered_rows
 from ..store.transactions import batch_filter, conversation_traces, one, trace_batches
-from .assemble import ParseMemo, build_transcript
+from .assemble import NO_CONTENT_REASON, ParseMemo, build_transcript
 from .endings import ended_by_rule, idle
-from .keys import conversation_key
+from .keys import conversation_key, has_messages
 from .record import stored_select, stored_transcript, stored_transcripts
 from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
 from .archive import ARCHIVE_KEPT, ConversationArchive
@@ -103,6 +103,7 @@ class Conversations(Stage):
         self._warned_no_content: set[str] = set()
         self._warned_no_id: set[str | None] = set()  # services told how to set a conversation id
         self.stitcher = Stitcher(settings.stitch.window, settings.stitch.conversations)
+        self._counted_no_content: set[str] = set()  # pending traces counted as LLM calls without content
         # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
         # Bounded in rows parsed, not conversations: a long conversation's memo holds all of them.
         self._memos: OrderedDict[str, tuple[ParseMemo, int]] = OrderedDict()  # conversation -> (memo, rows)
@@ -465,8 +466,12 @@ class Conversations(Stage):
         # A trace seen for the first time has all its rows in these commits: the cache keeps
         # them, so that only traces with older rows are read back from DuckDB.
         self.rows.keep(taken, {t for t, cid in current.items() if cid is not None} | set(self.map.pending))
+        # Commit by commit, and the traces of one commit (one request, as a rule) in the order of their
+        # spans' times: an exporter batches them in any order, and a conversation's turns come in order.
+        arrived = {t: taken.arrived[t]
+                   for t in sorted(taken.arrived, key=lambda t: (taken.first[t], taken.rows[t].start(), t))}
         # A trace in no conversation and not pending is new (the cache's premise): its rows start in these commits.
-        convs = self._touch(taken.arrived, current, since=taken.first,
+        convs = self._touch(arrived, current, since=taken.first,
                             taken={t: (taken.first[t], taken.last[t]) for t in taken.arrived})
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
         return convs
@@ -512,13 +517,15 @@ class Conversations(Stage):
                 self._check_stop()
                 self._give_way()
                 key = conversation_key(rows[tid].spans, self.settings.id_attributes)
-                if key is None and current.get(tid) is None and not is_genai(rows[tid]):
-                    # nothing conversational yet
+                if key is None and current.get(tid) is None and not has_messages(rows[tid].spans, rows[tid].logs):
+                    # Neither an id nor a message (yet: content may come in later rows): no conversation.
+                    self._no_content(tid, rows[tid])
                     self.map.pending[tid] = (arrived[tid], rows[tid].first_batch)
                     continue
                 trace_batches[tid] = rows[tid].batches()
                 self._newest_batch = max(self._newest_batch, trace_batches[tid][1] or 0)
                 self.map.pending.pop(tid, None)
+                self._counted_no_content.discard(tid)
                 if key is None:
                     key = self.map.chained(tid, rows[tid])
                     if key is not None:
@@ -608,6 +615,21 @@ class Conversations(Stage):
         op = opening(build_transcript(rows.spans, rows.logs)) if self.stitcher.enabled else None
         stitching.append((op.started if op is not None else rows.start(), tid, op))
         return None
+
+    def _no_content(self, tid: str, rows: TraceRows) -> None:
+        """A trace with LLM calls but neither an id nor content makes no conversation: counted once, and
+        the first of each service says why and how to turn capture on (as a conversation without content
+        does)."""
+        if tid in self._counted_no_content or not is_genai(rows, kinds=("llm",)):
+            return
+        self._counted_no_content.add(tid)
+        self.metrics.genai_traces_without_content.inc()
+        service = next((s for r in rows.spans if isinstance(s := r.get("service"), str) and s), "")
+        if service not in self._warned_no_content:
+            self._warned_no_content.add(service)
+            log.warning("trace %s of service %s has LLM calls but neither a conversation id nor message content: "
+                        "its spans are stored, it makes no conversation and cannot be judged: %s",
+                        tid, service or "(unknown)", NO_CONTENT_REASON)
 
     def _batches(self, unstored: Callable[[str], Batches], taken: Mapping[str, Batches] | None = None
                  ) -> Callable[[list[str]], dict[str, Batches]]:
@@ -876,6 +898,7 @@ class Conversations(Stage):
         self._end_stored(as_stored, now)
         for tid in [t for t, (at, _) in self.map.pending.items() if now - at >= limit]:
             del self.map.pending[tid]
+            self._counted_no_content.discard(tid)
 
 
 def _without_rows(items: list[Any]) -> list[Any]:

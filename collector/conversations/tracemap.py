@@ -2,8 +2,9 @@
 
 A trace goes to the conversation its id attributes name (``keys``), else to the
 one whose response its model call continues (``previous_response.id``), else to
-``trace:<trace id>``; a trace with nothing conversational in it yet (no id, no
-LLM call or agent span, no GenAI event) waits in ``pending`` until it has.
+``trace:<trace id>``; a trace with nothing conversational in it yet (no id and
+no message content, ``keys.has_messages``) waits in ``pending`` until it has,
+and is dropped from it, a conversation never made, after ``idle_timeout``.
 
 Memory holds the open conversations and the ended ones touched recently, with
 their traces; anything else is read from ``live_conversations`` (or the archive,
@@ -72,9 +73,9 @@ class Tracked:
         self.state, self.ended_by, self.closed_at = "open", None, None
 
 
-def is_genai(rows: TraceRows) -> bool:
-    """Whether a trace without an id is a conversation: the normalizer finds an LLM call or agent
-    span in it, or a GenAI event; any other trace (health checks, plain HTTP) is not."""
+def is_genai(rows: TraceRows, kinds: tuple[str, ...] = ("llm", "agent")) -> bool:
+    """Whether the normalizer finds a span of these kinds (an LLM call or agent span) in a trace, or a
+    GenAI event; any other trace (health checks, plain HTTP) has none."""
     if any((r.get("event_name") or "").startswith("gen_ai") for r in rows.logs):
         return True
     for r in rows.spans:
@@ -82,7 +83,7 @@ def is_genai(rows: TraceRows) -> bool:
             attrs = json_column(r, "attributes")
         except (ValueError, RecursionError):
             continue
-        if isinstance(attrs, dict) and span_kind(Attrs(attrs), str(r.get("name") or "")) in ("llm", "agent"):
+        if isinstance(attrs, dict) and span_kind(Attrs(attrs), str(r.get("name") or "")) in kinds:
             return True
     return False
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from . import langfuse, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
+from . import haystack, langfuse, litellm, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
 from ._meta import read_meta, span_kind
 from ._indexed import INDEXED_PREFIXES
 from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated, as_int, as_str, repair_text, repaired
@@ -66,12 +66,14 @@ class Dialect(NamedTuple):
 # span carrying both (OpenInference's input.value, Logfire v2's request_data)
 # is read from the structured copy.
 SPAN_DIALECTS: tuple[Dialect, ...] = (
+    Dialect(litellm.NAME, litellm.read, litellm.KEYS),  # otel_genai's keys, with a fix of its own
     Dialect(otel_genai.NAME, otel_genai.read, otel_genai.KEYS),
     Dialect(openllmetry.NAME, openllmetry.read, (), openllmetry.KEY_PREFIXES),
     Dialect(openinference.NAME, openinference.read, openinference.KEYS, openinference.KEY_PREFIXES),
     Dialect(vercel_ai.NAME, vercel_ai.read, vercel_ai.KEYS),
     Dialect(langfuse.NAME, langfuse.read, langfuse.KEYS),
     Dialect(logfire.NAME, logfire.read, logfire.KEYS),
+    Dialect(haystack.NAME, haystack.read, haystack.KEYS),
     Dialect(others.ADK, others.read_adk, others.ADK_KEYS),
     Dialect(others.SENTRY, others.read_sentry, others.SENTRY_KEYS),
     Dialect(others.PYDANTIC_AI, others.read_pydantic_ai, others.PYDANTIC_AI_KEYS),

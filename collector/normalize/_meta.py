@@ -42,17 +42,20 @@ KIND_RULES: tuple[tuple[str, Mapping[str, SpanKind]], ...] = (
 )
 
 # Attributes whose mere presence marks an LLM call when no rule above matched.
-LLM_MARKERS = ("gcp.vertex.agent.llm_request", "gen_ai.request.messages", "request_data")
+LLM_MARKERS = ("gcp.vertex.agent.llm_request", "gen_ai.request.messages", "request_data",
+               "haystack.agent.step.llm.output")
 
 REQUEST_MODEL_KEYS = ("gen_ai.request.model", "ai.model.id", "llm.request.model")
 RESPONSE_MODEL_KEYS = (
     "gen_ai.response.model", "ai.response.model", "llm.model_name",
     "langfuse.observation.model.name", "llm.response.model",
 )
-# (JSON attribute, key in it) tried after the flat keys.
-REQUEST_MODEL_JSON = (("llm.invocation_parameters", "model"), ("request_data", "model"),
-                      ("gcp.vertex.agent.llm_request", "model"))
-RESPONSE_MODEL_JSON = (("response_data", "model"),)
+# (JSON attribute, path to the model inside it: keys and list indexes) tried after the flat keys.
+REQUEST_MODEL_JSON: tuple[tuple[str, tuple[str | int, ...]], ...] = (
+    ("llm.invocation_parameters", ("model",)), ("request_data", ("model",)),
+    ("gcp.vertex.agent.llm_request", ("model",)))
+RESPONSE_MODEL_JSON: tuple[tuple[str, tuple[str | int, ...]], ...] = (
+    ("response_data", ("model",)), ("haystack.agent.step.llm.output", ("replies", 0, "meta", "model")))
 
 INPUT_TOKEN_KEYS = (
     "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "llm.token_count.prompt",
@@ -63,10 +66,11 @@ OUTPUT_TOKEN_KEYS = (
     "ai.usage.outputTokens", "ai.usage.completionTokens", "llm.usage.completion_tokens",
 )
 # JSON usage objects: (attribute, path to the usage object inside it).
-USAGE_JSON = (
+USAGE_JSON: tuple[tuple[str, tuple[str | int, ...]], ...] = (
     ("langfuse.observation.usage_details", ()),
     ("response_data", ("usage",)),
     ("gcp.vertex.agent.llm_response", ("usage_metadata",)),
+    ("haystack.agent.step.llm.output", ("replies", 0, "meta", "usage")),
 )
 USAGE_INPUT_FIELDS = ("input_tokens", "prompt_tokens", "input", "prompt_token_count", "promptTokenCount")
 USAGE_OUTPUT_FIELDS = ("output_tokens", "completion_tokens", "output", "candidates_token_count",
@@ -90,7 +94,7 @@ def _flat(attrs: Attrs, keys: tuple[str, ...]) -> str | None:
     return None
 
 
-def _json_field(attrs: Attrs, attr: str, path: tuple[str, ...]) -> Any:
+def _json_field(attrs: Attrs, attr: str, path: tuple[str | int, ...]) -> Any:
     if attrs.get(attr) is None:  # absent: nothing to parse (the common case)
         return None
     try:
@@ -98,9 +102,12 @@ def _json_field(attrs: Attrs, attr: str, path: tuple[str, ...]) -> Any:
     except Truncated:
         return None
     for p in path:
-        if not isinstance(obj, dict):
+        if isinstance(p, int):
+            obj = obj[p] if isinstance(obj, list) and -len(obj) <= p < len(obj) else None
+        elif isinstance(obj, dict):
+            obj = obj.get(p)
+        else:
             return None
-        obj = obj.get(p)
     return obj
 
 
@@ -153,8 +160,8 @@ def _model(attrs: Attrs, keys: tuple[str, ...], in_json: Any) -> str | None:
     """A model name from a flat key, else from a field of a JSON attribute."""
     found = _flat(attrs, keys)
     if found is None:
-        for attr, key in in_json:
-            found = as_str(_json_field(attrs, attr, (key,)))
+        for attr, path in in_json:
+            found = as_str(_json_field(attrs, attr, path))
             if found:
                 break
     return found

@@ -31,7 +31,7 @@ from collector.conversations.transcript import DigestMemo
 from collector.normalize import Message, ToolCall
 from judges import Conversation, transcript_sha256
 
-from ..support.genai_fixtures import by_trace, case_names, load_case
+from ..support.genai_fixtures import by_trace, case_names, load_case, logs_by_trace
 
 J = json.dumps
 
@@ -387,10 +387,10 @@ CASES = case_names()
 @given(name=st.sampled_from(CASES), rnd=st.randoms(use_true_random=False))
 def test_fixture_rows_any_order_same_transcripts(name: str, rnd: random.Random) -> None:
     case = load_case(name)
-    groups = group_traces(by_trace(case.spans, case.logs))
+    groups = group_traces(by_trace(case.spans, case.logs), logs=logs_by_trace(case.logs))
     shuffled_spans = _shuffled_with_dupes(case.spans, rnd)
     shuffled_logs = _shuffled_with_dupes(case.logs, rnd)
-    assert group_traces(by_trace(shuffled_spans, shuffled_logs)) == groups
+    assert group_traces(by_trace(shuffled_spans, shuffled_logs), logs=logs_by_trace(shuffled_logs)) == groups
     for tids in groups.values():
         keep = set(tids)
         ref = build_transcript([r for r in case.spans if r["trace_id"] in keep],
@@ -829,7 +829,7 @@ def test_the_stage_reads_only_the_columns_rows_are_read_back_with() -> None:
     transcripts of every fixture read no other column (one that did would see None in the stage)."""
     from collector.config import EndRule
     from collector.conversations.endings import ended_by_rule
-    from collector.conversations.keys import response_links
+    from collector.conversations.keys import has_messages, response_links
     from collector.conversations.rows import LOG_COLUMNS, SPAN_COLUMNS
     from collector.conversations.rows import TraceRows
     from collector.conversations.tracemap import is_genai
@@ -849,10 +849,12 @@ def test_the_stage_reads_only_the_columns_rows_are_read_back_with() -> None:
             response_links(rows)
             ended_by_rule(rules, rows)
             is_genai(TraceRows(spans=rows))
+            has_messages(rows)
         build_transcript(spans, [])
         span_reads |= _Watched.read
         _Watched.read = set()
         is_genai(TraceRows(logs=logs))
+        has_messages([], logs)
         build_transcript([], logs)
         log_reads |= _Watched.read
     assert span_reads - {"arrival"} <= set(SPAN_COLUMNS), span_reads - set(SPAN_COLUMNS)

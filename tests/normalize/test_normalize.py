@@ -29,7 +29,7 @@ from collector.normalize import (
 from collector.normalize._model import Attrs, Truncated, _last_arrays
 
 from ..support.conversations import comparable_message
-from ..support.genai_fixtures import FIXTURES, Case, by_trace, case_names, load_case
+from ..support.genai_fixtures import FIXTURES, Case, by_trace, case_names, load_case, logs_by_trace
 
 CASES = case_names()
 
@@ -58,8 +58,13 @@ def test_fixture_case_with_one_timestamp_per_call(name: str) -> None:
 
 
 def _assert_rebuilt_exactly(case: Case) -> None:
-    groups = group_traces(by_trace(case.spans, case.logs))
+    groups = group_traces(by_trace(case.spans, case.logs), logs=logs_by_trace(case.logs))
     expected = case.expected["conversations"]
+    if not case.has_content:
+        # No conversation from nothing: a trace with neither an id nor content is stored as spans only.
+        nothing = [c for c in expected if not c["conversation_key"]]
+        assert not {t for c in nothing for t in c["trace_ids"]} & {t for ts in groups.values() for t in ts}
+        expected = [c for c in expected if c["conversation_key"]]
     want_ids = {c["conversation_key"] or f"trace:{c['trace_ids'][0]}" for c in expected}
     assert set(groups) == want_ids
     for conv in expected:
@@ -372,7 +377,11 @@ def test_group_traces_chains_previous_response() -> None:
         "t1": [_row("t1", "a", {"gen_ai.conversation.id": "c", "gen_ai.response.id": "resp_1"})],
         "t2": [_row("t2", "b", {"gen_ai.request.previous_response.id": "resp_1", "gen_ai.response.id": "resp_2"})],
         "t3": [_row("t3", "c", {"gen_ai.request.previous_response.id": "resp_2"})],
-        "t4": [_row("t4", "d", {"gen_ai.request.previous_response.id": "unknown"})],
+        "t4": [_row("t4", "d", {"gen_ai.request.previous_response.id": "unknown",
+                                "gen_ai.input.messages": J([{"role": "user", "parts": [{"type": "text",
+                                                                                        "content": "hi"}]}])})],
+        # neither an id nor content: no conversation
+        "t5": [_row("t5", "e", {"gen_ai.request.previous_response.id": "unknown", "gen_ai.operation.name": "chat"})],
     }
     assert group_traces(traces) == {"c": ["t1", "t2", "t3"], "trace:t4": ["t4"]}
 

@@ -78,3 +78,12 @@ def by_trace(spans: list[dict[str, Any]], logs: list[dict[str, Any]]) -> dict[st
         if row["trace_id"]:
             traces.setdefault(row["trace_id"], [])
     return traces
+
+
+def logs_by_trace(logs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Log rows per trace id (for ``group_traces``: content may be in log records only)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in logs:
+        if row["trace_id"]:
+            out.setdefault(row["trace_id"], []).append(row)
+    return out

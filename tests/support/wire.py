@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
@@ -77,11 +78,14 @@ def fixture_cases() -> list[str]:
     return sorted(p.name.removesuffix(".meta.json") for p in FIXTURES.glob("*.meta.json"))
 
 
-def fixture_requests(case: str) -> Iterator[dict[str, Any]]:
+def fixture_requests(case: str, directory: Path = FIXTURES) -> Iterator[dict[str, Any]]:
     """The export requests of a case in arrival order, each with its body as sent on the wire."""
-    meta = json.loads((FIXTURES / f"{case}.meta.json").read_text())
+    meta = json.loads((directory / f"{case}.meta.json").read_text())
     for req in meta["export_requests"]:
-        yield {**req, "body": (FIXTURES / req["file"]).read_bytes()}
+        body = (directory / req["file"]).read_bytes()
+        if req.get("stored_gzip_compressed"):  # compressed for the repository, not on the wire
+            body = gzip.decompress(body)
+        yield {**req, "body": body}
 
 
 def wire_body(req: dict[str, Any]) -> bytes:
