@@ -11,8 +11,8 @@ it (wall and CPU seconds of the process: the stage's thread and DuckDB's), as a 
         conversation per trace
   noid-off  this code with conversations.stitch.window 0s (stitching off)
 
-each with this tree's code and with ``--baseline`` (a git revision, by default the one this branch
-started from), exported with ``git archive`` and run the same way. Variants alternate round by round,
+each with this tree's code and with ``--baseline`` (a git revision, by default ``BEFORE_STITCHING``,
+the last commit before stitching came in), exported with ``git archive`` and run the same way. Variants alternate round by round,
 so the machine's noise hits them alike; it prints medians and each as a ratio of the baseline with the
 same data. Run by hand:
 
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+BEFORE_STITCHING = "1c1936f6a702f8e6af8069dd20b23fcb725bbe26"  # the frameworks read, nothing stitched yet
 SYSTEM = "You are ShopBot, the support assistant of an online outdoor shop. Be brief and friendly."
 
 
@@ -129,15 +130,15 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--per-commit", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--baseline", default=None, help="git revision (default: the merge base with i42-captures)")
+    p.add_argument("--baseline", default=BEFORE_STITCHING, help="git revision (default: the code before stitching)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="ids", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
-    rev = args.baseline or subprocess.run(["git", "merge-base", "HEAD", "i42-captures"], cwd=ROOT, check=True,
-                                          capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", args.baseline], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
     runs = [("this", "ids"), ("baseline", "ids"), ("this", "noid"), ("baseline", "noid"), ("this", "noid-off")]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": ROOT, "baseline": Path(tmp)}
