@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-BEFORE_STITCHING = "1c1936f6a702f8e6af8069dd20b23fcb725bbe26"  # the frameworks read, nothing stitched yet
+BEFORE_STITCHING = "00373a2e005e12d470a002c0a052632b15a64612"  # the frameworks read, nothing stitched yet
 SYSTEM = "You are ShopBot, the support assistant of an online outdoor shop. Be brief and friendly."
 
 
