@@ -298,14 +298,18 @@ def test_spans_queued_for_an_exporter_are_forwarded_after_retention_deleted_them
     with sink() as backend:
         down = True
         backend.answer = lambda r: (503, {"Retry-After": "1"}) if down else (200, {})
-        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{backend.base}/v1/traces"}})
+        cfg = base_config(tmp_path, exporters={"raw": {"type": "otlphttp", "endpoint": f"{backend.base}/v1/traces"}},
+                          conversations={"idle_timeout": "1s"})
         daemon = DaemonProcess(tmp_path, cfg).start()
         try:
+            # Three traces with content and no id: three conversations of their own, which end at once.
             sent = [traces(seed, conversation=None) for seed in (1, 2, 3)]
             for body in sent:
                 assert forward_send(daemon, body) == 200
             wait_until(lambda: forwarded(daemon, "raw")["retried"] >= 1, "the sender retrying")
             wait_conversations(daemon)  # retention deletes only what the conversation stage has taken in
+            # ... and the spans of conversations ended and decided on by the evaluator.
+            wait_until(lambda: daemon.metric("tracejudge_eval_sampling_decisions_total") == 3, "3 decisions")
             assert daemon.stop() == 0
             store, stage = open_retention(daemon.duckdb, [time.time() + 2 * DAY], spans="1d")
             try:
