@@ -460,6 +460,7 @@ class StageProcess(Stage):
         self._swaps: dict[int, tuple[Callable[[duckdb.DuckDBPyConnection], object],
                                      concurrent.futures.Future[None]]] = {}
         self._registered: dict[str, Any] = {}
+        self._answering = False  # a request of the child's runs here (a swap may take long): it waits on us
         self._arrivals = Arrivals()
         self._started_at = 0.0
         self._lag_warned = False
@@ -564,7 +565,9 @@ class StageProcess(Stage):
         proc = self._proc
         if proc is None or proc is self._killed or self.stopped is not None or self.stopping.is_set():
             return
-        if self.store.failure is not None:  # it cannot write either: /readyz names the store
+        # Not the child's fault: it waits on this side's answer (a reindex's swap), or on a store that
+        # cannot write (/readyz names the store then).
+        if self._answering or self.store.failure is not None:
             self._stall.restart(self.store.clock())
             return
         quiet = self._stall.check(commits, seconds, self.store.clock())
@@ -694,11 +697,14 @@ class StageProcess(Stage):
             except (EOFError, OSError):
                 return
             answer: tuple[Any, ...]
+            self._answering = True
             try:
                 answer = ("ok", self._answer(cur, request))
             except Exception as exc:  # noqa: BLE001 - the child raises it where it made the call
                 answer = ("err", type(exc).__module__, type(exc).__name__, str(exc))
                 self.store.fatal(exc)
+            finally:
+                self._answering = False
             try:
                 conn.send(answer)
             except (OSError, EOFError):
