@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from collector.cli.status import render
-from collector.conversations.process import Arrivals, Stall
+from collector.config import Conversations as Settings
+from collector.conversations.process import Arrivals, Stall, StageProcess
+from collector.metrics import Metrics
 
 from ..support.daemon import run_cli, wait_conversations, wait_until
 from ..support.online import persona, send, wait_status
@@ -196,6 +198,76 @@ def test_the_stall_rule_counts_only_while_work_waits_and_nothing_is_taken_in() -
     stall.restart(now=3000.0)
     assert stall.check(waiting=50, behind=900.0, now=3029.0) is None
     assert stall.check(waiting=50, behind=930.0, now=3030.0) == 30.0
+
+
+class _Store:
+    """What the daemon's side of the stage asks of its store, on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.batch_id = 0
+        self.failure: str | None = None
+
+    def clock(self) -> float:
+        return self.now
+
+
+class _Child:
+    pid = 4242
+    killed = 0
+
+    def kill(self) -> None:
+        self.killed += 1
+
+
+def test_a_stalled_child_is_killed_once_and_readiness_named_until_the_stage_catches_up() -> None:
+    store = _Store()
+    stage = StageProcess(store, Settings(stall_timeout="30s"), Metrics())  # type: ignore[arg-type]
+    child = _Child()
+    stage._proc = child
+    stage._stall.restart(store.now)
+
+    def report(mark: int) -> None:  # as the reader does with the child's status
+        stage._status["conversations_batch"] = mark
+        stage._stall.reported(mark, store.now)
+        stage._check_lag()
+
+    report(0)
+    store.now += 3600  # idle: nothing waits
+    report(0)
+    assert stage.stalled is None and child.killed == 0
+    store.batch_id = 5
+    stage._arrivals.add(1, store.now)
+    store.now += 10
+    report(2)  # progress
+    store.now += 29
+    stage._check_lag()
+    assert stage.stalled is None
+    # Waiting on a store that cannot commit, or on this side's answer, is not a stall.
+    store.failure = "disk full"
+    store.now += 60
+    stage._check_lag()
+    store.failure = None
+    stage._answering = True
+    store.now += 60
+    stage._check_lag()
+    stage._answering = False
+    assert stage.stalled is None and child.killed == 0
+    store.now += 31
+    stage._check_lag()
+    assert child.killed == 1
+    assert stage.stalled == "no progress for 31 s with 3 commits waiting; its process was killed and starts again"
+    assert stage.state == f"stalled: {stage.stalled}"
+    stage._check_lag()
+    assert child.killed == 1  # once per process
+    # A new process: what was stored at the stall (commit 5) must be taken in before it is ready.
+    store.batch_id = 7
+    stage._proc = _Child()
+    stage._stall.restart(store.now)
+    report(4)
+    assert stage.stalled is not None
+    report(5)
+    assert stage.stalled is None and stage.state == "not running"  # its thread was never started here
 
 
 def test_arrivals_give_when_the_oldest_commit_not_taken_in_arrived_in_bounded_memory() -> None:
