@@ -33,8 +33,9 @@ A child that dies (killed, out of memory) has the transaction it had open rolled
 started again after a backoff and catches up from the stored batch mark, as a new start does, so
 nothing committed is lost. A child whose mark does not move for ``conversations.stall_timeout``
 while commits wait (frozen, deadlocked: ``Stall``) is killed, so it goes the same way; until the
-new one has taken in what was stored at the stall, the stage is ``stalled`` and /readyz fails. It exits with this process: it ignores SIGINT and SIGTERM (the parent
-stops it), and its pipes close when the parent goes, even after ``kill -9``.
+new one has taken in what was stored at the stall, the stage is ``stalled`` and /readyz fails. It
+exits with this process: it ignores SIGINT and SIGTERM (the parent stops it), and its pipes close
+when the parent goes, even after ``kill -9``.
 
 Lifecycle: ``StageProcess(store, settings, metrics)`` -> ``start()`` (creates the stage's tables,
 then starts the child, which opens its stage and catches up) -> ``on_commit`` ... -> ``stop()``.

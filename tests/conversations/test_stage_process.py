@@ -18,7 +18,7 @@ import pytest
 
 from collector.cli.status import render
 from collector.config import Conversations as Settings
-from collector.conversations.process import Arrivals, Stall, StageProcess
+from collector.conversations.process import Arrivals, StageProcess, Stall
 from collector.metrics import Metrics
 
 from ..support.daemon import run_cli, wait_conversations, wait_until
