@@ -22,6 +22,9 @@ Lifecycle: ``Stage(store, metrics)`` -> ``start()`` -> running -> ``stop()``.
   CRITICAL, ``state`` says ``stopped: <reason>``, ``/readyz`` answers 503 naming
   it and ``/api/status`` shows it under ``stages``. The daemon goes on taking
   data (nothing acknowledged is lost; the next start catches up).
+- A stage may say it is ``stalled`` (the conversation stage's process taking in
+  nothing while commits wait): ``/readyz`` answers 503 naming it until it
+  catches up; it still runs.
 - ``tracejudge_stage_running{stage}`` on /metrics is 1 from ``start()`` until the
   stage stops, for good or at ``stop()``, for an alert rule to see a stopped stage.
 - ``held()`` says what the stage keeps in memory (``tracejudge_stage_held{stage,what}``
@@ -119,6 +122,11 @@ class Stage:
             return f"stopped: {self._stopped}"
         return "running" if self._thread is not None else "not running"
 
+    @property
+    def stalled(self) -> str | None:
+        """Why the stage is stalled (it runs but takes in nothing while work waits), if it is: /readyz fails."""
+        return None
+
     def status(self) -> dict[str, Any]:
         """How far the stage has got, for /api/status (its keys are the stage's own)."""
         return {}
@@ -128,7 +136,9 @@ class Stage:
         return {}
 
     def _report_held(self) -> None:
-        self.metrics.stage_running.set(1 if self.state == "running" else 0, stage=self.name)
+        # A stalled stage still runs (it is restarted); only one stopped for good is 0.
+        running = self._thread is not None and self.stopped is None
+        self.metrics.stage_running.set(1 if running else 0, stage=self.name)
         for what, n in self.held().items():
             self.metrics.stage_held.set(n, stage=self.name, what=what)
 

@@ -320,6 +320,9 @@ class Conversations(Section):
     """Attribute values that end a conversation at once (a handover, the bot closing it)."""
     lag_warning: Duration = Field(60.0, gt=0)
     """The log warns once conversations fall this far behind ingestion, and says when they catch up."""
+    stall_timeout: Duration = Field(30.0, gt=0)
+    """The stage's process taking in no commit for this long while commits wait is stalled: /readyz fails, and it
+    is killed and started again."""
     stitch: Stitch = Stitch()
     """Traces with no conversation id continued by the history their model calls resend."""
 

@@ -242,6 +242,19 @@ def test_a_bad_lag_warning_names_the_key(value: str, problem: str) -> None:
     assert cfg.conversations.lag_warning == 120
 
 
+@pytest.mark.parametrize("value", ["-1s", "0s", "soon"])
+def test_a_bad_stall_timeout_names_the_key(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config({"conversations": {"stall_timeout": value}}, Path("."), "t", environ={})
+    (got,) = err.value.problems
+    assert got.startswith("conversations.stall_timeout:"), got
+    assert repr(value) in got or "greater than 0" in got, got
+    cfg, _ = validate_config({}, Path("."), "t", environ={})
+    assert cfg.conversations.stall_timeout == 30
+    cfg, _ = validate_config({"conversations": {"stall_timeout": "2m"}}, Path("."), "t", environ={})
+    assert cfg.conversations.stall_timeout == 120
+
+
 def test_the_simulate_section_is_read() -> None:
     cfg, warnings = load_config(TESTDATA / "simulate.yaml", environ={"TRACEJUDGE_JUDGE_MODEL": "judge-env"})
     sim = cfg.simulate

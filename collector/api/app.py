@@ -185,6 +185,10 @@ class API:
         if stopped:
             raise APIError(503, "stage_stopped", f"{'; '.join(stopped)}: data is still taken and kept, and a "
                                                  "restart of the daemon catches up; the log has the traceback")
+        stalled = [f"the {s.name} stage stalled ({s.stalled})" for s in self.stages if s.stalled is not None]
+        if stalled:
+            raise APIError(503, "stage_stalled", f"{'; '.join(stalled)}: data is still taken and kept, and the "
+                                                 "stage catches up once it is started again")
         return web.json_response({"status": "ready", "queue_depth": self.store.queue_depth})
 
     async def prometheus(self, request: web.Request) -> web.Response:

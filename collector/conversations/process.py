@@ -31,8 +31,11 @@ judged late.
 
 A child that dies (killed, out of memory) has the transaction it had open rolled back; it is
 started again after a backoff and catches up from the stored batch mark, as a new start does, so
-nothing committed is lost. It exits with this process: it ignores SIGINT and SIGTERM (the parent
-stops it), and its pipes close when the parent goes, even after ``kill -9``.
+nothing committed is lost. A child whose mark does not move for ``conversations.stall_timeout``
+while commits wait (frozen, deadlocked: ``Stall``) is killed, so it goes the same way; until the
+new one has taken in what was stored at the stall, the stage is ``stalled`` and /readyz fails. It
+exits with this process: it ignores SIGINT and SIGTERM (the parent stops it), and its pipes close
+when the parent goes, even after ``kill -9``.
 
 Lifecycle: ``StageProcess(store, settings, metrics)`` -> ``start()`` (creates the stage's tables,
 then starts the child, which opens its stage and catches up) -> ``on_commit`` ... -> ``stop()``.
@@ -399,6 +402,38 @@ class Arrivals:
         return len(self._kept)
 
 
+class Stall:
+    """The stall rule: a stage process that takes in no commit for ``timeout`` seconds while commits wait
+    is stalled (frozen, deadlocked: its reports, if any, show the same mark).
+
+    Its clock starts again when a process starts and whenever its mark moves; work that starts
+    waiting after a quiet spell counts from when it arrived, so an idle process is never stalled.
+    Times come from the caller (the store's clock), so a test gives its own.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._mark: int | None = None
+        self._since = 0.0  # when the process started or its mark last moved
+
+    def restart(self, now: float) -> None:
+        """A new process, or one that cannot progress by no fault of its own: it has ``timeout`` from now."""
+        self._mark, self._since = None, now
+
+    def reported(self, mark: int, now: float) -> None:
+        """A report of the process's mark (the last commit it took in): progress if it moved."""
+        if mark != self._mark:
+            self._mark, self._since = mark, now
+
+    def check(self, waiting: int, behind: float, now: float) -> float | None:
+        """Seconds the process has taken in nothing while work waited, once that is ``timeout`` or more;
+        else None. ``waiting``: commits it has not taken in; ``behind``: how long ago the oldest arrived."""
+        if not waiting:
+            return None
+        quiet = min(behind, now - self._since)
+        return quiet if quiet >= self.timeout else None
+
+
 class StageProcess(Stage):
     """The daemon's conversation stage, run in a child process (see the module docstring)."""
 
@@ -426,10 +461,14 @@ class StageProcess(Stage):
         self._swaps: dict[int, tuple[Callable[[duckdb.DuckDBPyConnection], object],
                                      concurrent.futures.Future[None]]] = {}
         self._registered: dict[str, Any] = {}
+        self._answering = False  # a request of the child's runs here (a swap may take long): it waits on us
         self._arrivals = Arrivals()
         self._started_at = 0.0
-        self._reported = False  # a child has reported how far it is
         self._lag_warned = False
+        self._stall = Stall(settings.stall_timeout)
+        self._stalled: str | None = None  # why, from the stall until the commits then stored are taken in
+        self._stalled_until = 0
+        self._killed: Any = None  # the process killed for a stall
         self._proc: Any = None
         self._control: Connection | None = None
         self._lock = threading.Lock()
@@ -445,7 +484,10 @@ class StageProcess(Stage):
         self.cur = self.store.cursor()
         self._started_at = self.store.clock()
         ensure_tables(self.cur)
-        self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
+        # The lag counts from the stored mark until a child reports its own: a backlog stored before this
+        # start shows at once, and a child stuck before its first report stalls.
+        mark = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
+        self._status["conversations_batch"] = int(mark[0][0]) if mark else 0
         self._thread = threading.Thread(target=self._supervise, name="tracejudge-conversations", daemon=True)
         self._thread.start()
 
@@ -466,11 +508,17 @@ class StageProcess(Stage):
     def state(self) -> str:
         if self._child_stopped is not None:
             return f"stopped: {self._child_stopped}"
+        if self._stalled is not None:
+            return f"stalled: {self._stalled}"
         return super().state
 
     @property
     def stopped(self) -> str | None:
         return self._child_stopped or self._stopped
+
+    @property
+    def stalled(self) -> str | None:
+        return self._stalled if self.stopped is None else None
 
     def status(self) -> dict[str, Any]:
         commits, seconds = self.lag()
@@ -482,11 +530,12 @@ class StageProcess(Stage):
 
     def lag(self) -> tuple[int, float]:
         """How far conversations are behind ingestion: commits stored that the child had not taken in at
-        its last report, and seconds since the oldest of them arrived (for commits stored before this
-        daemon started, since it started: at least that). Nothing until a child has reported."""
+        its last report (before one, the stored mark), and seconds since the oldest of them arrived (for
+        commits stored before this daemon started, since it started: at least that). Both grow while
+        the child takes nothing in, frozen or not, as they come from this side's marks."""
         done = int(self._status.get("conversations_batch", 0))
         commits = max(0, self.store.batch_id - done)
-        if not commits or not self._reported:
+        if not commits:
             return 0, 0.0
         oldest = self._arrivals.arrival(done + 1)
         return commits, max(0.0, self.store.clock() - (self._started_at if oldest is None else oldest))
@@ -504,6 +553,36 @@ class StageProcess(Stage):
         elif self._lag_warned and seconds < warn_at * CAUGHT_UP:
             self._lag_warned = False
             log.warning("conversations caught up with ingestion (%s behind now)", duration_text(round(seconds)))
+        self._check_stall(commits, seconds)
+
+    def _check_stall(self, commits: int, seconds: float) -> None:
+        """Kill a stalled child (SIGKILL: a stopped process ignores the rest); the supervisor starts
+        another after its backoff, which catches up from the stored mark. Until the commits stored at the
+        stall are taken in, /readyz names the stage."""
+        if self._stalled is not None and int(self._status.get("conversations_batch", 0)) >= self._stalled_until:
+            log.warning("the conversation stage caught up after its stall (%s behind ingestion now)",
+                        duration_text(round(seconds)))
+            self._stalled = None
+        proc = self._proc
+        if proc is None or proc is self._killed or self.stopped is not None or self.stopping.is_set():
+            return
+        # Not the child's fault: it waits on this side's answer (a reindex's swap), or on a store that
+        # cannot write (/readyz names the store then).
+        if self._answering or self.store.failure is not None:
+            self._stall.restart(self.store.clock())
+            return
+        quiet = self._stall.check(commits, seconds, self.store.clock())
+        if quiet is None:
+            return
+        self._stalled = (f"no progress for {round(quiet)} s with {plural(commits, 'commit')} waiting; its process "
+                         "was killed and starts again")
+        self._stalled_until = self.store.batch_id
+        self._killed = proc
+        log.error("the conversation stage's process is stalled: it took in nothing for %s while %s waited "
+                  "(conversations.stall_timeout; conversations are %s behind ingestion); it is killed and starts "
+                  "again, catching up from the stored batch mark", duration_text(round(quiet)),
+                  plural(commits, "commit"), duration_text(round(seconds)))
+        proc.kill()
 
     def process(self) -> dict[str, int]:
         """The child: its pid, resident memory now and at most, and how often it was started again."""
@@ -583,6 +662,7 @@ class StageProcess(Stage):
         except OSError:
             pass  # it ended already: serving finds its pipe closed, and its exit code says how
         self._proc, self._control, self._counted = proc, control, {}
+        self._stall.restart(self.store.clock())
         ended = threading.Event()
         reader = threading.Thread(target=self._read_control, args=(control, ended), name="tracejudge-conv-status",
                                   daemon=True)
@@ -618,11 +698,14 @@ class StageProcess(Stage):
             except (EOFError, OSError):
                 return
             answer: tuple[Any, ...]
+            self._answering = True
             try:
                 answer = ("ok", self._answer(cur, request))
             except Exception as exc:  # noqa: BLE001 - the child raises it where it made the call
                 answer = ("err", type(exc).__module__, type(exc).__name__, str(exc))
                 self.store.fatal(exc)
+            finally:
+                self._answering = False
             try:
                 conn.send(answer)
             except (OSError, EOFError):
@@ -707,7 +790,7 @@ class StageProcess(Stage):
                 log.error("the conversation stage could not start in its process (%s: %s)", msg[2], msg[3])
             elif kind == "status":
                 self._status, self._held, self._child_stopped = msg[1], msg[2], msg[3]
-                self._reported = True
+                self._stall.reported(int(self._status.get("conversations_batch", 0)), self.store.clock())
                 self._add_counters(msg[4])
                 self._rss = msg[5]
                 self._peak_rss = max(self._peak_rss, msg[6])
