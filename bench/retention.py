@@ -78,13 +78,15 @@ def one_span_requests(total: int) -> list[bytes]:
     return bodies
 
 
-def daemon(code: Path, data: Path, keep: str | None) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def daemon(code: Path, data: Path, keep: str | None, conversations: str | None = None
+           ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """``tracejudge serve`` from ``code``'s tree, keeping ``keep`` of spans; conversations end 2 s idle and a
     tenth are judged by a code check (the evaluator and the review queue work, as in bench/soak.py)."""
     data.mkdir(parents=True, exist_ok=True)
     (data / "criteria.yaml").write_text(memory.CRITERIA)
     ingest.REPO = code  # the launcher runs ``python -m collector`` in this folder: its code
-    ingest.STORAGE_EXTRA = f", retention: {{spans: {keep}}}" if keep else ""
+    kept = ", ".join(f"{what}: {value}" for what, value in (("spans", keep), ("conversations", conversations)) if value)
+    ingest.STORAGE_EXTRA = f", retention: {{{kept}}}" if kept else ""
     try:
         return ingest.start_daemon(data, "conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
                                          f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
@@ -176,8 +178,9 @@ def live(name: str, code: Path, work: Path, bodies: list[bytes], keep: float) ->
             "delete": (spans - stored) / (zero - start - keep), "ingest": spans / elapsed}
 
 
-def steady(work: Path, rate: float, minutes: float, keep: str) -> list[dict[str, float]]:
-    proc, info = daemon(HERE, work / "steady", keep)
+def steady(work: Path, rate: float, minutes: float, keep: str, conversations: str | None = None
+           ) -> list[dict[str, float]]:
+    proc, info = daemon(HERE, work / "steady", keep, conversations)
     db = work / "steady" / "bench.duckdb"
     rows: list[dict[str, float]] = []
     answered: list[tuple[float, float]] = []
@@ -189,11 +192,17 @@ def steady(work: Path, rate: float, minutes: float, keep: str) -> list[dict[str,
             await asyncio.sleep(max(0.0, start + 60 * minute - time.perf_counter()))
             stored = (await asyncio.to_thread(memory.get, info["api"], "/api/spans/count"))["spans"]
             behind = await asyncio.to_thread(metric, info["api"], "tracejudge_retention_behind_seconds")
+            # Retention deletes only what the stages upstream are done with: their lag bounds its pace.
+            status = await asyncio.to_thread(memory.get, info["api"], "/api/status")
             rows.append({"minute": minute, "stored": stored, "file": soak.file_bytes(db) / MB, "behind": behind,
-                         "sent": len(answered) * ingest.SPANS_PER_REQUEST})
+                         "sent": len(answered) * ingest.SPANS_PER_REQUEST,
+                         "stage": float(status.get("conversations_lag_seconds") or 0),
+                         "pending": float(status.get("evals_pending") or 0)})
             r = rows[-1]
             print(f"  minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB, "
-                  f"retention {r['behind']:4.0f} s behind, {r['sent']:>9,.0f} sent", flush=True)
+                  f"retention {r['behind']:4.0f} s behind, {r['sent']:>9,.0f} sent; conversation stage "
+                  f"{r['stage']:4.0f} s behind, {r['pending']:,.0f} conversations waiting for the evaluator",
+                  flush=True)
         await sender
 
     try:
@@ -223,6 +232,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=5000)
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--steady-keep", default="2m")
+    ap.add_argument("--steady-conversations", help="also retention.conversations in the steady phase (e.g. 2m): "
+                    "without it, transcripts and verdicts are kept and the file grows by them")
     args = ap.parse_args()
     phases = args.phases.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -261,8 +272,9 @@ def main() -> None:
                       f"current {r['current']:.0f} s after the last ack", flush=True)
         if "steady" in phases:
             print(f"steady: {args.rate:,.0f} spans/s for {args.minutes:g} minutes, retention.spans "
-                  f"{args.steady_keep}", flush=True)
-            rows = steady(work, args.rate, args.minutes, args.steady_keep)
+                  f"{args.steady_keep}" + (f", conversations {args.steady_conversations}"
+                                           if args.steady_conversations else ""), flush=True)
+            rows = steady(work, args.rate, args.minutes, args.steady_keep, args.steady_conversations)
             later = [r for r in rows if r["minute"] >= 4]
             if later:
                 for key, label in (("stored", "stored spans"), ("file", "file size")):
