@@ -28,6 +28,10 @@ CASES = case_names(CAPTURES)
 STREAMED_MODEL = ("OpenLLMetry's streamed ChatOpenAI.chat spans carry the request model as gen_ai.response.model "
                   "(the library's doing: the model the server reported, gpt-4o-mini-2024-07-18, is nowhere in "
                   "those spans), so the streamed conversations' models read gpt-4o-mini")
+STRANDS_MODEL = ("lost by the library: Strands 1.62's spans carry the request model only (gen_ai.request.model "
+                 "gpt-4o-mini; the model the server reported, gpt-4o-mini-2024-07-18, is nowhere in the capture), "
+                 "so every conversation's models read gpt-4o-mini; messages, system prompt, usage, calls and "
+                 "grouping are exact")
 GAPS: dict[str, str] = {
     # What LiteLLM 1.110's otel callback loses (collector/normalize/litellm.py): the transcripts of bob and
     # dave (not streamed) are exact, their usage and call counts cannot be.
@@ -44,6 +48,8 @@ GAPS: dict[str, str] = {
         "is stitched to dave's first (the same two messages)"),
     "langchain-agent-openllmetry-http": STREAMED_MODEL,
     "langchain-agent-openllmetry-http-noid": STREAMED_MODEL,
+    "strands-agent-grpc": STRANDS_MODEL,
+    "strands-agent-grpc-noid": STRANDS_MODEL,
 }
 
 
