@@ -33,6 +33,14 @@ OPENINFERENCE_STREAMED_MODEL = (
     "(gpt-4o-mini); the model the server reported, gpt-4o-mini-2024-07-18, is there only inside output.value "
     "(generations[0][0].generation_info.model_name and the AIMessage's response_metadata), which is not read, so "
     "the streamed conversations' (alice, carol) models read gpt-4o-mini; messages, usage, calls and grouping exact")
+LLAMAINDEX_OPENINFERENCE = (
+    "OpenInference's LlamaIndex spans give each model call two LLM-kind spans in the same run_agent_step: "
+    "OpenAI._prepare_chat_with_tools (llm.model_name and llm.tools, no messages, no tokens) beside OpenAI.achat "
+    "/ OpenAI.astream_chat (messages and tokens), so every call is counted twice (alice 8 llm_calls != 4, the "
+    "others 6 != 3); and every LLM span's llm.model_name is the request model gpt-4o-mini: the model the server "
+    "reported, gpt-4o-mini-2024-07-18, is only in the Python repr of the AgentOutput in "
+    "BaseWorkflowAgent.parse_agent_output's input.value (a CHAIN span), so all four models read gpt-4o-mini; "
+    "messages, system prompt, usage and grouping exact")
 GAPS: dict[str, str] = {
     # What LiteLLM 1.110's otel callback loses (collector/normalize/litellm.py): the transcripts of bob and
     # dave (not streamed) are exact, their usage and call counts cannot be.
@@ -51,6 +59,8 @@ GAPS: dict[str, str] = {
     "langchain-agent-openllmetry-http-noid": STREAMED_MODEL,
     "langgraph-react-openinference-grpc": OPENINFERENCE_STREAMED_MODEL,
     "langgraph-react-openinference-grpc-noid": OPENINFERENCE_STREAMED_MODEL,
+    "llamaindex-functionagent-openinference-grpc": LLAMAINDEX_OPENINFERENCE,
+    "llamaindex-functionagent-openinference-grpc-noid": LLAMAINDEX_OPENINFERENCE,
 }
 
 
