@@ -41,6 +41,11 @@ LLAMAINDEX_OPENINFERENCE = (
     "reported, gpt-4o-mini-2024-07-18, is only in the Python repr of the AgentOutput in "
     "BaseWorkflowAgent.parse_agent_output's input.value (a CHAIN span), so all four models read gpt-4o-mini; "
     "messages, system prompt, usage and grouping exact")
+SEMANTIC_KERNEL_MODEL = (
+    "lost by the library: Semantic Kernel 1.45's chat spans carry gen_ai.request.model only, never "
+    "gen_ai.response.model, and its gen_ai.choice log records hold the message without the response's model: "
+    "the model the server reported, gpt-4o-mini-2024-07-18, is nowhere in the spans or logs, so every model "
+    "reads gpt-4o-mini; messages, system prompt, tool names, usage, calls and grouping exact")
 GAPS: dict[str, str] = {
     # What LiteLLM 1.110's otel callback loses (collector/normalize/litellm.py): the transcripts of bob and
     # dave (not streamed) are exact, their usage and call counts cannot be.
@@ -61,6 +66,8 @@ GAPS: dict[str, str] = {
     "langgraph-react-openinference-grpc-noid": OPENINFERENCE_STREAMED_MODEL,
     "llamaindex-functionagent-openinference-grpc": LLAMAINDEX_OPENINFERENCE,
     "llamaindex-functionagent-openinference-grpc-noid": LLAMAINDEX_OPENINFERENCE,
+    "semantic-kernel-agent-grpc": SEMANTIC_KERNEL_MODEL,
+    "semantic-kernel-agent-grpc-noid": SEMANTIC_KERNEL_MODEL,
 }
 
 
