@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -253,6 +254,19 @@ def test_a_bad_stall_timeout_names_the_key(value: str) -> None:
     assert cfg.conversations.stall_timeout == 30
     cfg, _ = validate_config({"conversations": {"stall_timeout": "2m"}}, Path("."), "t", environ={})
     assert cfg.conversations.stall_timeout == 120
+
+
+@pytest.mark.parametrize(("stitch", "key"), [({"window": "-1s"}, "conversations.stitch.window"),
+                                            ({"window": "soon"}, "conversations.stitch.window"),
+                                            ({"conversations": -1}, "conversations.stitch.conversations"),
+                                            ({"windw": "5m"}, "conversations.stitch.windw")])
+def test_a_bad_stitch_section_names_the_key(stitch: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config({"conversations": {"stitch": stitch}}, Path("."), "t", environ={})
+    (got,) = err.value.problems
+    assert got.startswith(f"{key}:"), got
+    cfg, _ = validate_config({"conversations": {"stitch": {"window": "0s"}}}, Path("."), "t", environ={})
+    assert cfg.conversations.stitch.window == 0 and cfg.conversations.stitch.conversations == 10_000
 
 
 def test_the_simulate_section_is_read() -> None:
