@@ -55,13 +55,13 @@ from .evals.setup import daemon_provider, load_configured_criteria
 from .forward import Forwarder
 from .forward.verdicts import VerdictEvents
 from .ingest.receiver import MiB, Intake, add_grpc_port, grpc_server, http_app
-from .listen import address, split_endpoint, start_site
-from .memory import allocators, duckdb_memory, resident_bytes
+from .system.listen import address, split_endpoint, start_site
+from .system.memory import allocators, duckdb_memory, resident_bytes
 from .metrics import Metrics
 from .retention import Retention
 from .review import queue as review_queue
-from .runtime import RuntimeInfo, running_daemon
-from .shutdown import StopSignals
+from .system.runtime import RuntimeInfo, running_daemon
+from .system.shutdown import StopSignals
 from .store import Store, file_fault, unreadable
 from .words import duration_text, masked_url, percent, plural
 

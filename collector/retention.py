@@ -60,8 +60,8 @@ from .background import Stage
 from .config import Retention as Settings, size_bytes
 from .conversations.writes import delete_messages
 from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
-from .listing import iso_utc
-from .memory import INDEX_WARNING, duckdb_memory, index_eighths
+from .words import iso_utc
+from .system.memory import INDEX_WARNING, duckdb_memory, index_eighths
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction, insert_rows
 from .store.transactions import COMMIT_TRACES, batch_filter, conversation_traces, registered_rows

@@ -13,14 +13,14 @@ import pytest
 
 import duckdb
 
-from collector.memory import allocators, peak_resident_bytes, resident_bytes
+from collector.system.memory import allocators, peak_resident_bytes, resident_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Eight threads each allocate once, all at the same time; glibc's malloc_info then lists the arenas.
 ARENAS_AFTER_THREADS = textwrap.dedent("""
     import ctypes, sys, tempfile, threading
-    from collector.memory import limit_arenas
+    from collector.system.memory import limit_arenas
     limited = limit_arenas() if sys.argv[1] == "limit" else None
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from collector.shutdown import SIGNALS, StopSignals
+from collector.system.shutdown import SIGNALS, StopSignals
 
 from .support.daemon import wait_until
 

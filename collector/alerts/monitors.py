@@ -54,7 +54,7 @@ from judges import MIN_N, calibrate, kappa_interval
 from ..background import Stage
 from ..config import Monitor
 from ..evals.judging import utc
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..metrics import Gauge, Metrics
 from ..review import calibration
 from ..review.stats import window

@@ -30,7 +30,7 @@ from typing import Any
 import duckdb
 
 from ..errors import UserError
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..names import clean_name
 from ..store.transactions import Transaction, one, utc_now
 from . import ALERT_STATES, ALERT_TYPES

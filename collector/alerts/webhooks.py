@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from ..auth import signature
 from ..config import Config, Webhook, split_host
-from ..runtime import RuntimeInfo
+from ..system.runtime import RuntimeInfo
 from . import TITLES
 
 EVENT_HEADER = "X-Tracejudge-Event"

@@ -33,8 +33,8 @@ from ..evals.simulated_user import SimulatedUser
 from ..evals.evaluator import Evaluator
 from ..evals.verdicts import list_verdicts
 from ..forward import Forwarder
-from ..listing import MAX_LIMIT, iso_utc, parse_since
-from ..memory import duckdb_memory
+from ..words import MAX_LIMIT, iso_utc, parse_since
+from ..system.memory import duckdb_memory
 from ..metrics import Metrics
 from ..names import clean_name
 from ..review import calibration

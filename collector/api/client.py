@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import UserError
-from ..runtime import DEMO_DIR, running_daemon
+from ..system.runtime import DEMO_DIR, running_daemon
 
 if TYPE_CHECKING:
     from ..config import Config

@@ -17,7 +17,7 @@ from ..config import Retention, Review, Simulate
 from ..errors import UserError
 from ..evals import simulations, verdicts
 from ..evals.simulated_user import REALISM, SimulatedUser
-from ..listing import parse_since
+from ..words import parse_since
 from ..retention import behind_seconds, oldest_rows, storage_status, unswept
 from ..review import calibration
 from ..review import realism as review_realism

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from ..errors import UserError
-from ..memory import limit_arenas
+from ..system.memory import limit_arenas
 
 # subcommand -> "module:attribute"; add a line here to add a subcommand.
 COMMANDS = {
@@ -71,4 +71,4 @@ def main() -> None:
     Every subcommand takes --config FILE (default ./otel-config.yaml, or
     $TRACEJUDGE_CONFIG).
     """
-    limit_arenas()  # before any command starts its threads (collector.memory): the daemon, a reindex
+    limit_arenas()  # before any command starts its threads (collector.system.memory): the daemon, a reindex

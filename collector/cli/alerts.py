@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..alerts import ALERT_STATES
-from ..listing import MAX_LIMIT
+from ..words import MAX_LIMIT
 from .common import ask, config_option, json_option, reviewer_token_option, table
 
 

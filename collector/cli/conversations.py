@@ -9,7 +9,7 @@ from typing import Any, Callable
 import click
 
 from ..errors import UserError
-from ..listing import MAX_LIMIT
+from ..words import MAX_LIMIT
 from . import merge
 from .common import ask, ask_all, config_option, db_option, json_option, table
 

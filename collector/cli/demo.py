@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..errors import UserError
-from ..runtime import DEMO_DIR, RuntimeInfo, running_daemon
+from ..system.runtime import DEMO_DIR, RuntimeInfo, running_daemon
 from ..words import plural
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def demo(folder: Path, ephemeral_ports: bool, exit_after: bool) -> None:
     daemon serving until Ctrl-C (or stops it with --exit).
     """
     from ..config import load_config
-    from ..demo import PERSONAS, send_demo_traffic
+    from ..demo.traffic import PERSONAS, send_demo_traffic
 
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / "otel-config.yaml"

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from ..errors import UserError
-from ..listing import parse_since
-from ..runtime import running_daemon
+from ..words import parse_since
+from ..system.runtime import running_daemon
 from ..words import plural
 from .common import config_option, json_option, load
 

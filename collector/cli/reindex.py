@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from ..runtime import running_daemon
+from ..system.runtime import running_daemon
 from ..words import plural, size_bytes
 from .common import config_option, load
 

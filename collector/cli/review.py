@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..listing import MAX_LIMIT
+from ..words import MAX_LIMIT
 from ..review import REVIEW_STATES
 from .common import ask, config_option, json_option, reviewer_token_option, table
 from .conversations import render

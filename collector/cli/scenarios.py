@@ -53,7 +53,7 @@ def export_cmd(config_path: Path | None, as_json: bool, since: str | None, crite
     from ..api.client import client as make_client
     from ..errors import UserError
     from ..evals.setup import daemon_provider
-    from ..listing import parse_since
+    from ..words import parse_since
 
     cfg = load(config_path)
     try:
@@ -139,7 +139,7 @@ def verify_cmd(since: str | None, bot: str | None, bot_url: str | None, bot_mode
     from replay.verify import record, unverified
 
     from ..errors import UserError
-    from ..listing import parse_since
+    from ..words import parse_since
 
     cfg = load(config_path)
     try:

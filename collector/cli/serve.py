@@ -25,7 +25,7 @@ def serve(config_path: Path | None, log_level: str) -> None:
     queued and exits 0 (also during start-up); it exits 1 when the store could
     not commit (a supervisor should restart it).
     """
-    from ..shutdown import StopSignals
+    from ..system.shutdown import StopSignals
 
     signals = StopSignals().install()  # before anything else: a signal during start-up stops it cleanly
     # SIGUSR1 writes every thread's stack to stderr: what a daemon that does not answer is doing.

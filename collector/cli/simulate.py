@@ -172,7 +172,7 @@ def _realism(cfg: Config, identity: dict[str, Any]) -> dict[str, Any]:
 def _store(cfg: Config, folder: Any, quiet: bool) -> None:
     """With a daemon running, the run's conversations stored as imported simulations, with their verdicts."""
     from ..api.client import APIClient
-    from ..runtime import running_daemon
+    from ..system.runtime import running_daemon
 
     info = running_daemon(cfg.runtime_file)
     if info is None:

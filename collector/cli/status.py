@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..memory import INDEX_WARNING, index_eighths
+from ..system.memory import INDEX_WARNING, index_eighths
 from ..words import duration_text, plural, size_text
 from .common import ask, config_option, json_option, table
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..listing import MAX_LIMIT
+from ..words import MAX_LIMIT
 from . import merge
 from .common import ask, ask_all, config_option, db_option, json_option, table
 

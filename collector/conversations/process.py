@@ -66,7 +66,7 @@ import duckdb
 
 from ..background import BACKOFF, Stage
 from ..config import Conversations as Settings
-from ..memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
+from ..system.memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
 from ..metrics import Metrics
 from ..store import Committed, Pacing, register, rows_table
 from ..words import duration_text, plural

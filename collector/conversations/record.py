@@ -17,7 +17,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import duckdb
 import orjson
 
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..normalize import ToolCall
 from ..store.transactions import by_keys
 from .transcript import Transcript, TranscriptMessage, Usage

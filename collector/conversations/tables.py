@@ -12,7 +12,7 @@ from typing import Any
 
 import duckdb
 
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..store.transactions import Transaction, one
 
 _CONVERSATION_FIELDS = """

@@ -14,7 +14,7 @@ from judges import Message as JudgeMessage
 from judges import ToolCall as JudgeToolCall
 from judges import TranscriptDigest, render_lines, transcript_sha256
 
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..normalize import ToolCall
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

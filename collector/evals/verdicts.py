@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from judges import Criterion, LLMCriterion, Message, NotRun, Verdict, transcript_sha256
 
 from ..conversations.record import conversation_record
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..store.arrow import Table
 from ..store.schema import drop_primary_key
 from ..store.transactions import Transaction, one, registered, registered_rows, utc_now

@@ -46,7 +46,7 @@ from ..evals.simulated_user import REALISM, SimulatedUser
 from ..evals.simulations import present as simulations_present
 from ..evals.simulations import simulated_record
 from ..evals.verdicts import where_clause
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..names import clean_name, reviewer_key, spellings
 from ..store.transactions import Transaction, one, utc_now
 from .errors import ReviewError, ReviewInputError, ReviewNotFound

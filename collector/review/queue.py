@@ -30,7 +30,7 @@ from . import REVIEW_STATES, ReviewState, calibration
 from .errors import ReviewConflict, ReviewInputError, ReviewNotFound
 from .errors import ReviewError as ReviewError  # re-exported: the API catches it here
 from ..evals.verdicts import VERDICT_COLUMNS, verdict_dict, where_clause
-from ..listing import iso_utc
+from ..words import iso_utc
 from ..names import clean_name, reviewer_key, spellings
 from ..store.transactions import Transaction, one, utc_now
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from collector.demo import Persona, Turn
+from collector.demo.traffic import Persona, Turn
 
 from ..support.daemon import DaemonProcess, base_config, wait_until
 from ..support.judge_server import FAIL_WORD, RuleJudge

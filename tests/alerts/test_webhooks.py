@@ -7,7 +7,7 @@ from pathlib import Path
 
 from collector.alerts.webhooks import body_for, headers, review_url, slack_message
 from collector.config import Webhook, validate_config
-from collector.runtime import RuntimeInfo
+from collector.system.runtime import RuntimeInfo
 
 BODY = {"id": "a1", "type": "failure_rate", "at": "2026-03-01T12:00:00Z", "state": "open", "criterion": "red-flags",
         "monitor": "failure_rate:red-flags", "value": 0.031, "above": 0.02, "window": "1h"}

@@ -26,7 +26,7 @@ import pytest
 from collector.config import is_loopback, load_config
 from collector.daemon import Daemon
 from collector.errors import StoreUnavailable
-from collector.shutdown import StopSignals
+from collector.system.shutdown import StopSignals
 
 from ..support.daemon import REPO, DaemonProcess, base_config, clean_env, run_cli, wait_conversations, wait_until
 from ..support.wire import grpc_export, post, span_request_bytes

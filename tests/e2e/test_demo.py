@@ -15,7 +15,7 @@ import duckdb
 import pytest
 import yaml
 
-from collector.runtime import RuntimeInfo
+from collector.system.runtime import RuntimeInfo
 
 from ..support.daemon import REPO, DaemonProcess, clean_env, run_cli, wait_until
 

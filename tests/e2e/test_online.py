@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from collector.demo import Persona, Turn
+from collector.demo.traffic import Persona, Turn
 from collector.evals.sampling import unit_hash
 
 from ..support.daemon import DaemonProcess, clean_env, run_cli, wait_until

@@ -26,7 +26,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 
-from collector.demo import Persona
+from collector.demo.traffic import Persona
 
 from ..support.daemon import DaemonProcess, clean_env, wait_conversations, wait_until
 from ..support.online import send

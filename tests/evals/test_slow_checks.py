@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from collector.demo import Persona, Turn
+from collector.demo.traffic import Persona, Turn
 
 from ..support.daemon import wait_until
 from ..support.online import send, wait_status

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from collector.api import export
 from collector.conversations.record import conversation_record
-from collector.demo import Persona, Turn
+from collector.demo.traffic import Persona, Turn
 from collector.errors import UserError
 from replay.export import write_lines
 

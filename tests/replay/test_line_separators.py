@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from collector.demo import Persona, ToolCall, Turn
+from collector.demo.traffic import Persona, ToolCall, Turn
 from collector.review.regression import KEY, read_set, write_set
 from replay.scenarios import CASES, ScenarioWriter, scenario_id
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from collector.demo import Persona, ToolCall, Turn
+from collector.demo.traffic import Persona, ToolCall, Turn
 from replay.scenarios import CASES, RERUN, Scenario, scenario_id
 from tests.support.daemon import DaemonProcess, clean_env, run_cli, wait_until
 from tests.support.judge_server import FAIL_WORD, PROPOSED, RuleJudge

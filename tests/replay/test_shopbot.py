@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from collector.shopbot import fixed, reply
+from collector.demo.shopbot import fixed, reply
 
 FLAW = re.compile(r"(?i)(carrier|corriere) will (call|contact)")  # the demo's no-promises-for-the-carrier
 

@@ -26,7 +26,7 @@ from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
 from collector.conversations.writes import archive_traces
 from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
-from collector.memory import INDEX_WARNING
+from collector.system.memory import INDEX_WARNING
 from collector.metrics import Metrics
 from collector.retention import (IDLE_GAP, INTERVAL, ROWS, SETTLE, SHARE, SHARE_BEHIND, SOON, WAITING_AGAIN,
                                  Retention)

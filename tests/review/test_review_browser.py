@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from collector.demo import Persona, Turn
+from collector.demo.traffic import Persona, Turn
 
 from ..support.browser import chromium
 from ..support.daemon import REPO, DaemonProcess, wait_until

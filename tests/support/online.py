@@ -10,7 +10,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from collector.demo import ConversationIdProcessor, Persona, ToolCall, Turn, play
+from collector.demo.traffic import ConversationIdProcessor, Persona, ToolCall, Turn, play
 
 from .daemon import DaemonProcess, wait_until
 from .judge_server import FAIL_WORD, JUNK_WORD

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from collector.demo import Persona, ToolCall, Turn
+from collector.demo.traffic import Persona, ToolCall, Turn
 
 from .daemon import DaemonProcess, base_config, wait_until
 from .online import send

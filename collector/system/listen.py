@@ -18,8 +18,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from .config import TLS, Listener
-from .errors import UserError
+from ..config import TLS, Listener
+from ..errors import UserError
 
 log = logging.getLogger("tracejudge.listen")
 

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Tracer
 
-from .words import plural
+from ..words import plural
 
 SYSTEM = ("You are ShopBot, the support assistant of a bookshop. Look orders up with lookup_order "
           "before answering about them. Hand the user over to a person when they ask for one.")

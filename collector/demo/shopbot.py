@@ -1,6 +1,6 @@
-"""The demo's ShopBot as a function, for ``tracejudge simulate --bot collector.shopbot:reply``.
+"""The demo's ShopBot as a function, for ``tracejudge simulate --bot collector.demo.shopbot:reply``.
 
-The demo's traffic (``collector.demo``) is scripted; this is the same bookshop
+The demo's traffic (``collector.demo.traffic``) is scripted; this is the same bookshop
 support bot answering for real, by rules, with no model and no key, so the
 loop from a production failure to a verified fix can be tried on it:
 
