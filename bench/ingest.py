@@ -290,6 +290,14 @@ def peak_rss_mb(pid: int, children: bool = True) -> float:
     return total
 
 
+def checkout(ref: str, into: Path) -> Path:
+    """``ref``'s tree of this repository, unpacked into ``into`` (to run another commit's daemon beside this one)."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def start_daemon(data: Path, extra_config: str = "") -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start `tracejudge serve` on a config in ``data`` (plus ``extra_config`` YAML); its runtime info."""
     cfg = data / "otel-config.yaml"

@@ -213,14 +213,6 @@ def steady(work: Path, rate: float, minutes: float, keep: str, conversations: st
     return rows
 
 
-def checkout(ref: str, into: Path) -> Path:
-    """``ref``'s tree of this repository, unpacked into ``into``."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(HERE), "archive", ref], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", default="burst,live,steady")
@@ -246,7 +238,7 @@ def main() -> None:
                   flush=True)
             runs = [("this tree", HERE)]
             if args.baseline:
-                runs.insert(0, (args.baseline, checkout(args.baseline, work / "baseline-code")))
+                runs.insert(0, (args.baseline, ingest.checkout(args.baseline, work / "baseline-code")))
             results = burst(runs, work, bodies, args.keep)
             del bodies
             for name, r in results.items():
@@ -263,7 +255,7 @@ def main() -> None:
                   f"keeping {args.live_keep:g} s of spans", flush=True)
             runs = [("this tree", HERE)]
             if args.baseline:
-                runs.insert(0, (args.baseline, checkout(args.baseline, work / "live-baseline-code")))
+                runs.insert(0, (args.baseline, ingest.checkout(args.baseline, work / "live-baseline-code")))
             for name, code in runs:
                 r = live(name, code, work, bodies, args.live_keep)
                 print(f"  live {name}: zero stored {r['clear']:.1f} s after the last span expired (target < 60 s), "

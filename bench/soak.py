@@ -22,9 +22,11 @@ allocator holds (``tracejudge_allocator_bytes``) and the daemon's anonymous and 
 Run by hand:
 
     .venv/bin/python bench/soak.py [--spans 3000000] [--rate 10000] [--interval 30] [--retention 90s|off]
-                                   [--sampling 0.1]
+                                   [--sampling 0.1] [--baseline c6e3abb --rounds 2]
 
 ``--retention off`` and ``--sampling 0`` leave out deleting and judging, to see what each costs per span.
+``--baseline REF`` runs the same soak on another commit's code (``git archive``), alternating with this
+tree's for ``--rounds``, and prints the CPU per span of each and their ratio: one run, one machine's noise.
 """
 
 from __future__ import annotations
@@ -200,46 +202,72 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=30)
     ap.add_argument("--retention", default="90s", help="spans kept (conversations twice that), or off")
     ap.add_argument("--sampling", type=float, default=0.1, help="share of conversations judged [0.1]")
+    ap.add_argument("--baseline", help="a git ref whose code also runs the same soak, alternating with this "
+                                       "tree's (e.g. c6e3abb): the CPU per span of each, and the ratio")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each code, alternated (with --baseline)")
     ap.add_argument("--trace", type=Path, help="Write every second's proportional sets and DuckDB memory by tag "
                                                  "here, as JSON lines (to line up with the daemon's log).")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp)
-        (data / "criteria.yaml").write_text(memory.CRITERIA)
-        keep = args.retention
-        extra = (f"conversations: {{idle_timeout: 2s}}\nsampling: {{rate: {args.sampling}}}\n"
-                 f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
-        kept = "no retention"
-        if keep != "off":
-            conv_keep = f"{2 * int(keep[:-1])}{keep[-1]}"
-            ingest.STORAGE_EXTRA += f", retention: {{spans: {keep}, conversations: {conv_keep}}}"
-            kept = f"retention {keep} of spans, {conv_keep} of conversations"
+        codes = [("this tree", ingest.REPO)]
+        if args.baseline:
+            codes.insert(0, (args.baseline, ingest.checkout(args.baseline, Path(tmp) / "baseline-code")))
+        cpu: dict[str, list[float]] = {label: [] for label, _ in codes}
+        for r in range(args.rounds if args.baseline else 1):
+            for label, code in codes:
+                print(f"\n=== {label}, round {r + 1}", flush=True)
+                cpu[label].append(soak(code, Path(tmp) / f"run-{r}-{len(cpu[label])}-{label.replace(' ', '-')}", args))
+    if args.baseline:
+        old, new = (statistics.median(cpu[label]) for label, _ in codes)
+        print(f"\nCPU per span, daemon and its processes (median of {args.rounds}): {args.baseline} "
+              f"{old:.0f} µs, this tree {new:.0f} µs: {new / old:.2f}x  "
+              + "; ".join(f"{label}: " + ", ".join(f"{us:.0f}" for us in runs) for label, runs in cpu.items()))
+
+
+def soak(code: Path, data: Path, args: argparse.Namespace) -> float:
+    """One soak of ``code``'s daemon, reported; its CPU per span (daemon and its processes), µs."""
+    data.mkdir(parents=True)
+    (data / "criteria.yaml").write_text(memory.CRITERIA)
+    keep = args.retention
+    extra = (f"conversations: {{idle_timeout: 2s}}\nsampling: {{rate: {args.sampling}}}\n"
+             f"judges: {{criteria: ['{data / 'criteria.yaml'}']}}\n")
+    kept = "no retention"
+    ingest.STORAGE_EXTRA = ""
+    if keep != "off":
+        conv_keep = f"{2 * int(keep[:-1])}{keep[-1]}"
+        ingest.STORAGE_EXTRA = f", retention: {{spans: {keep}, conversations: {conv_keep}}}"
+        kept = f"retention {keep} of spans, {conv_keep} of conversations"
+    here, ingest.REPO = ingest.REPO, code  # the launcher runs ``python -m collector`` in this folder: its code
+    try:
         proc, info = ingest.start_daemon(data, extra)
-        answered: list[tuple[float, float]] = []
-        rows: list[dict[str, float]] = []
-        done = [False]
-        trace = args.trace.open("w") if args.trace else None
-        watch = threading.Thread(target=sampler, args=(info, proc.pid, data / "bench.duckdb", args.interval,
-                                                       answered, rows, done, trace), daemon=True)
-        print(f"{args.spans:,} spans at {args.rate:,.0f} spans/s; {kept}; {args.sampling:.0%} of conversations "
-              "judged", flush=True)
-        try:
-            watch.start()
-            last_ack = asyncio.run(paced(info["grpc"], args.spans, args.rate, answered))
-            current = current_after(info["api"], last_ack)
-            memory.settled(info["api"], timeout=1800)
-            lag_end = time.perf_counter() - last_ack
-            done[0] = True
-            watch.join()
-        finally:
-            proc.terminate()
-            proc.wait()
-            if trace:
-                trace.close()
-        blocks = file_blocks(data / "bench.duckdb")
-    report(rows, lag_end, current, args.spans // ingest.SPANS_PER_REQUEST * ingest.SPANS_PER_REQUEST)
+    finally:
+        ingest.REPO = here
+    answered: list[tuple[float, float]] = []
+    rows: list[dict[str, float]] = []
+    done = [False]
+    trace = args.trace.open("a") if args.trace else None
+    watch = threading.Thread(target=sampler, args=(info, proc.pid, data / "bench.duckdb", args.interval,
+                                                   answered, rows, done, trace), daemon=True)
+    print(f"{args.spans:,} spans at {args.rate:,.0f} spans/s; {kept}; {args.sampling:.0%} of conversations "
+          "judged", flush=True)
+    try:
+        watch.start()
+        last_ack = asyncio.run(paced(info["grpc"], args.spans, args.rate, answered))
+        current = current_after(info["api"], last_ack)
+        memory.settled(info["api"], timeout=1800)
+        lag_end = time.perf_counter() - last_ack
+        done[0] = True
+        watch.join()
+    finally:
+        proc.terminate()
+        proc.wait()
+        if trace:
+            trace.close()
+    blocks = file_blocks(data / "bench.duckdb")
+    per_span = report(rows, lag_end, current, args.spans // ingest.SPANS_PER_REQUEST * ingest.SPANS_PER_REQUEST)
     print(f"  at the end: {blocks}")
+    return per_span
 
 
 def file_blocks(path: Path) -> str:
@@ -259,7 +287,8 @@ def file_blocks(path: Path) -> str:
             f"{free * size / MB:.0f} MB free (reused by later writes); rows: {rows}")
 
 
-def report(rows: list[dict[str, float]], lag_end: float, current: float, spans: int) -> None:
+def report(rows: list[dict[str, float]], lag_end: float, current: float, spans: int) -> float:
+    """Print the run's table and targets; its CPU per span, daemon and its processes (µs)."""
     keys = ["spans stored", "rss", "peak rss", "pss", "peak pss", "at peak: daemon", "at peak: children", "duckdb", "duckdb peak", "duckdb index", "outside duckdb", "stage process", "file", "p99 ms", "spans/s", "cores: daemon", "cores: its processes", "cores: load",
             "lag commits", "deleted spans", "deleted convs"]
     first = rows[0]
@@ -294,6 +323,7 @@ def report(rows: list[dict[str, float]], lag_end: float, current: float, spans: 
     print("  CPU per span over the run: " + ", ".join(f"{who} {us:.0f} µs" for who, us in per_span.items())
           + f"; {total:.0f} µs in all, so {os.cpu_count()} cores sustain at most {os.cpu_count() * 1e6 / total:,.0f} "
           "spans/s with none idle")
+    return per_span["daemon"] + per_span["its processes"]
 
 
 if __name__ == "__main__":
