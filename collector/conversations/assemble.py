@@ -327,6 +327,14 @@ def _llm_calls(spans: dict[str, _Span]) -> list[_Call]:
                 if _same_call(sp, other):
                     union(sp.span_id, other.span_id)
             bucket.append(sp)
+    with_messages: dict[str | None, list[_Span]] = {}  # by parent
+    for sp in llm:
+        if _has_messages(sp.content):
+            with_messages.setdefault(sp.parent, []).append(sp)
+    for sp in llm:
+        call = _helper_of(sp, with_messages.get(sp.parent, []))
+        if call is not None:
+            union(sp.span_id, call.span_id)
     groups: dict[str, list[_Span]] = {}
     for sp in llm:
         groups.setdefault(find(sp.span_id), []).append(sp)
@@ -345,7 +353,37 @@ def _llm_calls(spans: dict[str, _Span]) -> list[_Call]:
         content = next((m.content for m in [best] + members if _has_messages(m.content)), best.content)
         calls.append(_Call(min(_order(m) for m in members), best, content, meta))
     calls.sort(key=lambda c: c.order)
+    for sp in spans.values():
+        if sp.meta.reported_model:
+            _report_model(calls, sp)
     return calls
+
+
+def _helper_of(sp: _Span, siblings: list[_Span]) -> _Span | None:
+    """The call an LLM span with neither messages nor tokens belongs to, if a sibling holds one.
+
+    Such a span beside (same parent) LLM spans with messages (``siblings``) is a helper's span of
+    a call, not a call (LlamaIndex's ``OpenAI._prepare_chat_with_tools`` before ``OpenAI.achat``):
+    it joins the nearest of them in time, a later one first. Without content beside it nothing
+    joins, so calls seen with content capture off are still counted.
+    """
+    if _has_messages(sp.content) or sp.meta.input_tokens is not None or sp.meta.output_tokens is not None:
+        return None
+    return min(siblings, default=None,
+               key=lambda s: (max(0, s.start - sp.end, sp.start - s.end), s.start < sp.start, s.span_id))
+
+
+def _report_model(calls: list[_Call], sp: _Span) -> None:
+    """A model named by a span after its call (``Meta.reported_model``) is that call's response model.
+
+    The call is the latest one ended before ``sp`` starts; a response model of its own other than the
+    request model wins.
+    """
+    before = [c for c in calls if c.span.end <= sp.start]
+    if before:
+        meta = max(before, key=lambda c: (c.span.end, c.order)).meta
+        if meta.response_model in (None, meta.request_model):
+            meta.response_model = sp.meta.reported_model
 
 
 # ---------------------------------------------------------------- merge by position

@@ -8,9 +8,10 @@ Logfire, free text in Langfuse, ``call_llm`` in ADK).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
-from ._model import Attrs, Meta, SpanKind, Truncated, as_int, as_str
+from ._model import Attrs, Meta, SpanKind, Truncated, as_int, as_str, loads_maybe
 
 # (attribute, value -> kind). The first attribute present decides.
 KIND_RULES: tuple[tuple[str, Mapping[str, SpanKind]], ...] = (
@@ -52,10 +53,21 @@ RESPONSE_MODEL_KEYS = (
 )
 # (JSON attribute, path to the model inside it: keys and list indexes) tried after the flat keys.
 REQUEST_MODEL_JSON: tuple[tuple[str, tuple[str | int, ...]], ...] = (
-    ("llm.invocation_parameters", ("model",)), ("request_data", ("model",)),
-    ("gcp.vertex.agent.llm_request", ("model",)))
+    ("llm.invocation_parameters", ("model",)), ("llm.invocation_parameters", ("model_name",)),  # LlamaIndex
+    ("request_data", ("model",)), ("gcp.vertex.agent.llm_request", ("model",)))
 RESPONSE_MODEL_JSON: tuple[tuple[str, tuple[str | int, ...]], ...] = (
     ("response_data", ("model",)), ("haystack.agent.step.llm.output", ("replies", 0, "meta", "model")))
+# Paths in a JSON output.value tried on an LLM span whose response model is missing or only the
+# request model again: OpenInference's LangChain spans of a streamed call put the request model in
+# llm.model_name, and the model the server reported only in the LLMResult of output.value.
+OUTPUT_MODEL_PATHS: tuple[tuple[str | int, ...], ...] = (
+    ("llm_output", "model_name"), ("generations", 0, 0, "generation_info", "model_name"))
+# LlamaIndex's workflow gives the raw OpenAI response of a call only to the step after it: a Python
+# repr inside the AgentOutput in BaseWorkflowAgent.parse_agent_output's input.value (a CHAIN span),
+# "raw={'id': ..., 'choices': [...], 'created': 1741000000, 'model': '...', 'object': 'chat.completion'".
+# Read with a regex (never eval); ``created`` before it keeps message text from matching.
+AGENT_OUTPUT = "AgentOutput("
+AGENT_OUTPUT_MODEL = re.compile(r"'created': \d+, 'model': '([^'\\\"]+)', 'object': 'chat\.completion")
 
 INPUT_TOKEN_KEYS = (
     "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "llm.token_count.prompt",
@@ -101,6 +113,10 @@ def _json_field(attrs: Attrs, attr: str, path: tuple[str | int, ...]) -> Any:
         obj = attrs.json(attr)
     except Truncated:
         return None
+    return _walk(obj, path)
+
+
+def _walk(obj: Any, path: tuple[str | int, ...]) -> Any:
     for p in path:
         if isinstance(p, int):
             obj = obj[p] if isinstance(obj, list) and -len(obj) <= p < len(obj) else None
@@ -167,11 +183,40 @@ def _model(attrs: Attrs, keys: tuple[str, ...], in_json: Any) -> str | None:
     return found
 
 
+def _output_model(attrs: Attrs) -> str | None:
+    """The model at one of ``OUTPUT_MODEL_PATHS`` in an ``output.value`` of JSON."""
+    if attrs.get("output.mime_type") != "application/json":
+        return None
+    try:  # not Attrs.json: an output.value cut short must not flag the messages read elsewhere as cut
+        value = loads_maybe(attrs.get("output.value"))
+    except (Truncated, RecursionError):
+        return None
+    for path in OUTPUT_MODEL_PATHS:
+        found = as_str(_walk(value, path))
+        if found:
+            return found
+    return None
+
+
+def _agent_output_model(value: Any) -> str | None:
+    """The model of the raw response in a LlamaIndex AgentOutput repr, if ``value`` holds one."""
+    if not isinstance(value, str):
+        return None
+    at = value.find(AGENT_OUTPUT)
+    at = value.find("raw={", at) if at >= 0 else -1
+    found = AGENT_OUTPUT_MODEL.search(value, at) if at >= 0 else None
+    return found.group(1) if found else None
+
+
 def read_meta(attrs: Attrs, name: str = "") -> Meta:
     """Read kind, models, token usage and ids from one span's (or log's) attributes."""
     meta = Meta(kind=span_kind(attrs, name))
     meta.request_model = _model(attrs, REQUEST_MODEL_KEYS, REQUEST_MODEL_JSON)
     meta.response_model = _model(attrs, RESPONSE_MODEL_KEYS, RESPONSE_MODEL_JSON)
+    if meta.kind == "llm" and meta.response_model in (None, meta.request_model):
+        meta.response_model = _output_model(attrs) or meta.response_model
+    if meta.kind == "agent" and attrs.get("openinference.span.kind") == "CHAIN":
+        meta.reported_model = _agent_output_model(attrs.get("input.value"))
     meta.input_tokens = _tokens(attrs, INPUT_TOKEN_KEYS, USAGE_INPUT_FIELDS)
     meta.output_tokens = _tokens(attrs, OUTPUT_TOKEN_KEYS, USAGE_OUTPUT_FIELDS)
     meta.response_id = _flat(attrs, RESPONSE_ID_KEYS)

@@ -90,6 +90,9 @@ class Meta:
     previous_response_id: str | None = None
     tool_call_id: str | None = None
     tool_name: str | None = None
+    # The response model of the latest LLM call before this span, named only here (LlamaIndex's
+    # AgentOutput, see ``_meta``): the call's own spans carry the request model alone.
+    reported_model: str | None = None
 
 
 class Event(NamedTuple):

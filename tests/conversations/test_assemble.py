@@ -559,6 +559,33 @@ def test_two_real_calls_with_equal_tokens_count_twice() -> None:
     assert build_transcript(w.spans, []).llm_calls == 2
 
 
+def test_llm_span_without_messages_or_tokens_beside_the_call_is_not_a_call() -> None:
+    # LlamaIndex: OpenAI._prepare_chat_with_tools (LLM kind, no messages, no tokens) before OpenAI.achat.
+    w = write(_turns("hi", "hello"), "otel-genai span")
+    trace, root, chat = w.spans[0]["trace_id"], w.spans[0]["span_id"], w.spans[1]
+    _llm(w, trace, root, {"gen_ai.request.model": "m"}, chat["start_time_unix_nano"] - 5,
+         chat["start_time_unix_nano"] - 1)
+    assert build_transcript(w.spans, w.logs).llm_calls == 1
+    # With no content anywhere, such spans are the calls (content capture off, a stream without usage).
+    w = Writer("x")
+    _llm(w, "a" * 32, None, {"gen_ai.request.model": "m"}, 10, 20)
+    _llm(w, "a" * 32, None, {"gen_ai.request.model": "m"}, 30, 40)
+    assert build_transcript(w.spans, []).llm_calls == 2
+
+
+def test_model_reported_by_a_later_span_is_the_previous_calls() -> None:
+    w = write(_turns("hi", "hello"), "otel-genai span")
+    trace, root, chat = w.spans[0]["trace_id"], w.spans[0]["span_id"], w.spans[1]
+    ev = "AgentOutput(raw={'id': 'c', 'created': 1, 'model': 'm-reported', 'object': 'chat.completion'})"
+    end = chat["end_time_unix_nano"]
+    w.span(trace, root, "parse_agent_output", {"openinference.span.kind": "CHAIN",
+                                               "input.value": J({"ev": ev})}, end + 1, end + 2)
+    assert build_transcript(w.spans, w.logs).models == ("m-1",)  # the call's own response model wins
+    chat_attrs = json.loads(chat["attributes"])
+    chat["attributes"] = J({k: v for k, v in chat_attrs.items() if k != "gen_ai.response.model"})
+    assert build_transcript(w.spans, w.logs).models == ("m-reported",)
+
+
 def test_log_records_without_their_span_still_count() -> None:
     w = write(_turns("hi", "hello"), "otel-genai event only")
     spans = [s for s in w.spans if s["name"] != "chat m"]

@@ -32,19 +32,6 @@ STRANDS_MODEL = ("lost by the library: Strands 1.62's spans carry the request mo
                  "gpt-4o-mini; the model the server reported, gpt-4o-mini-2024-07-18, is nowhere in the capture), "
                  "so every conversation's models read gpt-4o-mini; messages, system prompt, usage, calls and "
                  "grouping are exact")
-OPENINFERENCE_STREAMED_MODEL = (
-    "OpenInference's LangChain spans of a streamed ChatOpenAI call carry the request model as llm.model_name "
-    "(gpt-4o-mini); the model the server reported, gpt-4o-mini-2024-07-18, is there only inside output.value "
-    "(generations[0][0].generation_info.model_name and the AIMessage's response_metadata), which is not read, so "
-    "the streamed conversations' (alice, carol) models read gpt-4o-mini; messages, usage, calls and grouping exact")
-LLAMAINDEX_OPENINFERENCE = (
-    "OpenInference's LlamaIndex spans give each model call two LLM-kind spans in the same run_agent_step: "
-    "OpenAI._prepare_chat_with_tools (llm.model_name and llm.tools, no messages, no tokens) beside OpenAI.achat "
-    "/ OpenAI.astream_chat (messages and tokens), so every call is counted twice (alice 8 llm_calls != 4, the "
-    "others 6 != 3); and every LLM span's llm.model_name is the request model gpt-4o-mini: the model the server "
-    "reported, gpt-4o-mini-2024-07-18, is only in the Python repr of the AgentOutput in "
-    "BaseWorkflowAgent.parse_agent_output's input.value (a CHAIN span), so all four models read gpt-4o-mini; "
-    "messages, system prompt, usage and grouping exact")
 SEMANTIC_KERNEL_MODEL = (
     "lost by the library: Semantic Kernel 1.45's chat spans carry gen_ai.request.model only, never "
     "gen_ai.response.model, and its gen_ai.choice log records hold the message without the response's model: "
@@ -68,10 +55,6 @@ GAPS: dict[str, str] = {
     "langchain-agent-openllmetry-http-noid": STREAMED_MODEL,
     "strands-agent-grpc": STRANDS_MODEL,
     "strands-agent-grpc-noid": STRANDS_MODEL,
-    "langgraph-react-openinference-grpc": OPENINFERENCE_STREAMED_MODEL,
-    "langgraph-react-openinference-grpc-noid": OPENINFERENCE_STREAMED_MODEL,
-    "llamaindex-functionagent-openinference-grpc": LLAMAINDEX_OPENINFERENCE,
-    "llamaindex-functionagent-openinference-grpc-noid": LLAMAINDEX_OPENINFERENCE,
     "semantic-kernel-agent-grpc": SEMANTIC_KERNEL_MODEL,
     "semantic-kernel-agent-grpc-noid": SEMANTIC_KERNEL_MODEL,
 }

@@ -337,7 +337,37 @@ META_TABLE: list[tuple[dict[str, Any], str, str | None, str | None, int | None, 
     ({"gen_ai.system": "openai", "gen_ai.request.model": "m", "gen_ai.usage.input_tokens": 1}, "llm", "m", None, 1,
      None),
     ({"http.method": "POST"}, "other", None, None, None, None),
+    # OpenInference, LangChain streamed: llm.model_name is the request model; the LLMResult names the reported one.
+    ({"openinference.span.kind": "LLM", "llm.model_name": "m", "llm.invocation_parameters": J({"model": "m"}),
+      "output.mime_type": "application/json", "output.value": J({"generations": [[{"generation_info": {
+          "model_name": "m-1"}}]], "llm_output": None})}, "llm", "m", "m-1", None, None),
+    # ... but a model of its own is kept, and text is not parsed as JSON.
+    ({"openinference.span.kind": "LLM", "llm.model_name": "m-2", "llm.invocation_parameters": J({"model": "m"}),
+      "output.mime_type": "application/json", "output.value": J({"llm_output": {"model_name": "m-1"}})},
+     "llm", "m", "m-2", None, None),
+    ({"openinference.span.kind": "LLM", "llm.model_name": "m", "llm.invocation_parameters": J({"model_name": "m"}),
+      "output.mime_type": "text/plain", "output.value": J({"llm_output": {"model_name": "m-1"}})},
+     "llm", "m", "m", None, None),
 ]
+
+
+def test_output_value_cut_short_is_no_model_and_no_cut_message() -> None:
+    attrs = {"openinference.span.kind": "LLM", "llm.model_name": "m", "llm.invocation_parameters": J({"model": "m"}),
+             "llm.input_messages.0.message.role": "user", "llm.input_messages.0.message.content": "hi",
+             "output.mime_type": "application/json",
+             "output.value": J({"generations": [[{"generation_info": {"model_name": "m-1"}}]]})[:30]}
+    meta, content = read_span(attrs)
+    assert meta.response_model == "m" and content is not None and not content.truncated
+
+
+def test_llamaindex_agent_output_names_the_reported_model() -> None:
+    ev = ("AgentOutput(response=ChatMessage(blocks=[TextBlock(text=\"'created': 1, 'model': 'no', 'object': "
+          "'chat.completion'\")]), raw={'id': 'chatcmpl-1', 'choices': [], 'created': 1741000000, "
+          "'model': 'm-1', 'object': 'chat.completion.chunk', 'usage': None}, tool_calls=[])")
+    chain = {"openinference.span.kind": "CHAIN", "input.value": J({"ctx": "<Context>", "ev": ev})}
+    assert read_meta(Attrs(chain)).reported_model == "m-1"
+    assert read_meta(Attrs({**chain, "openinference.span.kind": "LLM"})).reported_model is None
+    assert read_meta(Attrs({**chain, "input.value": J({"ev": "AgentOutput(raw=None)"})})).reported_model is None
 
 
 @pytest.mark.parametrize("attrs,kind,req,resp,tin,tout", META_TABLE)
