@@ -545,9 +545,14 @@ def _messages(entries: list[_Entry], tool_names: dict[str, str],
     """The transcript's messages; with a memo, those of the last call are reused where unchanged."""
     prev = memo._messages if memo is not None else []
     out: list[tuple[_Entry, str | None, TranscriptMessage]] = []
+    called: dict[str, str] = {}  # call id -> the tool the call named, for results that do not name it
     for i, e in enumerate(entries):
         msg = e.msg
-        name = (msg.name or tool_names.get(msg.tool_call_id or "")) if msg.role == "tool" else None
+        for tc in msg.tool_calls:
+            if tc.id and tc.name:
+                called.setdefault(tc.id, tc.name)
+        name = (msg.name or tool_names.get(msg.tool_call_id or "") or called.get(msg.tool_call_id or "")
+                if msg.role == "tool" else None)
         if i < len(prev) and prev[i][0] is e and prev[i][1] == name:
             out.append(prev[i])
             continue

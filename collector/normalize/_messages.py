@@ -219,6 +219,14 @@ def _content_blocks(content: Any) -> list[Any]:
     return [str(content)]
 
 
+def _only_results(obj: dict[str, Any]) -> bool:
+    """Whether ``obj``'s blocks are all tool results (and there is one)."""
+    blocks = [b for key in ("parts", "content") for b in _content_blocks(obj.get(key))]
+    return bool(blocks) and all(
+        isinstance(b, dict) and (b.get("type") if "type" in b else (_keyed_block(b) or {}).get("type"))
+        in TOOL_RESULT_TYPES for b in blocks)
+
+
 def read_message(obj: Any, truncated: bool = False) -> list[Message]:
     """Read one message object of any known shape into canonical messages.
 
@@ -233,8 +241,12 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
         # Responses API items and bare blocks have a type but no role.
         itype = obj.get("type")
         if not isinstance(itype, str):
-            return []
-        if itype in TOOL_CALL_TYPES:
+            if not _only_results(obj):
+                return []
+            # A message of tool results whose role did not map (the OTel Google GenAI instrumentation writes
+            # ``""`` for Gemini's ``role: "tool"`` contents): tool messages, as its blocks say.
+            role = "tool"
+        elif itype in TOOL_CALL_TYPES:
             role, obj = "assistant", {"role": "assistant", "parts": [obj]}
         elif itype in TOOL_RESULT_TYPES:
             role, obj = "tool", {"role": "tool", "parts": [obj]}

@@ -37,6 +37,13 @@ SEMANTIC_KERNEL_MODEL = (
     "gen_ai.response.model, and its gen_ai.choice log records hold the message without the response's model: "
     "the model the server reported, gpt-4o-mini-2024-07-18, is nowhere in the spans or logs, so every model "
     "reads gpt-4o-mini; messages, system prompt, tool names, usage, calls and grouping exact")
+GOOGLE_GENAI_IDS = (
+    "the library's doing: the Gemini answers carry function calls without ids (as the Gemini Developer API mostly "
+    "sends them) and opentelemetry-instrumentation-google-genai 1.3b0 gives each call and each function response "
+    "an id of its own, `{name}_{index of the part in its content}` (lookup_order_0, track_parcel_1), so every "
+    "rebuilt tool call and tool result carries an id the wire never had (expected: none); it also writes Gemini's "
+    "`role: tool` contents with role \"\" and drops the function response's name (read as tool messages, named "
+    "after the call with their id); messages, system prompt, models, usage, calls and grouping are otherwise exact")
 GAPS: dict[str, str] = {
     # What LiteLLM 1.110's otel callback loses (collector/normalize/litellm.py): the transcripts of bob and
     # dave (not streamed) are exact, their usage and call counts cannot be.
@@ -57,6 +64,10 @@ GAPS: dict[str, str] = {
     "strands-agent-grpc-noid": STRANDS_MODEL,
     "semantic-kernel-agent-grpc": SEMANTIC_KERNEL_MODEL,
     "semantic-kernel-agent-grpc-noid": SEMANTIC_KERNEL_MODEL,
+    "google-genai-otel-span-grpc": GOOGLE_GENAI_IDS,
+    "google-genai-otel-span-grpc-noid": GOOGLE_GENAI_IDS,
+    "google-genai-otel-event-grpc": GOOGLE_GENAI_IDS,
+    "google-genai-otel-event-grpc-noid": GOOGLE_GENAI_IDS,
 }
 
 
