@@ -23,11 +23,11 @@ from collector.conversations import Conversations, conversation_record
 from collector.conversations.reindex import Reindex
 from collector.conversations.stitch import Opening, Stitcher, opening
 from collector.conversations.transcript import Transcript, TranscriptMessage
-from collector.ingest.batches import SpanBatch
-from collector.ingest.decode import parse_traces, span_batch
+from collector.ingest.batches import LogBatch, SpanBatch
+from collector.ingest.decode import log_batch, parse_logs, parse_traces, span_batch
 from collector.store import Store
 
-from ..support.conversations import comparable_message
+from ..support.conversations import comparable_messages
 from ..normalize.test_framework_captures import GAPS
 from ..support.daemon import wait_conversations
 from ..support.genai_fixtures import case_names
@@ -51,30 +51,39 @@ EXACT = sorted((c for c in case_names(CASES) if c.endswith("-noid") and c not in
 T0 = 1_764_478_800.0
 
 
-def _spans(case: str) -> SpanBatch:
+def _records(case: str) -> tuple[SpanBatch, LogBatch]:
+    """The capture's spans and log records (some instrumentations put the messages in logs)."""
     meta = json.loads((CASES / f"{case}.meta.json").read_text())
-    out = SpanBatch()
+    spans, logs = SpanBatch(), LogBatch()
     for req in meta["export_requests"]:
-        assert req["signal"] == "traces"
         body = (CASES / req["file"]).read_bytes()
         if req.get("stored_gzip_compressed") or req["file"].endswith(".gz"):
             body = gzip.decompress(body)
-        batch, rejected, _ = span_batch(parse_traces(body, "json" in req["content_type"]))
+        json_body = "json" in req["content_type"]
+        if req["signal"] == "traces":
+            batch, rejected, _ = span_batch(parse_traces(body, json_body))
+            spans.extend(batch)
+        else:
+            assert req["signal"] == "logs"
+            records, rejected, _ = log_batch(parse_logs(body, json_body))
+            logs.extend(records)
         assert rejected == 0
-        out.extend(batch)
-    return out
+    return spans, logs
 
 
-def _by_trace(batch: SpanBatch) -> dict[str, SpanBatch]:
-    """The batch cut into one per trace, in the order the traces started."""
+def _by_trace(batch: SpanBatch, logs: LogBatch | None = None) -> dict[str, tuple[SpanBatch, LogBatch]]:
+    """The batch (and the log records of each trace) cut into one per trace, in the order the traces started."""
     rows = batch.rows()
     starts: dict[str, int] = {}
     for r in rows:
         starts[r["trace_id"]] = min(starts.get(r["trace_id"], r["start_time_unix_nano"]), r["start_time_unix_nano"])
-    out: dict[str, SpanBatch] = {}
+    log_rows = logs.rows() if logs else []
+    out: dict[str, tuple[SpanBatch, LogBatch]] = {}
     for t in sorted(starts, key=lambda t: (starts[t], t)):
         idx = [i for i, r in enumerate(rows) if r["trace_id"] == t]
-        out[t] = SpanBatch([[column[i] for i in idx] for column in batch.columns])
+        lidx = [i for i, r in enumerate(log_rows) if r["trace_id"] == t]
+        out[t] = (SpanBatch([[column[i] for i in idx] for column in batch.columns]),
+                  LogBatch([[column[i] for i in lidx] for column in logs.columns]) if logs else LogBatch())
     return out
 
 
@@ -113,8 +122,8 @@ def _assert_as_expected(stored: dict[str, dict[str, Any]], case: str) -> None:
     for cid, conv in expected.items():
         record = stored[cid]
         assert record["grouped_by"] == "history", cid
-        assert [comparable_message(m) for m in record["messages"]] == \
-            [comparable_message(m) for m in conv["messages"]], cid
+        got, exp = comparable_messages(record["messages"], conv["messages"])
+        assert got == exp, cid
 
 
 @pytest.fixture
@@ -127,16 +136,17 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
-def _send(store: Store, stage: Conversations, batches: list[SpanBatch], each: bool) -> None:
+def _send(store: Store, stage: Conversations, batches: list[tuple[SpanBatch, LogBatch]], each: bool) -> None:
     if each:  # a cycle each: they arrive in this order
-        for b in batches:
-            store.submit(spans=b).result(30)
+        for spans, logs in batches:
+            store.submit(spans=spans, logs=logs).result(30)
             assert stage.wait_idle(60)
     else:
-        whole = SpanBatch()
-        for b in batches:
-            whole.extend(b)
-        store.submit(spans=whole).result(30)
+        whole, whole_logs = SpanBatch(), LogBatch()
+        for spans, logs in batches:
+            whole.extend(spans)
+            whole_logs.extend(logs)
+        store.submit(spans=whole, logs=whole_logs).result(30)
     assert stage.wait_idle(60)
 
 
@@ -147,7 +157,7 @@ def test_noid_capture_is_stitched_into_one_conversation_per_user(store: Store, c
     stage = _stage(store, clock)
     store.on_commit(stage.on_commit)
     try:
-        _send(store, stage, list(_by_trace(_spans(case)).values()), each)
+        _send(store, stage, list(_by_trace(*_records(case)).values()), each)
     finally:
         stage.stop()
     _assert_as_expected(_stored(store), case)
@@ -161,7 +171,7 @@ def test_stitched_through_the_stage_process_pipe(store: Store) -> None:
     stage.start()
     store.on_commit(stage.on_commit)
     try:
-        _send(store, stage, list(_by_trace(_spans(case)).values()), each=True)
+        _send(store, stage, list(_by_trace(*_records(case)).values()), each=True)
     finally:
         stage.stop()
         served.close()
@@ -177,7 +187,7 @@ def test_two_users_who_typed_the_same_first_message_are_never_merged(store: Stor
     dave's second turn comes before carol's. Each conversation holds one user's messages, once each."""
     case = EXACT[0]
     expected = {c["scenario"]: c for c in _expected(case)}
-    traces = _by_trace(_spans(case))
+    traces = _by_trace(*_records(case))
     carol, dave = expected["carol"]["trace_ids"], expected["dave"]["trace_ids"]
     order = [carol[0], dave[0], *dave[1:], *carol[1:]]
     stage = _stage(store, store.test_clock)  # type: ignore[attr-defined]
@@ -203,7 +213,7 @@ def test_no_stitch_beyond_the_window_nor_across_services(store: Store) -> None:
     of its own (arrival times: the store's clock, never the spans')."""
     case = EXACT[0]
     expected = {c["scenario"]: c for c in _expected(case)}
-    traces = _by_trace(_spans(case))
+    traces = _by_trace(*_records(case))
     bob = expected["bob"]["trace_ids"]
     clock = store.test_clock  # type: ignore[attr-defined]
     stage = _stage(store, clock, window="10m")
@@ -279,7 +289,7 @@ def test_stitching_survives_a_restart_and_a_reindex(store: Store, caplog: pytest
     The log says once per service that traces come without an id, and how to set one."""
     caplog.set_level(logging.WARNING, logger="tracejudge.conversations")
     case = EXACT[0]
-    traces = list(_by_trace(_spans(case)).values())
+    traces = list(_by_trace(*_records(case)).values())
     clock = store.test_clock  # type: ignore[attr-defined]
     half = len(traces) // 2
     for part in (traces[:half], traces[half:]):  # the second half arrives after a restart of the stage

@@ -17,7 +17,7 @@ import pytest
 from collector.conversations.assemble import build_transcript, group_traces
 from collector.conversations.record import conversation_v1
 
-from ..support.conversations import comparable_message
+from ..support.conversations import comparable_messages
 from ..support.genai_fixtures import Case, by_trace, case_names, load_case, logs_by_trace
 from .test_normalize import _assert_rebuilt_exactly
 
@@ -37,13 +37,6 @@ SEMANTIC_KERNEL_MODEL = (
     "gen_ai.response.model, and its gen_ai.choice log records hold the message without the response's model: "
     "the model the server reported, gpt-4o-mini-2024-07-18, is nowhere in the spans or logs, so every model "
     "reads gpt-4o-mini; messages, system prompt, tool names, usage, calls and grouping exact")
-GOOGLE_GENAI_IDS = (
-    "the library's doing: the Gemini answers carry function calls without ids (as the Gemini Developer API mostly "
-    "sends them) and opentelemetry-instrumentation-google-genai 1.3b0 gives each call and each function response "
-    "an id of its own, `{name}_{index of the part in its content}` (lookup_order_0, track_parcel_1), so every "
-    "rebuilt tool call and tool result carries an id the wire never had (expected: none); it also writes Gemini's "
-    "`role: tool` contents with role \"\" and drops the function response's name (read as tool messages, named "
-    "after the call with their id); messages, system prompt, models, usage, calls and grouping are otherwise exact")
 GAPS: dict[str, str] = {
     # What LiteLLM 1.110's otel callback loses (collector/normalize/litellm.py): the transcripts of bob and
     # dave (not streamed) are exact, their usage and call counts cannot be.
@@ -64,10 +57,6 @@ GAPS: dict[str, str] = {
     "strands-agent-grpc-noid": STRANDS_MODEL,
     "semantic-kernel-agent-grpc": SEMANTIC_KERNEL_MODEL,
     "semantic-kernel-agent-grpc-noid": SEMANTIC_KERNEL_MODEL,
-    "google-genai-otel-span-grpc": GOOGLE_GENAI_IDS,
-    "google-genai-otel-span-grpc-noid": GOOGLE_GENAI_IDS,
-    "google-genai-otel-event-grpc": GOOGLE_GENAI_IDS,
-    "google-genai-otel-event-grpc-noid": GOOGLE_GENAI_IDS,
 }
 
 
@@ -119,8 +108,7 @@ def differences(case: Case) -> list[str]:
             continue
         if record["system"] != conv["system_prompt"]:
             out.append(f"{label}: system {_short(record['system'])} != {_short(conv['system_prompt'])}")
-        got = [comparable_message(m) for m in record["messages"]]
-        exp = [comparable_message(m) for m in conv["messages"]]
+        got, exp = comparable_messages(record["messages"], conv["messages"])
         if got != exp:
             out.append(f"{label}: messages differ: {_message_diff(got, exp)}")
     return out

@@ -28,7 +28,7 @@ from collector.normalize import (
 )
 from collector.normalize._model import Attrs, Truncated, _last_arrays
 
-from ..support.conversations import comparable_message
+from ..support.conversations import comparable_messages
 from ..support.genai_fixtures import FIXTURES, Case, by_trace, case_names, load_case, logs_by_trace
 
 CASES = case_names()
@@ -88,8 +88,8 @@ def _assert_rebuilt_exactly(case: Case) -> None:
             continue
         assert t.content_captured and t.no_content_reason is None
         assert record["system"] == conv["system_prompt"], cid
-        got = [comparable_message(m) for m in record["messages"]]
-        assert got == [comparable_message(m) for m in conv["messages"]], cid
+        got, exp = comparable_messages(record["messages"], conv["messages"])
+        assert got == exp, cid
         assert all(m.get("span_id") for m in record["messages"])
         assert t.user_turns == sum(1 for m in conv["messages"] if m["role"] == "user")
 
