@@ -259,10 +259,13 @@ def read_message(obj: Any, truncated: bool = False) -> list[Message]:
     calls = obj.get("tool_calls")
     if isinstance(calls, str):  # span events spread a message over string attributes
         calls = loads_maybe(calls)
+    # The botocore instrumentation's events carry an answer's calls twice: as the content's ``toolUse``
+    # blocks and again as ``tool_calls``; a call whose id was read already is that same call.
+    ids = {c.id for c in acc.calls if c.id}
     for tc in calls if isinstance(calls, list) else ():
         if isinstance(tc, dict):
             call = _tool_call(tc)
-            if call is not None:
+            if call is not None and not (call.id and call.id in ids):
                 acc.calls.append(call)
     fc = obj.get("function_call")
     if isinstance(fc, dict):

@@ -66,6 +66,22 @@ def _message(ev: Event, role: str | None) -> list[Message] | None:
     return read_message(payload)
 
 
+def _unrepeated(history: list[Message], msgs: list[Message]) -> list[Message]:
+    """``msgs`` without the tool results the tool messages just before them hold already.
+
+    The botocore instrumentation (Bedrock) sends each tool result as a
+    ``gen_ai.tool.message`` event and then the user message that carried them
+    (Converse ``toolResult`` blocks) as a ``gen_ai.user.message`` event.
+    """
+    seen: set[str] = set()
+    for m in reversed(history):
+        if m.role != "tool":
+            break
+        if m.tool_call_id:
+            seen.add(m.tool_call_id)
+    return [m for m in msgs if not (m.role == "tool" and m.tool_call_id in seen)]
+
+
 class _LastEvents(threading.local):
     """The previous span's events and what they read as (see ``_messages._LastHistory``).
 
@@ -105,6 +121,8 @@ def read_events(events: Sequence[Event]) -> Content | None:
         per_event.append(msgs)
         if msgs is None:
             continue
+        if role == "user" and history and history[-1].role == "tool":
+            msgs = _unrepeated(history, msgs)
         if role is None:
             if output is None:
                 output = msgs
