@@ -35,33 +35,30 @@ import concurrent.futures
 import dataclasses
 import datetime as dt
 import logging
+import math
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-import duckdb
-
-from ..background import Stage
+from ..background import Loop
 from ..config import Conversations as Settings
 from ..metrics import Metrics
-from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import batch_filter, conversation_traces, one, trace_batches
+from ..store import Committed
+from ..store.pacing import Pacing
 from .assemble import NO_CONTENT_REASON, ParseMemo, build_transcript
+from .data import Ending, StageData
 from .endings import ended_by_rule, idle
 from .keys import conversation_key, has_messages
-from .record import stored_select, stored_transcript, stored_transcripts
 from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
 from .archive import ARCHIVE_KEPT, ConversationArchive
 from .stitch import Opening, Stitcher, answered, opening, started
-from .tables import TRACES_KEPT, ensure_tables
+from .tables import TRACES_KEPT
 from .tracemap import TraceMap, Tracked, is_genai
-from .transcript import Transcript, from_unix_nano
+from .transcript import Transcript
 from .writes import ConversationRow, Writes, message_rows
-
-if TYPE_CHECKING:
-    from ..store import Store  # imported when first asked for (collector.store)
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -82,21 +79,31 @@ class Stopping(Exception):
     the next start."""
 
 
-class Conversations(Stage):
-    """The conversation stage of the daemon (also used by ``tracejudge reindex``)."""
+def never_busy() -> Pacing:
+    """The pace of a stage with no ingestion beside it to give way to (its own process gives way through
+    its nice value; a test's stage)."""
+    return Pacing(lambda: math.inf, idle_gap=IDLE_GAP, share=SHARE, max_wait=30.0, poll=POLL, piece=PIECE)
+
+
+class Conversations(Loop):
+    """The conversation stage: rebuild logic over ``StageData`` (in the stage process, in ``tracejudge
+    reindex``, in tests); ``pacing`` says when it may work (``never_busy`` by default), ``fatal`` hears of
+    an error met in a cycle (a local store stops on a fatal one)."""
 
     name = "conversations"
     takes_commits = True
 
-    def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
+    def __init__(self, data: StageData, settings: Settings, metrics: Metrics | None = None, *,
+                 clock: Callable[[], float] = time.time, pacing: Pacing | None = None,
+                 fatal: Callable[[BaseException], object] | None = None, cache_spans: int = 10_000,
                  rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
-                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP, traces_kept: int = TRACES_KEPT,
-                 conversations_kept: int = ARCHIVE_KEPT) -> None:
-        super().__init__(store, metrics or Metrics())
+                 traces_kept: int = TRACES_KEPT, conversations_kept: int = ARCHIVE_KEPT) -> None:
+        super().__init__(metrics or Metrics())
+        self.data = data
         self.settings = settings
         self.clock = clock
-        self.pacing = store.pacing(idle_gap=idle_gap, share=SHARE, max_wait=max_wait, poll=POLL, piece=PIECE)
+        self.pacing = pacing or never_busy()
+        self._on_fatal = fatal
         self.rows = RowCache(cache_spans)
         self.map = TraceMap(ConversationArchive(conversations_kept))  # ended ones keyed (``archive``)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -135,8 +142,7 @@ class Conversations(Stage):
     # ------------------------------------------------------------ lifecycle
 
     def _open(self) -> None:
-        """Create tables and load state; ``start`` then queues the catch-up and runs the thread."""
-        ensure_tables(self._db())
+        """Load the stored state; ``start`` then queues the catch-up and runs the thread."""
         self._load_state()
         # Commits this stage never saw (a crash between commit and processing) come back from DuckDB.
         self._queue.put(("catch_up", None))
@@ -144,41 +150,32 @@ class Conversations(Stage):
     def _wake(self) -> None:
         self._queue.put(_STOP)
 
-    def _db(self) -> duckdb.DuckDBPyConnection:
-        assert self.cur is not None, "the stage is not open"
-        return self.cur
+    def _close(self) -> None:
+        self.data.close()
+
+    def _fatal(self) -> None:
+        exc = sys.exc_info()[1]
+        if exc is not None and self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _load_state(self) -> None:
-        """Where the stored conversations stand: the batch mark and the open conversations."""
-        cur = self._db()
-        row = one(cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'"))
-        self._processed_batch = int(row[0]) if row else 0
+        """Where the stored conversations stand: the batch mark, the open conversations, the archive's
+        filter, and the recent conversations without an id, to continue them (``stitch``; those with new
+        data since are taken in again by the catch-up, which drops and puts them again)."""
+        kept = self.stitcher.kept if self.stitcher.enabled else 0
+        resume = self.data.resume(self.clock() - self.stitcher.window, kept)
+        self._processed_batch = resume.mark
         self._resume_from = self._processed_batch
-        self._resume_to = self.store.batch_id  # the last commit made before now
-        self._opened_batch = self.store.opened_batch
-        self.map.archive.load(cur)
-        self.map.load_open(cur)
-        self._load_stitcher(cur)
-
-    def _load_stitcher(self, cur: duckdb.DuckDBPyConnection) -> None:
-        """The recent conversations without an id, as stored, to continue them (``stitch``); those with new
-        data since are taken in again by the catch-up, which drops and puts them again."""
+        self._resume_to = resume.committed  # the last commit made before now
+        self._opened_batch = resume.opened
+        self.map.archive.load(resume.filter_layers)
+        self.map.load_open(resume.conversations)
         self.stitcher.clear()
-        if not self.stitcher.enabled:
-            return
-        since = dt.datetime.fromtimestamp(self.clock() - self.stitcher.window, dt.timezone.utc)
-        rows = cur.execute(
-            f"SELECT {stored_select()}, epoch(last_arrival_at) FROM live_conversations "
-            "WHERE starts_with(conversation_id, 'trace:') AND content_captured AND last_arrival_at >= ? "
-            "ORDER BY last_arrival_at DESC, conversation_id LIMIT ?", [since, self.stitcher.kept]).fetchall()
-        rows.reverse()  # the most recent are put last: the last to go
-        for i in range(0, len(rows), 500):
-            part = rows[i:i + 500]
-            arrived = {r[0]: r[-1] for r in part}
-            for cid, tr, _ in stored_transcripts(cur, part):
-                digest = answered(tr.messages)
-                if digest is not None:
-                    self.stitcher.put(cid, tr.service, digest, started(tr), arrived[cid])
+        for recent in resume.recent:  # the most recent last: the last to go
+            tr = recent.transcript
+            digest = answered(tr.messages)
+            if digest is not None:
+                self.stitcher.put(recent.conversation_id, tr.service, digest, started(tr), recent.last_arrival)
 
     @property
     def processed_batch(self) -> int:
@@ -188,7 +185,7 @@ class Conversations(Stage):
     def status(self) -> dict[str, int]:
         """How far the stage has got, for /api/status."""
         return {"conversations_batch": self._processed_batch,
-                "conversations_pending": len(self._dirty) + len(self._writes) + getattr(self.cur, "in_flight", 0),
+                "conversations_pending": len(self._dirty) + len(self._writes) + self.data.in_flight,
                 "conversations_failed": self.failed}
 
     def held(self) -> dict[str, int]:
@@ -290,7 +287,7 @@ class Conversations(Stage):
             self._flush()
             self._sync()
             mark = self._safe_batch()
-            left = len(self._traces_since(mark))
+            left = len(self.data.traces_since(mark, None))
         except Exception:  # noqa: BLE001
             self.error("writing conversations at stop failed; the next start catches up from the stored mark")
             return
@@ -361,7 +358,7 @@ class Conversations(Stage):
             # the daemon writes them, then reads the next group's rows, while this one's are rebuilt.
             if n:
                 self._flush()
-            ahead = self.rows.read_ahead(self._db(), todo[n + 1]) if n + 1 < len(todo) else None
+            ahead = self.rows.read_ahead(self.data, todo[n + 1]) if n + 1 < len(todo) else None
             # A backlog: rebuild what the previous group touched and this one did not (done
             # for now, as far as the backlog goes), while its rows are still cached.
             if previous:
@@ -374,9 +371,8 @@ class Conversations(Stage):
         if idle_waiters:
             self._idle_event.set()
 
-    def _swap(self, swaps: list[tuple[Callable[[duckdb.DuckDBPyConnection], object],
-                                      concurrent.futures.Future[None]]]) -> None:
-        """Write what is rebuilt, run each swap, then start again from the stored state (``_resync``)."""
+    def _swap(self, swaps: list[tuple[dt.datetime, concurrent.futures.Future[int]]]) -> None:
+        """Write what is rebuilt, swap the reindex in, then start again from the stored state (``_resync``)."""
         try:
             self._flush()
             self._sync()
@@ -384,13 +380,13 @@ class Conversations(Stage):
             for _, done in swaps:
                 done.set_exception(exc)
             raise
-        for fn, done in swaps:
+        for now, done in swaps:
             try:
-                fn(self._db())
-            except Exception as exc:  # noqa: BLE001
+                count = self.data.swap(now)
+            except Exception as exc:  # noqa: BLE001 - the swap's caller hears of it
                 done.set_exception(exc)
             else:
-                done.set_result(None)
+                done.set_result(count)
         self._resync()
 
     def _catch_up(self) -> None:
@@ -402,7 +398,7 @@ class Conversations(Stage):
         """
         # Only commits made before this stage opened (or resynced): later ones reach it through
         # ``on_commit``, and reading them here too would rebuild a burst that arrived meanwhile twice.
-        traces = self._traces_since(self._resume_from, upto=self._resume_to)
+        traces = self.data.traces_since(self._resume_from, self._resume_to)
         # Only those of an earlier run are news: commits made while this stage was starting (a first start
         # answering traffic at once, a restarted process) are taken in as on any cycle.
         before = sum(1 for _, _, first, _ in traces if first <= self._opened_batch)
@@ -419,19 +415,6 @@ class Conversations(Stage):
         # Every commit made before this stage opened is now taken in, traceless logs included.
         self._processed_batch = max(self._processed_batch, self._resume_to)
 
-    def _traces_since(self, batch: int, upto: int | None = None) -> list[tuple[str, float, int, int]]:
-        """Traces with rows committed after ``batch`` (and up to ``upto``): (trace, last arrival, first and
-        last of those commits), by last commit."""
-        last = 2**63 - 1 if upto is None else upto
-        return [(t, at, int(a), int(b)) for t, at, a, b in self._db().execute(
-            "SELECT trace_id, epoch(max(received_at)), min(batch_id), max(batch_id) FROM ("
-            " SELECT trace_id, received_at, batch_id, start_time_unix_nano AS t FROM span_records"
-            " WHERE batch_id BETWEEN ? AND ? UNION ALL"
-            " SELECT trace_id, received_at, batch_id, time_unix_nano FROM log_records WHERE batch_id BETWEEN ? AND ?"
-            " AND trace_id IS NOT NULL) "
-            # a chunk's traces are stitched in the order they started (``_touch``): so are the chunks
-            "GROUP BY trace_id ORDER BY 4, 2, min(t), 1", [batch + 1, last, batch + 1, last]).fetchall()]
-
     def rebuild(self, arrived: dict[str, float], batches: Mapping[str, Batches] | None = None) -> None:
         """A reindex's step, on a stage ``open``ed in the reindex's schema: take these traces in (their
         rows read back from DuckDB, within ``batches``, the first and last commits with rows of each),
@@ -446,13 +429,13 @@ class Conversations(Stage):
         self._sweep_idle()
         self._flush()
 
-    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]:
-        """Have ``fn`` run on the stage's cursor in its thread, between two cycles, then start again from
-        what is stored (a reindex swaps its conversations in this way, with nothing of the stage's in
-        flight). The future resolves once it ran, with what it raised; a stop first leaves it unresolved.
+    def swap(self, now: dt.datetime) -> concurrent.futures.Future[int]:
+        """Swap a finished reindex in (``StageData.swap``) in the stage's thread, between two cycles, then
+        start again from what is stored: nothing of the stage's is in flight meanwhile. The future resolves
+        with the number of conversations, or what the swap raised; a stop first leaves it unresolved.
         """
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._queue.put(("swap", (fn, done)))
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._queue.put(("swap", (now, done)))
         return done
 
     # ------------------------------------------------------------ ingestion
@@ -460,9 +443,8 @@ class Conversations(Stage):
     def _ingest(self, committed: list[Committed | Light], ahead: Any = None) -> set[str]:
         """Take these commits in (``ahead``: their rows as ``RowCache.read_ahead`` asked for them); returns
         the conversations they touched."""
-        cur = self._db()
-        taken = self.rows.take(cur, committed, ahead)
-        current = self.map.of(cur, list(taken.arrived), taken.mapped)
+        taken = self.rows.take(self.data, committed, ahead)
+        current = self.map.of(self.data, list(taken.arrived), taken.mapped)
         # A trace seen for the first time has all its rows in these commits: the cache keeps
         # them, so that only traces with older rows are read back from DuckDB.
         self.rows.keep(taken, {t for t, cid in current.items() if cid is not None} | set(self.map.pending))
@@ -490,12 +472,11 @@ class Conversations(Stage):
         """
         if not arrived:
             return set()
-        cur = self._db()
         traces = list(arrived)
         if current is None:
-            current = self.map.of(cur, traces)
+            current = self.map.of(self.data, traces)
         # Their conversations' first commits bound the reads of these traces' older rows.
-        self.map.load(cur, [c for c in current.values() if c is not None])
+        self.map.load(self.data, [c for c in current.values() if c is not None])
 
         def unstored(tid: str) -> Batches:
             cid = current.get(tid)
@@ -512,7 +493,7 @@ class Conversations(Stage):
         trace_batches: dict[str, Batches] = {}
         for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
             chunk = traces[i:i + 500]
-            rows = self.rows.get(cur, chunk, where=self._batches(unstored, taken))
+            rows = self.rows.get(self.data, chunk, where=self._batches(unstored, taken))
             for tid in chunk:
                 self._check_stop()
                 self._give_way()
@@ -548,7 +529,7 @@ class Conversations(Stage):
                 self.stitcher.put(keys[tid], op.service, op.digest, op.started, arrived[tid])
             else:
                 self.stitcher.drop(keys[tid])
-        self.map.load(cur, [*keys.values(), *(c for c in current.values() if c is not None)])
+        self.map.load(self.data, [*keys.values(), *(c for c in current.values() if c is not None)])
         now = self.clock()
         for tid, cid in keys.items():
             conv = self.map.convs[cid]
@@ -640,7 +621,8 @@ class Conversations(Stage):
 
         def where(traces: list[str]) -> dict[str, Batches]:
             written = self._writes.traces
-            stored = trace_batches(self._db(), [t for t in traces if t not in written])
+            stored = {t: (p.first_batch, p.last_batch)
+                      for t, p in self.data.trace_map([t for t in traces if t not in written]).items()}
             out: dict[str, Batches] = {}
             for t in traces:
                 first, last = written[t][1:] if t in written else stored.get(t, (None, None))
@@ -665,7 +647,7 @@ class Conversations(Stage):
         for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
             part = [convs[c] for c in due[i:i + 200] if c in convs]
             firsts = {t: conv.first_batch for conv in part for t in conv.traces}
-            rows = self.rows.get(self._db(), firsts, where=self._batches(lambda t: (firsts[t], None)))
+            rows = self.rows.get(self.data, firsts, where=self._batches(lambda t: (firsts[t], None)))
             for conv in part:
                 self._check_stop()
                 self._rebuild_one(conv, rows)
@@ -710,7 +692,7 @@ class Conversations(Stage):
             self._rows_written.pop(conv.id, None)
             return
         if rows is None or any(t not in rows for t in conv.traces):
-            rows = self.rows.get(self._db(), conv.traces, where=self._batches(lambda _: (conv.first_batch, None)))
+            rows = self.rows.get(self.data, conv.traces, where=self._batches(lambda _: (conv.first_batch, None)))
         # Now that every row of its traces is at hand, their first commit is known exactly.
         conv.first_batch = min((b for t in conv.traces if (b := rows[t].first_batch) is not None),
                                default=conv.first_batch)
@@ -750,12 +732,12 @@ class Conversations(Stage):
     def _stored(self, conv: Tracked) -> Transcript | None:
         """The stored transcript of a conversation whose older spans retention deleted: rebuilt from
         what is left it would lose their messages, so it stays as stored (with its new traces listed)."""
-        stored = stored_transcript(self._db(), conv.id)
+        stored = self.data.stored_transcript(conv.id)
         if stored is None:
             return None
         log.warning("conversation %s has new data, but the spans of its older traces were deleted "
                     "(storage.retention.spans): its stored transcript is kept as it was", conv.id)
-        return dataclasses.replace(stored[0], trace_ids=tuple(conv.traces))
+        return dataclasses.replace(stored, trace_ids=tuple(conv.traces))
 
     def _trim_memos(self) -> None:
         """Down to three quarters of ``memo_rows`` (so that a trim, which walks the memos, comes once in
@@ -806,17 +788,13 @@ class Conversations(Stage):
         """Write everything this cycle changed, with the batch mark (``Writes.flush``); then the row
         cache drops what it parsed, so that it holds text (parsed trees are several times its size).
 
-        In the stage process the daemon writes while this goes on (``RemoteCursor.write_behind``): its
-        statements come after the writes, and the cycle ends with ``_sync``, which raises their error.
+        In the stage process the daemon writes while this goes on (``StageData.write`` goes behind): its
+        operations come after the writes, and the cycle ends with ``_sync``, which raises their error.
         """
         written = len(self._writes.conversations)
         try:
-            behind = getattr(self._db(), "write_behind", None)
-            if behind is None:
-                self._writes.flush(self._db(), self._safe_batch())
-            else:
-                writes, self._writes = self._writes, Writes(traces_kept=self.traces_kept)
-                behind(writes, self._safe_batch())
+            writes, self._writes = self._writes, Writes(traces_kept=self.traces_kept)
+            self.data.write(writes, self._safe_batch())
         finally:
             self.rows.release()
             self._unranged.clear()
@@ -828,43 +806,24 @@ class Conversations(Stage):
         archive.written(written)
         # After the writes, on the same cursor (what it moves is stored), in a pause of ingestion.
         if archive.due() and (self._hurry or self.pacing.checkpoint(self.stopping)):
-            archive.move(self._db(), held=self.map.convs.keys())
+            archive.move(self.data, held=self.map.convs.keys())
 
     def _sync(self) -> None:
         """Everything written so far is stored (the stage process's writes behind are answered)."""
-        sync = getattr(self._db(), "sync", None)
-        if sync is not None:
-            sync()
+        self.data.sync()
 
     def _end_stored(self, convs: list[Tracked], now: float) -> None:
         """End conversations whose stored transcripts are current (open at the last stop, nothing new
         since) as they are stored, ``END_CHUNK`` per transaction: a restart after downtime ends them
         all without rebuilding each, and a stop in between leaves the rest open for the next start."""
-        cur = self._db()
         stamp = dt.datetime.fromtimestamp(now, dt.timezone.utc)
         convs = sorted(convs, key=lambda c: c.first_batch or 0)  # each part reads from its first commit on
         for i in range(0, len(convs), END_CHUNK):
             self._check_stop()
             self._give_way()
             part = convs[i:i + END_CHUNK]
-            # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part,
-            # within the commits of their traces.
-            traces = conversation_traces(cur, [c.id for c in part])
-            within, bounds = batch_filter([(first, last) for _, _, first, last in traces])
-            with registered_rows(cur, "ending_traces", ("trace_id", "conversation_id"),
-                                 [(t, c) for t, c, _, _ in traces]):
-                ends = dict(cur.execute(
-                    "SELECT e.conversation_id, max(s.end_time_unix_nano) FROM ending_traces e "
-                    "JOIN span_records s USING (trace_id) "
-                    f"WHERE s.end_time_unix_nano > 0 AND s.batch_id >= ?{within} GROUP BY 1",
-                    [part[0].first_batch or 0, *bounds]).fetchall())
-            rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
-                     dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
-            with Transaction(cur), registered_rows(
-                    cur, "ended_now", ("conversation_id", "ended_at", "ended_by", "closed_at", "updated_at"), rows):
-                cur.execute("UPDATE live_conversations AS c SET state = 'ended', ended_at = e.ended_at, "
-                            "ended_by = e.ended_by, closed_at = e.closed_at, updated_at = e.updated_at "
-                            "FROM ended_now e WHERE c.conversation_id = e.conversation_id")
+            self.data.end_stored([Ending(c.id, c.ended_by, dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc))
+                                  for c in part], part[0].first_batch or 0, stamp)
             for conv in part:
                 self._done(conv.id)
                 self._forget(conv)

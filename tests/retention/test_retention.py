@@ -23,7 +23,7 @@ from collector.cli.status import render
 from collector.config import Config, ConfigError, Retention as Settings, load_config
 from collector.conversations.archive import ConversationArchive
 from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
-from collector.conversations.writes import archive_traces
+from collector.conversations.duck import archive_traces
 from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
 from collector.system.memory import INDEX_WARNING
