@@ -51,7 +51,6 @@ import gc
 import itertools
 import json
 import logging
-import math
 import multiprocessing
 import os
 import pickle

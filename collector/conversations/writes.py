@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from .duck import archive_traces, delete_messages  # noqa: F401 - retention imports them from here
-from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS, TRACES_KEPT
+from .tables import CONVERSATION_COLUMNS, TRACES_KEPT
 from .tracemap import Tracked
 from .transcript import Transcript
 

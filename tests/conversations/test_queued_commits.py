@@ -23,10 +23,8 @@ from collector.config import Conversations as Settings
 from collector.conversations import Conversations
 from collector.conversations.duck import DuckData, local_stage
 from collector.conversations.archive import BITS_PER_ID, FIRST_CAPACITY
-from collector.conversations.rows import Light
-from collector.ingest.batches import LogBatch, SpanBatch
 from collector.ingest.decode import log_batch, parse_logs, parse_traces, span_batch
-from collector.store import Committed, Store
+from collector.store import Store
 
 from ..support.conversations import one_timestamp_per_call
 from ..support.daemon import FIXTURES
@@ -421,18 +419,3 @@ def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_the
     # cache of 8 rows: groups of 2, cycles of at most 16 commits (one span each), each ending the
     # conversations of the cycle before
     assert len(held) >= 3 and max(held) <= 17, held
-
-
-
-def test_a_stage_with_commits_queued_takes_the_next_without_its_rows(tmp_path: Path) -> None:
-    """What ``takes_rows`` says is what ``on_commit`` does: the daemon sends the stage's process rows
-    only while it takes them, since it would drop them."""
-    stage = Conversations(Store(tmp_path / "t.duckdb"), SETTINGS, max_queued_commits=2)  # not started
-    takes = []
-    for batch_id in (1, 2, 3):
-        takes.append(stage.takes_rows())
-        stage.on_commit(Committed(batch_id, 0.0, SpanBatch(), LogBatch(), 0, 0))
-    queued = [stage._queue.get_nowait() for _ in range(3)]
-    assert takes == [True, True, False]
-    assert [type(c) for c in queued] == [Committed, Committed, Light]
-    assert [c.batch_id for c in queued] == [1, 2, 3]
