@@ -193,11 +193,11 @@ class RemoteData:
             # pipe's buffer and never waits.
             if not small:
                 self._settle()
+            self._posted.append(posted)  # before it goes: pending until answered (/api/status)
             try:
                 self._conn.send_bytes(_dumps(request))
             except (EOFError, OSError):
                 os._exit(0)
-            self._posted.append(posted)
         return posted
 
     def _settle(self) -> None:

@@ -319,7 +319,7 @@ def test_stop_leaves_commits_queued_behind_ingestion_to_the_next_start(tmp_path:
 def test_a_conversation_that_cannot_be_rebuilt_costs_only_its_own_update(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A rebuild that raises (a bug meeting odd data): counted and logged, the others written all the same."""
-    import collector.conversations.stage as stage_module
+    import collector.conversations.rebuild as stage_module
 
     real = stage_module.build_transcript
     broken = {"question 1"}
