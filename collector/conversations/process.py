@@ -8,20 +8,22 @@ time and fell behind without bound. ``StageProcess`` runs ``Conversations`` in a
 as a plain ``python -c`` with its two pipes, not by multiprocessing's ``spawn``, which would also
 start multiprocessing's resource tracker, a process of 7 MB that nothing here needs.
 
-A file has one DuckDB process, so the child has no database of its own: its stage works on a
-``RemoteCursor``, whose statements this process runs, one at a time and in order, on a cursor of
-the store (``_serve``). DuckDB runs them without the interpreter lock. Two kinds of request do not
-wait for their answer, so that the two processes work at once: a group's writes go in one request
-(``write_behind``, raised by the next call if they fail), then the rows of the next group are read
-(``query_ahead``), both while the child rebuilds this group's conversations. At 10,000 spans/s that
-made conversations current after the last ack 1.4x sooner (``bench/soak.py``); a large request goes
-once every answer is read, see ``RemoteCursor.post``. The child gets:
+A file has one DuckDB process, so the child has no database of its own: its stage asks for the
+operations of ``data.StageData`` through ``RemoteData``, by name and with plain arguments, never SQL
+text nor objects whose code would run here; this process checks each against ``data.OPERATIONS`` and
+unpickles nothing but plain data (``plain_request``), then runs it on its ``DuckData`` (``_serve``), one
+at a time and in order. DuckDB runs them without the interpreter lock. Two operations do not wait for
+their answer, so that the two processes work at once: a group's ``write`` (raised by the next call if it
+fails), then the next group's ``commit_rows`` (read ahead), both while the child rebuilds this group's
+conversations. At 10,000 spans/s that made conversations current after the last ack 1.4x sooner
+(``bench/soak.py``); a large request goes once every answer is read, see ``RemoteData._post``. The
+child gets:
 
-- each commit with its rows, as the stage in the daemon's process had them; while several wait
-  to be sent, or while the child's stage is behind (it would drop them), only which commit each was
+- each commit with its rows, as the stage in the daemon's process had them (no read back); while several
+  wait to be sent, or while the child's stage is behind (it would drop them), only which commit each was
   (``Light``), whose rows it reads back by commit range;
-- ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by a function that runs
-  here, on the served cursor, between two of the child's cycles.
+- ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by the child's stage between
+  two of its cycles, which asks for the operation ``swap(now)``.
 
 It sends back its status, what it holds and its counters (for /api/status and /metrics), and the
 answers to waits and swaps. From its status this side knows how far conversations are behind
@@ -29,7 +31,7 @@ ingestion (``lag``: commits not taken in yet, and how long ago the oldest arrive
 they are ``conversations.lag_warning`` behind: until the stage catches up, conversations end and are
 judged late.
 
-A child that dies (killed, out of memory) has the transaction it had open rolled back; it is
+A child that dies (killed, out of memory) leaves no transaction open: each operation is whole here. It is
 started again after a backoff and catches up from the stored batch mark, as a new start does, so
 nothing committed is lost. A child whose mark does not move for ``conversations.stall_timeout``
 while commits wait (frozen, deadlocked: ``Stall``) is killed, so it goes the same way; until the

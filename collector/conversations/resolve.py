@@ -123,7 +123,7 @@ class Resolve(StageState):
                 trace_batches[tid] = (conv.first_batch, trace_batches[tid][1])
             # Each touched trace's commits, as they are now (``_batches`` reads them back).
             self._writes.traces[tid] = (cid, *trace_batches[tid])
-            if old is None:  # not keyed: neither memory nor the table knew it (``Writes.flush``)
+            if old is None:  # not keyed: neither memory nor the table knew it (``DuckData.write``)
                 self._writes.new_traces.add(tid)
             b = trace_batches[tid][0]
             if b is not None and (conv.first_batch is not None or not conv.traces):  # None with traces: unknown

@@ -1,32 +1,33 @@
 """Conversations kept current as data arrives: the stage that rebuilds each one as its traces come.
 
-A background ``Stage`` (``collector.background``): ``Conversations(store,
-settings, metrics)`` -> ``start()`` (creates its tables, loads the open
-conversations, starts its thread, which first catches up on commits it has not
-seen) -> ``on_commit`` (the store calls it after each commit; it only enqueues)
--> ``stop()`` (writes what is rebuilt, records how far it got and leaves the
-rest, commits queued or conversations not rebuilt yet, to the catch-up of the
-next start). ``open(schema)`` then ``rebuild()`` rebuild conversations in the
-caller's thread, for a reindex (``reindex``), which ``swap``s its result in.
+``Conversations(data, settings, metrics)`` is rebuild logic with no cursor: what is stored it reaches
+through ``data`` (``data.StageData``: ``process.RemoteData`` in the stage process, ``duck.DuckData`` in
+``tracejudge reindex`` and tests through ``duck.local_stage``, ``MemoryData`` in unit tests). Its
+jobs are classes of their own modules over ``state.StageState``: ``resolve`` (traces to
+conversations), ``rebuild`` (transcripts), ``endings`` (end rules, idle); this module is its loop.
 
-How far it got is the batch mark (``writes``), written with the conversations
-in one transaction. A conversation that cannot be rebuilt (a bug meeting odd
-data) keeps its stored version (one never stored is stored without messages,
-with the reason) and is counted (``conversations_failed``); it never stops the
-others. A cycle that fails is logged and counted, and the stage starts again
-from what is stored.
+A background ``Loop`` (``collector.background``): ``start()`` (loads the stored state, starts its thread,
+which first catches up on commits it has not seen) -> ``on_commit`` (after each commit; it only
+enqueues) -> ``stop()`` (writes what is rebuilt, records how far it got and leaves the rest, commits
+queued or conversations not rebuilt yet, to the catch-up of the next start). ``open()`` then
+``rebuild()`` rebuild conversations in the caller's thread, for a reindex (``reindex``); ``swap(now)``
+swaps a finished reindex in between two cycles.
 
-Its own thread, so ingestion never waits for it; it works at the store's pace
-for it (``store.pacing``): while requests keep coming it waits for a pause in
-them, at most ``max_wait``, then works a quarter of the time. Each cycle it
-takes the commits queued since the last one (``rows``), resolves every touched
-trace to a conversation (``tracemap``), rebuilds each touched conversation's
-transcript from all of its rows (``assemble``), applies the end rules to the
-newest trace (the one that starts last) and ends conversations idle for
-``idle_timeout`` (``endings``), and writes ``conversations`` and ``messages``
-(``writes``). A changed transcript gets a new ``revision`` (to be judged again). A backlog goes
-a group of commits at a time (``rows.groups``), a few to the row cache; in the stage process the
-next group's rows are read, and this one's conversations written, while it works (``process``).
+How far it got is the batch mark, written with the conversations in one transaction
+(``StageData.write``). A conversation that cannot be rebuilt (a bug meeting odd data) keeps its stored
+version (one never stored is stored without messages, with the reason) and is counted
+(``conversations_failed``); it never stops the others. A cycle that fails is logged and counted, and
+the stage starts again from what is stored.
+
+Its own thread, so ingestion never waits for it; it works at its ``pacing``: in the daemon's process a
+store's (while requests keep coming it waits for a pause in them, at most ``max_wait``, then works a
+quarter of the time), in the stage process never busy (it gives way through its nice value). Each cycle
+it takes the commits queued since the last one (``rows``), resolves every touched trace to a conversation,
+rebuilds each touched conversation's transcript from all of its rows, applies the end rules to the
+newest trace (the one that starts last) and ends conversations idle for ``idle_timeout``, and writes
+``conversations`` and ``messages``. A changed transcript gets a new ``revision`` (to be judged again). A
+backlog goes a group of commits at a time (``rows.groups``), a few to the row cache; the next group's
+rows are asked for (``StageData.commit_rows``), and this one's conversations written, while it works.
 """
 
 from __future__ import annotations
@@ -417,7 +418,7 @@ class Conversations(Resolve, Rebuild, Ending, Loop):
 
 
     def _flush(self) -> None:
-        """Write everything this cycle changed, with the batch mark (``Writes.flush``); then the row
+        """Write everything this cycle changed, with the batch mark (``StageData.write``); then the row
         cache drops what it parsed, so that it holds text (parsed trees are several times its size).
 
         In the stage process the daemon writes while this goes on (``StageData.write`` goes behind): its
