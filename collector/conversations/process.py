@@ -89,7 +89,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tracejudge.conversations")
 
 WHOLE_COMMITS = 4  # commits sent with their rows at most at once (the rest as the traces they touched)
-PREFETCH = 4096  # rows sent with a statement's answer; the rest on each fetch
 STATUS_EVERY = 0.2  # seconds between two reports of the child's status
 COLLECT_EVERY = 25  # reports between two garbage collections and trims of the child's heap (5 s)
 STOP_TIMEOUT = 4.0  # seconds a stopping child has to write what it rebuilt before it is killed
