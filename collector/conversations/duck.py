@@ -68,7 +68,7 @@ class DuckData:
         """The archive's filter as stored (``archive.ArchiveFilter``)."""
         from .archive import Layer
 
-        return {n: Layer(capacity, ids, bytearray(bits), newest) for n, capacity, ids, bits, newest in self.cur.execute(
+        return {n: Layer(capacity, ids, bytearray(bits), utc(newest)) for n, capacity, ids, bits, newest in self.cur.execute(
             "SELECT layer, capacity, ids, bits, newest FROM conversation_filter ORDER BY layer").fetchall()}
 
     def mark(self) -> int:
@@ -157,7 +157,7 @@ class DuckData:
             "AND conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "
             "ORDER BY last_arrival_at NULLS FIRST, conversation_id LIMIT ?",
             [list(held), min(count - keep, most)]).fetchall()
-        return EndedToArchive(count, [(c, at) for c, at in oldest])
+        return EndedToArchive(count, [(c, utc(at)) for c, at in oldest])
 
     def archived_by(self, last_arrival: dt.datetime | None, limit: int) -> list[str]:
         return [r[0] for r in self.cur.execute(
@@ -271,6 +271,12 @@ def local_stage(store: Store, settings: Settings, metrics: Metrics | None = None
                           poll=POLL, piece=PIECE)
     return Conversations(DuckData(store.cursor(schema), store), settings, metrics, pacing=pacing, fatal=store.fatal,
                          **kw)
+
+
+def utc(at: dt.datetime | None) -> dt.datetime | None:
+    """A time read from DuckDB (in the session's zone) in UTC: plain data for the stage process's pipe,
+    which carries ``datetime.timezone``, not a zone database's objects."""
+    return at.astimezone(_UTC) if at is not None else None
 
 
 def _stored(rows: list[tuple[Any, ...]], archived: bool = False) -> list[StoredConversation]:

@@ -1,6 +1,7 @@
 """``StageData`` in memory: the conversation stage's unit tests run it with no DuckDB and no child process.
 
-``MemoryData()`` holds what ``DuckData`` keeps in tables (rows, conversations, messages, the trace map
+Each operation is checked as the daemon's side of the stage process checks it (a name and plain
+arguments). ``MemoryData()`` holds what ``DuckData`` keeps in tables (rows, conversations, messages, the trace map
 and its archive, the archive's filter, the batch mark) in dicts and lists. ``commit(spans=..., logs=...)``
 stores a commit as the store does and returns the ``Committed`` handed to the stage. ``fail_writes``
 makes the next writes raise, each leaving nothing of itself, as a rolled-back transaction does.
@@ -9,14 +10,16 @@ makes the next writes raise, each leaving nothing of itself, as a rolled-back tr
 from __future__ import annotations
 
 import copy
+import pickle
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import KeysView, Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from collector.conversations.archive import Layer
+from collector.conversations.process import plain_request
 from collector.conversations.data import (LOG_COLUMNS, SPAN_COLUMNS, CommitRows, EndedToArchive, Ending, Later,
                                           LogRow, RecentTranscript, Resume, SpanRow, StoredConversation,
                                           StoredRows, TracePlace, TraceSince)
@@ -76,7 +79,7 @@ class MemoryData:
     # ------------------------------------------------------------ StageData
 
     def resume(self, stitch_since: float, stitch_kept: int) -> Resume:
-        self.calls.append("resume")
+        self._called("resume", stitch_since, stitch_kept)
         recent = sorted((r for r in self.live.values() if r.conversation_id.startswith("trace:") and r.content_captured
                          and (_epoch(r.last_arrival_at) or 0.0) >= stitch_since),
                         key=lambda r: (_epoch(r.last_arrival_at) or 0.0, r.conversation_id), reverse=True)[:stitch_kept]
@@ -87,18 +90,18 @@ class MemoryData:
                        for r in reversed(recent)])
 
     def trace_map(self, trace_ids: Sequence[str]) -> dict[str, TracePlace]:
-        self.calls.append("trace_map")
+        self._called("trace_map", trace_ids)
         return {t: TracePlace(*self.traces[t]) for t in trace_ids if t in self.traces}
 
     def conversations(self, ids: Sequence[str], maybe_archived: Sequence[str]) -> list[StoredConversation]:
-        self.calls.append("conversations")
+        self._called("conversations", ids, maybe_archived)
         found = [self._stored(self.live[c], False) for c in ids if c in self.live]
         found += [self._stored(self.archived[c], True) for c in maybe_archived
                   if c not in self.live and c in self.archived]
         return found
 
     def trace_rows(self, trace_ids: Sequence[str], batches: Sequence[Batches]) -> StoredRows:
-        self.calls.append("trace_rows")
+        self._called("trace_rows", trace_ids, batches)
         wanted = set(trace_ids)
         every = any(first is None for first, _ in batches)
 
@@ -111,7 +114,7 @@ class MemoryData:
                           [r for r in self.logs if r[1] in wanted and within(r[len(LOG_COLUMNS)])])
 
     def commit_rows(self, first: int, last: int) -> Later[CommitRows]:
-        self.calls.append("commit_rows")
+        self._called("commit_rows", first, last)
 
         def read() -> CommitRows:
             spans = [r for r in self.spans if first <= r[len(SPAN_COLUMNS)] <= last and r[0] is not None]
@@ -122,7 +125,7 @@ class MemoryData:
         return Later(read)
 
     def traces_since(self, after: int, upto: int | None) -> list[TraceSince]:
-        self.calls.append("traces_since")
+        self._called("traces_since", after, upto)
         last = upto if upto is not None else 2**63
         seen: dict[str, list[Any]] = {}  # trace -> [arrived, first, last, start]
         rows = [(r[0], r[len(SPAN_COLUMNS)], r[4]) for r in self.spans]
@@ -138,12 +141,12 @@ class MemoryData:
         return [TraceSince(t, at, first, last_) for t, (at, first, last_, _) in order]
 
     def stored_transcript(self, conversation_id: str) -> Transcript | None:
-        self.calls.append("stored_transcript")
+        self._called("stored_transcript", conversation_id)
         row = self.conversation(conversation_id)
         return None if row is None else self._transcript(row)
 
     def write(self, writes: Writes, mark: int) -> None:
-        self.calls.append("write")
+        self._called("write", writes, mark)
         if self.fail_writes:
             self.fail_writes -= 1
             raise RuntimeError("the write failed")
@@ -169,7 +172,7 @@ class MemoryData:
         self.mark = mark
 
     def end_stored(self, endings: Sequence[Ending], first_batch: int, updated_at: dt.datetime) -> None:
-        self.calls.append("end_stored")
+        self._called("end_stored", endings, first_batch, updated_at)
         for e in endings:
             traces = {t for t, where in (*self.traces.items(), *self.trace_archive.items())
                       if where[0] == e.conversation_id}
@@ -179,7 +182,7 @@ class MemoryData:
                 ended_by=e.ended_by, closed_at=e.closed_at, updated_at=updated_at)
 
     def ended_to_archive(self, over: int, keep: int, most: int, held: Sequence[str]) -> EndedToArchive:
-        self.calls.append("ended_to_archive")
+        self._called("ended_to_archive", over, keep, most, held)
         ended = [r for r in self.live.values() if r.state == "ended"]
         if len(ended) <= over:
             return EndedToArchive(len(ended), [])
@@ -189,12 +192,12 @@ class MemoryData:
                                            for r in oldest[:min(len(ended) - keep, most)]])
 
     def archived_by(self, last_arrival: dt.datetime | None, limit: int) -> list[str]:
-        self.calls.append("archived_by")
+        self._called("archived_by", last_arrival, limit)
         return [c for c, r in self.archived.items()
                 if r.last_arrival_at is None or (last_arrival is not None and r.last_arrival_at <= last_arrival)][:limit]
 
     def archive(self, ids: Sequence[str], layers: Mapping[int, Layer | None]) -> None:
-        self.calls.append("archive")
+        self._called("archive", ids, layers)
         for cid in ids:
             self.archived[cid] = self.live.pop(cid)
         for n, layer in layers.items():
@@ -204,7 +207,7 @@ class MemoryData:
                 self.layers[n] = copy.deepcopy(layer)
 
     def swap(self, now: dt.datetime) -> int:
-        self.calls.append("swap")
+        self._called("swap", now)
         self.swapped.append(now)
         return len(self.live) + len(self.archived)
 
@@ -217,6 +220,14 @@ class MemoryData:
 
     def close(self) -> None:
         """Nothing is held."""
+
+    # ------------------------------------------------------------ the operations as they cross
+
+    def _called(self, name: str, *args: Any) -> None:
+        """Each operation as the stage process would send it: the daemon's side refuses anything but a
+        named operation of plain data (``process.plain_request``)."""
+        plain_request(pickle.dumps((name, *(list(a) if isinstance(a, KeysView) else a for a in args))))
+        self.calls.append(name)
 
     # ------------------------------------------------------------ rows as the stage reads them back
 
