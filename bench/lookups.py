@@ -59,6 +59,7 @@ from typing import Any
 
 import duckdb
 
+from collector.conversations.duck import DuckData
 from collector.conversations.rows import RowCache
 from collector.conversations.tables import SCHEMA
 from collector.conversations.duck import delete_messages
@@ -180,7 +181,7 @@ def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
         first = min(lo for lo, _ in batches.values())
 
         def read(where: object) -> None:
-            got = RowCache(0).get(con, list(ids), where=where)  # type: ignore[arg-type]
+            got = RowCache(0).get(DuckData(con), list(ids), where=where)  # type: ignore[arg-type]
             assert sum(len(r.spans) for r in got.values()) == len(ids) * SPANS_PER_TRACE
 
         from_first = best(lambda: read(lambda ts: {t: (first, None) for t in ts}), repeat=5)
