@@ -116,7 +116,7 @@ def main() -> None:
         sampled = [c for c in ids if rnd.random() < args.sampled]
         for con in dbs.values():
             fill(con, ids, sampled, args.criteria)
-        while archives["archived"].move(dbs["archived"], ()):
+        while archives["archived"].move(DuckData(dbs["archived"]), ()):
             pass
         for con in dbs.values():
             con.execute("CHECKPOINT")
