@@ -37,6 +37,7 @@ import duckdb
 
 from collector.conversations.archive import ConversationArchive
 from collector.conversations.tables import SCHEMA as CONVERSATIONS
+from collector.conversations.duck import DuckData
 from collector.conversations.tracemap import TraceMap
 from collector.evals.judging import JUDGEMENT_DUE
 from collector.evals.judging import ensure_schema as evals_schema
@@ -87,7 +88,7 @@ def lookup_ms(con: duckdb.DuckDBPyConnection, archive: ConversationArchive, ids:
     for _ in range(5):
         tracked = TraceMap(archive)
         began = time.perf_counter()
-        tracked.load(con, ids)
+        tracked.load(DuckData(con), ids)
         times.append(time.perf_counter() - began)
     return sorted(times)[2] * 1000
 
@@ -115,7 +116,7 @@ def main() -> None:
         sampled = [c for c in ids if rnd.random() < args.sampled]
         for con in dbs.values():
             fill(con, ids, sampled, args.criteria)
-        while archives["archived"].move(dbs["archived"], ()):
+        while archives["archived"].move(DuckData(dbs["archived"]), ()):
             pass
         for con in dbs.values():
             con.execute("CHECKPOINT")

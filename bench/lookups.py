@@ -16,7 +16,7 @@ one of which has been open since the first commit (its messages were written las
   by id      ``DELETE FROM messages WHERE conversation_id IN (SELECT unnest(?))``: reads the whole table
   first      from the smallest ``first_batch`` of their conversations, as the delete was bounded before
              ``messages_batch``: the conversation open since the first commit makes it read everything
-  written    ``collector.conversations.writes.delete_messages``: from the smallest ``messages_batch``,
+  written    ``collector.conversations.duck.delete_messages``: from the smallest ``messages_batch``,
              where their messages were last written
 
 and of the 60 oldest conversations' messages, as retention deletes them: by id, and written (bounded
@@ -59,9 +59,10 @@ from typing import Any
 
 import duckdb
 
+from collector.conversations.duck import DuckData
 from collector.conversations.rows import RowCache
 from collector.conversations.tables import SCHEMA
-from collector.conversations.writes import delete_messages
+from collector.conversations.duck import delete_messages
 from collector.evals.evaluator import conversation_facts
 from collector.store.schema import SCHEMA as STORE_SCHEMA
 from collector.store.schema import SPANS
@@ -180,7 +181,7 @@ def trace_reads(con: duckdb.DuckDBPyConnection, steps: list[int]) -> None:
         first = min(lo for lo, _ in batches.values())
 
         def read(where: object) -> None:
-            got = RowCache(0).get(con, list(ids), where=where)  # type: ignore[arg-type]
+            got = RowCache(0).get(DuckData(con), list(ids), where=where)  # type: ignore[arg-type]
             assert sum(len(r.spans) for r in got.values()) == len(ids) * SPANS_PER_TRACE
 
         from_first = best(lambda: read(lambda ts: {t: (first, None) for t in ts}), repeat=5)

@@ -80,7 +80,7 @@ def _spans(conversations: int, turns: int, ids: bool) -> list[list[dict[str, Any
 def child(args: argparse.Namespace) -> None:
     """One run, with whichever ``collector`` is first on the path; prints its figures as JSON."""
     from collector.config import Conversations as Settings
-    from collector.conversations import Conversations
+    from collector.conversations.duck import local_stage
     from collector.ingest.batches import SPAN_COLUMNS, SpanBatch
     from collector.store import Store
 
@@ -94,7 +94,7 @@ def child(args: argparse.Namespace) -> None:
             rows = [r for t in traces[i:i + args.per_commit] for r in t]
             store.submit(spans=SpanBatch([[r[c] for r in rows] for c in SPAN_COLUMNS])).result(60)
         ingest = time.perf_counter() - began
-        stage = Conversations(store, settings, clock=lambda: 1_796_640_200.0)
+        stage = local_stage(store, settings, clock=lambda: 1_796_640_200.0)
         began, cpu = time.perf_counter(), time.process_time()
         stage.start()
         assert stage.wait_idle(600)

@@ -6,7 +6,7 @@ write touches the whole of a key's index, which DuckDB then keeps in memory. Thi
 DuckDB files, each under the same ``memory_limit``, with the same commits, one after the other:
 
   keyed      every trace keyed in ``trace_conversations`` (the layout before ``trace_archive``)
-  archived   the daemon's layout: ``collector.conversations.writes.archive_traces`` after each write,
+  archived   the daemon's layout: ``collector.conversations.duck.archive_traces`` after each write,
              the newest ``--kept`` traces keyed and the older ones in ``trace_archive``
 
 Each commit looks up its traces (``collector.store.by_keys``, as ``TraceMap.of`` does), then writes them
@@ -29,7 +29,7 @@ from pathlib import Path
 import duckdb
 
 from collector.conversations.tables import TRACES_KEPT
-from collector.conversations.writes import archive_traces
+from collector.conversations.duck import archive_traces
 from collector.store.schema import SCHEMA
 from collector.store.transactions import by_keys
 

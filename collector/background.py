@@ -63,18 +63,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-class Stage:
-    """A background stage of the daemon (see the module docstring)."""
+class Loop:
+    """A background loop of the daemon with a stage's lifecycle, and no store of its own (the conversation
+    stage's rebuild logic, which reaches its data through ``StageData``); ``Stage`` adds the store."""
 
     name: ClassVar[str]
     """Names its thread, its ``stage`` label on /metrics and its key under ``stages`` in /api/status."""
     takes_commits: ClassVar[bool] = False
     """Whether the store hands it each commit (``on_commit``): it stops only after the store's drain."""
 
-    def __init__(self, store: Store, metrics: Metrics) -> None:
-        self.store = store
+    def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.cur: duckdb.DuckDBPyConnection | None = None
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped: str | None = None
@@ -84,9 +83,8 @@ class Stage:
 
     # ------------------------------------------------------------ lifecycle
 
-    def open(self, schema: str | None = None) -> None:
-        """Open the stage's cursor (on ``schema`` first: ``Store.cursor``) and set it up, without its thread."""
-        self.cur = self.store.cursor(schema)
+    def open(self) -> None:
+        """Set the stage up (``_open``), without its thread."""
         self._open()
 
     def start(self) -> None:
@@ -102,9 +100,10 @@ class Stage:
             self._wake()
             self._join(self._thread)
             self._thread = None
-        if self.cur is not None:
-            self.cur.close()
-            self.cur = None
+        self._close()
+
+    def _close(self) -> None:
+        """After the thread ended at ``stop``: let go of what ``open`` took."""
 
     def _join(self, thread: threading.Thread) -> None:
         """Wait for the stage's thread at ``stop``."""
@@ -176,10 +175,7 @@ class Stage:
         self._fatal()
 
     def _fatal(self) -> None:
-        """A fatal DuckDB error met here stops the store (``Store.fatal``): no retry can succeed."""
-        exc = sys.exc_info()[1]
-        if exc is not None:
-            self.store.fatal(exc)
+        """A fatal error met here (the exception being handled) stops what can no longer work."""
 
     # ------------------------------------------------------------ written by each stage
 
@@ -206,3 +202,28 @@ class Stage:
         if not self.stopping.is_set():
             self._stopped = "its loop ended before the stop"
             log.critical("the %s stage stopped (%s): restart the daemon", self.name, self._stopped)
+
+
+class Stage(Loop):
+    """A background stage over the store, with a cursor of its own (see the module docstring)."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.cur: duckdb.DuckDBPyConnection | None = None
+        super().__init__(metrics)
+
+    def open(self, schema: str | None = None) -> None:
+        """Open the stage's cursor (on ``schema`` first: ``Store.cursor``) and set it up, without its thread."""
+        self.cur = self.store.cursor(schema)
+        self._open()
+
+    def _close(self) -> None:
+        if self.cur is not None:
+            self.cur.close()
+            self.cur = None
+
+    def _fatal(self) -> None:
+        """A fatal DuckDB error met here stops the store (``Store.fatal``): no retry can succeed."""
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self.store.fatal(exc)

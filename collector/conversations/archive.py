@@ -30,9 +30,10 @@ import datetime as dt
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..store.transactions import Transaction, one
+if TYPE_CHECKING:
+    from .data import StageData
 
 # Ended conversations keyed in live_conversations: about 10 MB of DuckDB's memory. At 200 conversations a
 # second (3,000 spans/s) the last 8 minutes, at one a second the last day.
@@ -69,11 +70,6 @@ class ArchiveFilter:
 
     def __init__(self, layers: dict[int, Layer] | None = None) -> None:
         self.layers: dict[int, Layer] = layers or {}
-
-    @classmethod
-    def read(cls, cur: Any) -> "ArchiveFilter":
-        return cls({n: Layer(capacity, ids, bytearray(bits), newest) for n, capacity, ids, bits, newest in cur.execute(
-            "SELECT layer, capacity, ids, bits, newest FROM conversation_filter ORDER BY layer").fetchall()})
 
     def __len__(self) -> int:
         """Ids added, over every layer."""
@@ -126,14 +122,9 @@ class ArchiveFilter:
             i += len(part)
         return changed
 
-    def write(self, cur: Any, layers: Iterable[int]) -> None:
-        for n in sorted(layers):
-            layer = self.layers.get(n)
-            if layer is None:
-                cur.execute("DELETE FROM conversation_filter WHERE layer = ?", [n])
-            else:
-                cur.execute("INSERT OR REPLACE INTO conversation_filter VALUES (?, ?, ?, ?, ?)",
-                            [n, layer.capacity, layer.ids, bytes(layer.bits), layer.newest])
+    def changed(self, layers: Iterable[int]) -> dict[int, Layer | None]:
+        """These layers as they are now, to be written (None: gone)."""
+        return {n: self.layers.get(n) for n in layers}
 
 
 class ConversationArchive:
@@ -145,17 +136,10 @@ class ConversationArchive:
         self._written = 0  # conversations written since the live table was last counted
         self._over = True  # the last count found more than kept: count again at the next flush
 
-    def load(self, cur: Any) -> None:
-        self.filter = ArchiveFilter.read(cur)
+    def load(self, layers: dict[int, Layer]) -> None:
+        """The filter as stored (``Resume.filter_layers``)."""
+        self.filter = ArchiveFilter(layers)
         self._over = True
-
-    def find(self, cur: Any, ids: Sequence[str], columns: str) -> list[tuple[Any, ...]]:
-        """The archived rows (``columns``) of those of ``ids`` the filter may have: one scan of the archive."""
-        maybe = self.filter.maybe(ids)
-        if not maybe:
-            return []
-        return cur.execute(f"SELECT {columns} FROM archived_conversations "
-                           "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [maybe]).fetchall()
 
     def written(self, conversations: int) -> None:
         self._written += conversations
@@ -163,52 +147,43 @@ class ConversationArchive:
     def due(self) -> bool:
         return self._over or self._written >= max(1, self.kept // 16)
 
-    def move(self, cur: Any, held: Collection[str]) -> int:
+    def move(self, data: StageData, held: Collection[str]) -> int:
         """Past ``kept`` ended conversations and a few more (``slack``), the oldest go to the archive (not
         ``held``, those the stage has in memory), in one transaction with the filter's changes; how many moved."""
         self._written = 0
-        row = one(cur.execute("SELECT count(*) FROM live_conversations WHERE state = 'ended'"))
-        count = int(row[0]) if row else 0
-        self._over = count > self.kept + self.slack
+        ended = data.ended_to_archive(self.kept + self.slack, self.kept, MOVED_AT_ONCE, sorted(held))
+        self._over = ended.ended > self.kept + self.slack
         if not self._over:
             return 0
-        step = min(count - self.kept, MOVED_AT_ONCE)
-        moved = cur.execute(
-            "SELECT conversation_id, last_arrival_at FROM live_conversations WHERE state = 'ended' "
-            "AND conversation_id NOT IN (SELECT unnest(?::VARCHAR[])) "
-            "ORDER BY last_arrival_at NULLS FIRST, conversation_id LIMIT ?", [list(held), step]).fetchall()
-        if not moved:
+        if not ended.oldest:
             self._over = False
             return 0
-        ids = [cid for cid, _ in moved]
-        newest = max((at for _, at in moved if at is not None), default=None)
-        changed = self.filter.add(ids, newest)  # before the commit: a set bit too many costs one read at most
-        with Transaction(cur):
-            cur.execute("INSERT INTO archived_conversations SELECT * FROM live_conversations "
-                        "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
-            cur.execute("DELETE FROM live_conversations WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))",
-                        [ids])
-            changed |= self._retire(cur)
-            self.filter.write(cur, changed)
-        self._over = count - len(ids) > self.kept + self.slack
+        ids = [cid for cid, _ in ended.oldest]
+        newest = max((at for _, at in ended.oldest if at is not None), default=None)
+        changed = self.filter.add(ids, newest)  # before the write: a set bit too many costs one read at most
+        changed |= self._retire(data, ended.oldest)
+        data.archive(ids, self.filter.changed(changed))
+        self._over = ended.ended - len(ids) > self.kept + self.slack
         return len(ids)
 
     @property
     def slack(self) -> int:
         return min(self.kept // 4, MOVED_AT_ONCE // 2)
 
-    def _retire(self, cur: Any) -> set[int]:
+    def _retire(self, data: StageData, moving: Sequence[tuple[str, dt.datetime | None]]) -> set[int]:
         """The oldest layer goes once at most ``RETIRE_SURVIVORS`` archived conversations are as old as its
-        newest: every other id set in it was deleted, or moved again (into a newer layer) after coming back."""
+        newest (those archived already, and those ``moving`` there now): every other id set in it was deleted,
+        or moved again (into a newer layer) after coming back. The ones moving now are in the newest layer."""
         layers = self.filter.layers
         if len(layers) < 2:
             return set()
         oldest = min(layers)
         newest_at = layers[oldest].newest
-        survivors = [r[0] for r in cur.execute(
-            "SELECT conversation_id FROM archived_conversations WHERE last_arrival_at IS NULL OR last_arrival_at <= ? "
-            "LIMIT ?", [newest_at, RETIRE_SURVIVORS + 1]).fetchall()]
-        if len(survivors) > RETIRE_SURVIVORS:
+        old = sum(1 for _, at in moving if at is None or (newest_at is not None and at <= newest_at))
+        if old > RETIRE_SURVIVORS:
+            return set()
+        survivors = data.archived_by(newest_at, RETIRE_SURVIVORS + 1 - old)
+        if len(survivors) + old > RETIRE_SURVIVORS:
             return set()
         del layers[oldest]
         return {oldest} | (self.filter.add(survivors, newest_at) if survivors else set())

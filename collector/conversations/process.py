@@ -8,20 +8,22 @@ time and fell behind without bound. ``StageProcess`` runs ``Conversations`` in a
 as a plain ``python -c`` with its two pipes, not by multiprocessing's ``spawn``, which would also
 start multiprocessing's resource tracker, a process of 7 MB that nothing here needs.
 
-A file has one DuckDB process, so the child has no database of its own: its stage works on a
-``RemoteCursor``, whose statements this process runs, one at a time and in order, on a cursor of
-the store (``_serve``). DuckDB runs them without the interpreter lock. Two kinds of request do not
-wait for their answer, so that the two processes work at once: a group's writes go in one request
-(``write_behind``, raised by the next call if they fail), then the rows of the next group are read
-(``query_ahead``), both while the child rebuilds this group's conversations. At 10,000 spans/s that
-made conversations current after the last ack 1.4x sooner (``bench/soak.py``); a large request goes
-once every answer is read, see ``RemoteCursor.post``. The child gets:
+A file has one DuckDB process, so the child has no database of its own: its stage asks for the
+operations of ``data.StageData`` through ``RemoteData``, by name and with plain arguments, never SQL
+text nor objects whose code would run here; this process checks each against ``data.OPERATIONS`` and
+unpickles nothing but plain data (``plain_request``), then runs it on its ``DuckData`` (``_serve``), one
+at a time and in order. DuckDB runs them without the interpreter lock. Two operations do not wait for
+their answer, so that the two processes work at once: a group's ``write`` (raised by the next call if it
+fails), then the next group's ``commit_rows`` (read ahead), both while the child rebuilds this group's
+conversations. At 10,000 spans/s that made conversations current after the last ack 1.4x sooner
+(``bench/soak.py``); a large request goes once every answer is read, see ``RemoteData._post``. The
+child gets:
 
-- each commit with its rows, as the stage in the daemon's process had them; while several wait
-  to be sent, or while the child's stage is behind (it would drop them), only which commit each was
+- each commit with its rows, as the stage in the daemon's process had them (no read back); while several
+  wait to be sent, or while the child's stage is behind (it would drop them), only which commit each was
   (``Light``), whose rows it reads back by commit range;
-- ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by a function that runs
-  here, on the served cursor, between two of the child's cycles.
+- ``stop``, ``wait_idle``, and ``swap``: a reindex's result is swapped in by the child's stage between
+  two of its cycles, which asks for the operation ``swap(now)``.
 
 It sends back its status, what it holds and its counters (for /api/status and /metrics), and the
 answers to waits and swaps. From its status this side knows how far conversations are behind
@@ -29,7 +31,7 @@ ingestion (``lag``: commits not taken in yet, and how long ago the oldest arrive
 they are ``conversations.lag_warning`` behind: until the stage catches up, conversations end and are
 judged late.
 
-A child that dies (killed, out of memory) has the transaction it had open rolled back; it is
+A child that dies (killed, out of memory) leaves no transaction open: each operation is whole here. It is
 started again after a backoff and catches up from the stored batch mark, as a new start does, so
 nothing committed is lost. A child whose mark does not move for ``conversations.stall_timeout``
 while commits wait (frozen, deadlocked: ``Stall``) is killed, so it goes the same way; until the
@@ -45,13 +47,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import datetime as dt
+import io
 import gc
 import itertools
 import json
 import logging
-import math
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -60,7 +64,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 
@@ -68,18 +72,23 @@ from ..background import BACKOFF, Stage
 from ..config import Conversations as Settings
 from ..system.memory import limit_arenas, peak_resident_bytes, resident_bytes, trimmer
 from ..metrics import Metrics
-from ..store import Committed, Pacing, register, rows_table
+from ..store import Committed
+from ..store.transactions import Batches
 from ..words import duration_text, plural
 from .rows import Light
-from .tables import ensure_tables
+from .data import (OPERATIONS, CommitRows, EndedToArchive, Ending, Later, Resume, StoredConversation, StoredRows,
+                   TracePlace, TraceSince)
+from .duck import DuckData
+from .transcript import Transcript
 
 if TYPE_CHECKING:
     from ..store import Store  # imported when first asked for (collector.store)
+    from .archive import Layer
+    from .writes import Writes
 
 log = logging.getLogger("tracejudge.conversations")
 
 WHOLE_COMMITS = 4  # commits sent with their rows at most at once (the rest as the traces they touched)
-PREFETCH = 4096  # rows sent with a statement's answer; the rest on each fetch
 STATUS_EVERY = 0.2  # seconds between two reports of the child's status
 COLLECT_EVERY = 25  # reports between two garbage collections and trims of the child's heap (5 s)
 STOP_TIMEOUT = 4.0  # seconds a stopping child has to write what it rebuilt before it is killed
@@ -97,28 +106,84 @@ class ChildDied(Exception):
 # ---------------------------------------------------------------- the child's side
 
 
-class RemoteCursor:
-    """The DuckDB cursor calls the stage makes, run by the parent on a cursor of its store."""
+class RemoteData:
+    """``StageData`` in the child: each operation goes to the parent by name, with plain arguments
+    (``_request``), and the parent runs it on its ``DuckData`` (``StageProcess._serve``), one at a time and
+    in order. A write does not wait for its answer (its error is raised by the next call), nor does
+    ``commit_rows`` (the rows are read while this process works; ``result()`` waits for them)."""
 
-    def __init__(self, conn: Connection, lock: threading.Lock) -> None:
+    def __init__(self, conn: Connection, lock: threading.Lock | None = None) -> None:
         self._conn = conn
-        self._lock = lock
-        self._rows: list[tuple[Any, ...]] = []
-        self._more = False
-        # Requests sent whose answers are not read yet (``post``), oldest first; the parent answers in order.
+        self._lock = lock or threading.Lock()
+        # Operations sent whose answers are not read yet (``_post``), oldest first; the parent answers in order.
         self._posted: collections.deque[Posted] = collections.deque()
 
-    def call(self, *request: Any) -> Any:
+    # ------------------------------------------------------------ the operations
+
+    def resume(self, stitch_since: float, stitch_kept: int) -> Resume:
+        return self._call("resume", stitch_since, stitch_kept)  # type: ignore[no-any-return]
+
+    def trace_map(self, trace_ids: Sequence[str]) -> dict[str, TracePlace]:
+        return self._call("trace_map", list(trace_ids))  # type: ignore[no-any-return]
+
+    def conversations(self, ids: Sequence[str], maybe_archived: Sequence[str]) -> list[StoredConversation]:
+        return self._call("conversations", list(ids), list(maybe_archived))  # type: ignore[no-any-return]
+
+    def trace_rows(self, trace_ids: Sequence[str], batches: Sequence[Batches]) -> StoredRows:
+        return self._call("trace_rows", list(trace_ids), list(batches))  # type: ignore[no-any-return]
+
+    def commit_rows(self, first: int, last: int) -> Later[CommitRows]:
+        # Small: it may go while answers wait unread (see ``_post``).
+        return self._post(("commit_rows", first, last), small=True)
+
+    def traces_since(self, after: int, upto: int | None) -> list[TraceSince]:
+        return self._call("traces_since", after, upto)  # type: ignore[no-any-return]
+
+    def stored_transcript(self, conversation_id: str) -> Transcript | None:
+        return self._call("stored_transcript", conversation_id)  # type: ignore[no-any-return]
+
+    def write(self, writes: Writes, mark: int) -> None:
+        self._post(("write", writes, mark), behind=True)
+
+    def end_stored(self, endings: Sequence[Ending], first_batch: int, updated_at: dt.datetime) -> None:
+        self._call("end_stored", list(endings), first_batch, updated_at)
+
+    def ended_to_archive(self, over: int, keep: int, most: int, held: Sequence[str]) -> EndedToArchive:
+        return self._call("ended_to_archive", over, keep, most, list(held))  # type: ignore[no-any-return]
+
+    def archived_by(self, last_arrival: dt.datetime | None, limit: int) -> list[str]:
+        return self._call("archived_by", last_arrival, limit)  # type: ignore[no-any-return]
+
+    def archive(self, ids: Sequence[str], layers: Mapping[int, Layer | None]) -> None:
+        self._call("archive", list(ids), dict(layers))
+
+    def swap(self, now: dt.datetime) -> int:
+        return int(self._call("swap", now))
+
+    def sync(self) -> None:
+        with self._lock:
+            self._settle()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._posted)
+
+    def close(self) -> None:
+        """The parent owns the data."""
+
+    # ------------------------------------------------------------ the pipe
+
+    def _call(self, *request: Any) -> Any:
         with self._lock:
             self._settle()
             try:
-                self._conn.send(request)
+                self._conn.send_bytes(_dumps(request))
                 answer = self._conn.recv()
             except (EOFError, OSError):
-                os._exit(0)  # the parent is gone (killed) mid-statement: nothing can be written now
+                os._exit(0)  # the parent is gone (killed) mid-operation: nothing can be written now
         return _result(answer)
 
-    def post(self, *request: Any, behind: bool = False, small: bool = False) -> "Posted":
+    def _post(self, request: tuple[Any, ...], behind: bool = False, small: bool = False) -> "Posted":
         """Send ``request`` and go on: the parent runs it while this process works. Its answer is read
         before the next call's (``Posted.result``); a write ``behind`` has no result, and its error
         is raised by the next call instead. A ``small`` request may go while answers wait unread."""
@@ -129,22 +194,12 @@ class RemoteCursor:
             # pipe's buffer and never waits.
             if not small:
                 self._settle()
+            self._posted.append(posted)  # before it goes: pending until answered (/api/status)
             try:
-                self._conn.send(request)
+                self._conn.send_bytes(_dumps(request))
             except (EOFError, OSError):
                 os._exit(0)
-            self._posted.append(posted)
         return posted
-
-    def sync(self) -> None:
-        """Wait until the parent has answered every request posted so far (raising a write's error)."""
-        with self._lock:
-            self._settle()
-
-    @property
-    def in_flight(self) -> int:
-        """Requests posted and not answered yet, as far as this process has read."""
-        return len(self._posted)
 
     def _settle(self) -> None:
         failed = None
@@ -160,60 +215,19 @@ class RemoteCursor:
         if failed is not None:
             _result(failed)
 
-    def write_behind(self, writes: Any, mark: int) -> None:
-        """``Writes.flush(cursor, mark)``, run by the parent in one request while this process goes on."""
-        self.post("writes", writes, mark, behind=True)
 
-    def query_ahead(self, queries: Sequence[tuple[str, Any]]) -> "Posted":
-        """Every row of each query (SQL, parameters), read by the parent while this process works:
-        ``result()`` is a list of rows per query."""
-        return self.post("queries", queries, small=True)
+class Posted(Later[Any]):
+    """An operation ``RemoteData`` sent without waiting; its answer once read."""
 
-    def execute(self, sql: str, params: Any = None) -> "RemoteCursor":
-        self._rows, self._more = self.call("execute", sql, params)
-        return self
-
-    def fetchone(self) -> tuple[Any, ...] | None:
-        got = self.fetchmany(1)
-        return got[0] if got else None
-
-    def fetchmany(self, n: int = 1) -> list[tuple[Any, ...]]:
-        if len(self._rows) < n and self._more:
-            rows, self._more = self.call("fetch", max(n - len(self._rows), PREFETCH))
-            self._rows.extend(rows)
-        out, self._rows = self._rows[:n], self._rows[n:]
-        return out
-
-    def fetchall(self) -> list[tuple[Any, ...]]:
-        out = self._rows
-        while self._more:
-            rows, self._more = self.call("fetch", 0)
-            out.extend(rows)
-        self._rows = []
-        return out
-
-    def register_rows(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """The parent builds the Arrow table: this process never loads the Arrow builder (see collector.store)."""
-        self.call("register_rows", name, columns, rows)
-
-    def unregister(self, name: str) -> None:
-        self.call("unregister", name)
-
-    def close(self) -> None:
-        """The parent owns the cursor."""
-
-
-class Posted:
-    """A request ``RemoteCursor.post`` sent; its answer once read."""
-
-    def __init__(self, cursor: RemoteCursor, behind: bool) -> None:
-        self.cursor = cursor
+    def __init__(self, data: RemoteData, behind: bool) -> None:
+        super().__init__(self._read)
+        self.data = data
         self.behind = behind
         self.answer: tuple[Any, ...] | None = None
 
-    def result(self) -> Any:
+    def _read(self) -> Any:
         if self.answer is None:
-            self.cursor.sync()  # its own error, if any, is raised below, not by sync
+            self.data.sync()  # its own error, if any, is raised below, not by sync
         assert self.answer is not None
         return _result(self.answer)
 
@@ -229,32 +243,41 @@ def _result(answer: tuple[Any, ...]) -> Any:
     raise RuntimeError(f"{name}: {message}")
 
 
-class RemoteStore:
-    """What ``Conversations`` asks of its store, in the child."""
+def _dumps(request: tuple[Any, ...]) -> bytes:
+    return pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def __init__(self, cursor: RemoteCursor) -> None:
-        self._cursor = cursor
 
-    def cursor(self, schema: str | None = None) -> Any:
-        assert schema is None, "a reindex runs in the daemon's own process"
-        return self._cursor
+# What an operation's arguments may be made of, beside the builtin containers, numbers, text and bytes
+# (which pickle writes without naming a class): the parent refuses any other class by name, so nothing
+# it unpickles can run code of the child's choosing.
+PLAIN_CLASSES = frozenset({
+    ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
+    ("collector.conversations.data", "Ending"),
+    ("collector.conversations.writes", "Writes"), ("collector.conversations.writes", "ConversationRow"),
+    ("collector.conversations.archive", "Layer"),
+})
 
-    @property
-    def batch_id(self) -> int:
-        return int(self._cursor.call("batch_id"))
 
-    @property
-    def opened_batch(self) -> int:
-        return int(self._cursor.call("opened_batch"))
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in PLAIN_CLASSES:
+            raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+        return super().find_class(module, name)
 
-    def fatal(self, exc: BaseException) -> bool:
-        """``Store.fatal``: the daemon's side told its store when the statement failed (``_serve``)."""
-        return isinstance(exc, duckdb.FatalException)
 
-    def pacing(self, *, idle_gap: float, share: float, max_wait: float, poll: float,
-               piece: float = math.inf) -> Pacing:
-        # Never busy: the child gives way through its nice value, not by waiting for pauses.
-        return Pacing(lambda: math.inf, idle_gap=idle_gap, share=share, max_wait=max_wait, poll=poll, piece=piece)
+def plain_request(raw: bytes) -> tuple[str, tuple[Any, ...]]:
+    """An operation from the child: its name, one of ``data.OPERATIONS``, and its arguments, plain data.
+
+    Raises:
+        ValueError: anything else.
+    """
+    try:
+        request = _PlainUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as exc:
+        raise ValueError(f"not an operation of plain data: {exc}") from None
+    if not isinstance(request, tuple) or not request or request[0] not in OPERATIONS:
+        raise ValueError(f"unknown operation {request[0] if isinstance(request, tuple) and request else request!r}")
+    return request[0], request[1:]
 
 
 _BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
@@ -290,10 +313,8 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
         with send_lock:
             control.send(message)
 
-    cursor = RemoteCursor(queries, threading.Lock())
     metrics = Metrics()
-    stage = Conversations(RemoteStore(cursor), settings, metrics,  # type: ignore[arg-type]
-                          max_queued_commits=WHOLE_COMMITS)
+    stage = Conversations(RemoteData(queries), settings, metrics, max_queued_commits=WHOLE_COMMITS)
     try:
         stage.start()
     except Exception as exc:  # noqa: BLE001 - the parent logs it and starts a child again
@@ -321,14 +342,12 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
     def answer_idle(token: int, timeout: float) -> None:
         send("idle", token, stage.wait_idle(timeout))
 
-    def swap_in(token: int) -> None:
-        def run(_: Any) -> None:  # on the parent's cursor, which the swap function was given
-            cursor.call("swap", token)
+    def swap_in(token: int, now: dt.datetime) -> None:
+        def answered(future: concurrent.futures.Future[int]) -> None:
+            error = future.exception()
+            send("swapped", token, _error_text(error), None if error is not None else future.result())
 
-        def answered(future: concurrent.futures.Future[None]) -> None:
-            send("swapped", token, _error_text(future.exception()))
-
-        stage.swap(run).add_done_callback(answered)
+        stage.swap(now).add_done_callback(answered)
 
     threading.Thread(target=report, name="tracejudge-status", daemon=True).start()
     try:
@@ -343,7 +362,7 @@ def _child(queries: Connection, control: Connection, settings: Settings, log_for
             elif msg[0] == "idle":
                 threading.Thread(target=answer_idle, args=(msg[1], msg[2]), daemon=True).start()
             elif msg[0] == "swap":
-                swap_in(msg[1])
+                swap_in(msg[1], msg[2])
             elif msg[0] == "stop":
                 break
     finally:
@@ -458,9 +477,8 @@ class StageProcess(Stage):
         self._takes_rows = True
         self._tokens = itertools.count(1)
         self._waits: dict[int, tuple[threading.Event, list[bool]]] = {}
-        self._swaps: dict[int, tuple[Callable[[duckdb.DuckDBPyConnection], object],
-                                     concurrent.futures.Future[None]]] = {}
-        self._registered: dict[str, Any] = {}
+        self._swaps: dict[int, concurrent.futures.Future[int]] = {}
+        self.data: DuckData | None = None  # what the child's operations run on
         self._answering = False  # a request of the child's runs here (a swap may take long): it waits on us
         self._arrivals = Arrivals()
         self._started_at = 0.0
@@ -483,11 +501,10 @@ class StageProcess(Stage):
         it opens its stage and catches up while the daemon starts."""
         self.cur = self.store.cursor()
         self._started_at = self.store.clock()
-        ensure_tables(self.cur)
+        self.data = DuckData(self.cur, self.store)  # creates the tables
         # The lag counts from the stored mark until a child reports its own: a backlog stored before this
         # start shows at once, and a child stuck before its first report stalls.
-        mark = self.cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall()
-        self._status["conversations_batch"] = int(mark[0][0]) if mark else 0
+        self._status["conversations_batch"] = self.data.mark()
         self._thread = threading.Thread(target=self._supervise, name="tracejudge-conversations", daemon=True)
         self._thread.start()
 
@@ -612,12 +629,13 @@ class StageProcess(Stage):
         self._waits.pop(token, None)
         return result[0]
 
-    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]:
-        """``Conversations.swap``: ``fn`` runs here, on the served cursor, between two of the child's cycles."""
+    def swap(self, now: dt.datetime) -> concurrent.futures.Future[int]:
+        """``Conversations.swap``: the child's stage swaps a reindex in between two of its cycles (it asks for
+        ``StageData.swap``, which runs here); the number of conversations."""
         token = next(self._tokens)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._swaps[token] = (fn, done)
-        self._outgoing.put(("swap", token))
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._swaps[token] = done
+        self._outgoing.put(("swap", token, now))
         return done
 
     # ------------------------------------------------------------ the supervisor thread
@@ -637,7 +655,7 @@ class StageProcess(Stage):
             self.metrics.stage_errors.inc(stage=self.name)
             log.error("the conversation stage's process ended (%s); it starts again in %.0f s and catches up "
                       "from the stored batch mark", why, delay)
-            for token, (_, done) in list(self._swaps.items()):
+            for token, done in list(self._swaps.items()):
                 self._swaps.pop(token, None)
                 done.set_exception(ChildDied(f"the conversation stage's process ended ({why}) before the swap"))
             if self.stopping.wait(delay):
@@ -684,23 +702,23 @@ class StageProcess(Stage):
             control.close()
             reader.join()
             sender.join()
-            self._drop_registered()
-            self._rollback()
         return f"exit code {proc.returncode}"
 
     def _serve(self, conn: Connection) -> None:
-        """Run the child's statements on the stage's cursor until its pipe closes."""
-        cur = self.cur
-        assert cur is not None
+        """Run the child's operations on this side's ``DuckData`` until its pipe closes: an operation is a
+        name from ``data.OPERATIONS`` and plain arguments (``plain_request``), nothing else."""
+        data = self.data
+        assert data is not None
         while True:
             try:
-                request = conn.recv()
+                raw = conn.recv_bytes()
             except (EOFError, OSError):
                 return
             answer: tuple[Any, ...]
             self._answering = True
             try:
-                answer = ("ok", self._answer(cur, request))
+                name, args = plain_request(raw)
+                answer = ("ok", self._answer(data, name, args))
             except Exception as exc:  # noqa: BLE001 - the child raises it where it made the call
                 answer = ("err", type(exc).__module__, type(exc).__name__, str(exc))
                 self.store.fatal(exc)
@@ -711,41 +729,11 @@ class StageProcess(Stage):
             except (OSError, EOFError):
                 return
 
-    def _answer(self, cur: duckdb.DuckDBPyConnection, request: tuple[Any, ...]) -> Any:
-        op = request[0]
-        if op == "execute":
-            _, sql, params = request
-            cur.execute(sql, params) if params is not None else cur.execute(sql)
-            if cur.description is None:
-                return [], False
-            rows = cur.fetchmany(PREFETCH)
-            return rows, len(rows) == PREFETCH
-        if op == "fetch":
-            rows = cur.fetchmany(request[1]) if request[1] else cur.fetchall()
-            return rows, bool(request[1]) and len(rows) == request[1]
-        if op == "register_rows":
-            table = rows_table(request[2], request[3])
-            register(cur, request[1], table)
-            self._registered[request[1]] = table
-            return None
-        if op == "unregister":
-            cur.unregister(request[1])
-            self._registered.pop(request[1], None)
-            return None
-        if op == "writes":  # the stage's writes of a cycle (``RemoteCursor.write_behind``)
-            request[1].flush(cur, request[2])
-            return None
-        if op == "queries":
-            return [cur.execute(sql, params).fetchall() for sql, params in request[1]]
-        if op == "batch_id":
-            return self.store.batch_id
-        if op == "opened_batch":
-            return self.store.opened_batch
-        if op == "swap":
-            fn, _ = self._swaps[request[1]]
-            fn(cur)
-            return None
-        raise ValueError(f"unknown request {op!r}")
+    def _answer(self, data: DuckData, name: str, args: tuple[Any, ...]) -> Any:
+        """One operation, run now: ``commit_rows`` is read here while the child works on."""
+        if name == "commit_rows":
+            return data.read_commits(*args)
+        return getattr(data, name)(*args)
 
     def _send(self, control: Connection, ended: threading.Event) -> None:
         """Hand the child what the daemon queued: commits in batches, waits, swaps, the stop."""
@@ -802,10 +790,10 @@ class StageProcess(Stage):
                     result[0] = msg[2]
                     event.set()
             elif kind == "swapped":
-                _, done = self._swaps.pop(msg[1], (None, None))
+                done = self._swaps.pop(msg[1], None)
                 if done is not None:
                     if msg[2] is None:
-                        done.set_result(None)
+                        done.set_result(msg[3])
                     else:
                         done.set_exception(RuntimeError(msg[2]))
 
@@ -819,24 +807,3 @@ class StageProcess(Stage):
                 if gained:
                     ours.inc(gained, **dict(zip(ours.labelnames, key)))
                 seen[key] = value
-
-    def _drop_registered(self) -> None:
-        if self.cur is None:
-            return
-        for name in list(self._registered):
-            try:
-                self.cur.unregister(name)
-            except duckdb.Error:
-                pass
-        self._registered.clear()
-
-    def _rollback(self) -> None:
-        """A child that died inside a transaction leaves it open on the served cursor."""
-        if self.cur is None:
-            return
-        try:
-            self.cur.execute("ROLLBACK")
-        except duckdb.Error:
-            pass  # none was open
-
-

@@ -40,7 +40,7 @@ from ..store import Transaction
 from ..store.schema import TRACE_MAP
 from ..store.transactions import one
 from .archive import ARCHIVE_KEPT
-from .stage import Conversations
+from .duck import DuckData, local_stage
 from .tables import ensure_tables
 
 if TYPE_CHECKING:
@@ -124,15 +124,15 @@ class Reindex:
     def run(self, stop: threading.Event | None = None, on_progress: Callable[[Progress], None] | None = None
             ) -> bool:
         """Rebuild the traces left, a chunk at a time; False if ``stop`` came first (what is done is kept)."""
-        stage = Conversations(self.store, self.settings, Metrics(), clock=lambda: self._now,
-                              max_wait=self.max_wait, conversations_kept=self.conversations_kept)
+        stage = local_stage(self.store, self.settings, Metrics(), schema=SCHEMA, clock=lambda: self._now,
+                            max_wait=self.max_wait, conversations_kept=self.conversations_kept)
         if stop is not None:
             stage.stopping = stop  # its rebuild raises Stopping once it is set
         self.progress.state = "rebuilding"
         try:
-            stage.open(SCHEMA)
-            cur = stage.cur
-            assert cur is not None
+            stage.open()
+            assert isinstance(stage.data, DuckData)
+            cur = stage.data.cur  # the stage's own: a chunk's writes commit with how far it got
             while True:
                 rows = cur.execute(f"SELECT n, trace_id, arrived, first, last FROM {SCHEMA}.reindex_traces WHERE n > ? "
                                    "ORDER BY n LIMIT ?", [self.progress.done, self.chunk]).fetchall()
@@ -159,39 +159,28 @@ class Reindex:
             stage.stop()
 
     def swap(self, cur: duckdb.DuckDBPyConnection) -> int:
-        """Replace the live conversations with the rebuilt ones, in one transaction; the number of conversations.
-
-        ``cur`` is on the main schema, and nothing else writes conversations meanwhile (the live stage
-        runs this in its thread: ``Conversations.swap``).
-        """
-        self.progress.state = "swapping"
-        now = dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)
+        """Replace the live conversations with the rebuilt ones, in one transaction (``swap_reindexed``); the
+        number of conversations. Nothing else may write conversations meanwhile: a running daemon's stage
+        swaps instead (``Runner``)."""
+        self.swapping()
         try:
-            with Transaction(cur):
-                upto = self._state(cur, "reindex.upto")
-                # The next revision where the transcript changed, to be judged again; the same one elsewhere.
-                for table in ("live_conversations", "archived_conversations"):
-                    cur.execute(
-                        f"UPDATE {SCHEMA}.{table} AS n SET revision = CASE WHEN o.transcript_hash = "
-                        "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
-                        "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
-                    cur.execute(f"UPDATE {SCHEMA}.{table} SET updated_at = ?", [now])
-                for table in _REBUILT:
-                    cur.execute(f"DELETE FROM main.{table}")
-                    cur.execute(f"INSERT INTO main.{table} SELECT * FROM {SCHEMA}.{table}")
-                cur.execute("INSERT OR REPLACE INTO main.tracejudge_state VALUES ('conversations.batch', ?)",
-                            [upto])
-                cur.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
-                row = one(cur.execute("SELECT count(*) FROM main.conversations"))
+            count = swap_reindexed(cur, dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc))
         except Exception as exc:
             self._failed(exc)
             raise
-        self.progress.conversations = int(row[0]) if row else 0
+        return self.swapped(count)
+
+    def swapping(self) -> None:
+        self.progress.state = "swapping"
+
+    def swapped(self, conversations: int) -> int:
+        """The swap is done: ``conversations`` are stored."""
+        self.progress.conversations = conversations
         self.progress.state = "finished"
         self.progress.finished_at = time.time()
         log.info("reindex finished: %d conversations (%d kept as stored)", self.progress.conversations,
                  self.progress.kept)
-        return self.progress.conversations
+        return conversations
 
     # ------------------------------------------------------------ its schema
 
@@ -261,9 +250,10 @@ class AlreadyRunning(Exception):
 
 
 class Swaps(Protocol):
-    """The live stage, in this process or its own: it runs a swap between two of its cycles."""
+    """The live stage, in this process or its own: it swaps a reindex in between two of its cycles
+    (``StageData.swap``), resolving with the number of conversations."""
 
-    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]: ...
+    def swap(self, now: dt.datetime) -> concurrent.futures.Future[int]: ...
 
 
 class Runner:
@@ -299,10 +289,11 @@ class Runner:
             job.prepare()
             if not job.run(self._stop):
                 return
-            swapped = self.live.swap(job.swap)
+            job.swapping()
+            swapped = self.live.swap(dt.datetime.fromtimestamp(job.clock(), dt.timezone.utc))
             while not self._stop.is_set():
                 try:
-                    swapped.result(timeout=0.1)
+                    job.swapped(swapped.result(timeout=0.1))
                     return
                 except concurrent.futures.TimeoutError:
                     continue
@@ -318,3 +309,27 @@ class Runner:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def swap_reindexed(cur: duckdb.DuckDBPyConnection, now: dt.datetime) -> int:
+    """Replace the live conversations with the reindex's, in one transaction, at ``now``; how many there are.
+
+    ``cur`` is on the main schema. A transcript that changed gets the next revision (to be judged again), one
+    that did not keeps its own; the conversation stage's batch mark goes where the reindex stopped reading.
+    """
+    with Transaction(cur):
+        row = one(cur.execute(f"SELECT value FROM {SCHEMA}.tracejudge_state WHERE key = 'reindex.upto'"))
+        upto = row[0] if row else None
+        for table in ("live_conversations", "archived_conversations"):
+            cur.execute(
+                f"UPDATE {SCHEMA}.{table} AS n SET revision = CASE WHEN o.transcript_hash = "
+                "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
+                "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
+            cur.execute(f"UPDATE {SCHEMA}.{table} SET updated_at = ?", [now])
+        for table in _REBUILT:
+            cur.execute(f"DELETE FROM main.{table}")
+            cur.execute(f"INSERT INTO main.{table} SELECT * FROM {SCHEMA}.{table}")
+        cur.execute("INSERT OR REPLACE INTO main.tracejudge_state VALUES ('conversations.batch', ?)", [upto])
+        cur.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
+        row = one(cur.execute("SELECT count(*) FROM main.conversations"))
+    return int(row[0]) if row else 0

@@ -2,7 +2,7 @@
 
 A trace first seen whole in the commits handed to the stage keeps its rows in
 memory (the least recently used go beyond ``max_rows``); any other trace is read
-back from ``span_records`` and ``log_records`` when a rebuild needs it, within the
+back (``StageData.trace_rows``) when a rebuild needs it, within the
 commits its caller knows to hold its rows (``Batches``: rows are stored in commit
 order, so the read skips every row group outside them, and its cost follows the
 rows read, not the size of the table nor the age of the conversation). Each
@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
-
-import duckdb
+from typing import Callable, Iterable, Mapping
 
 from ..store import Committed
-from ..store.transactions import COMMIT_TRACES, Batches, batch_filter
+from ..store.transactions import Batches
+from .data import LOG_COLUMNS, SPAN_COLUMNS, CommitRows, Later, StageData
 from .keys import StoredRow
 
 # A group of commits is taken in, then the conversations the group before it touched (and it did not)
@@ -38,14 +37,6 @@ from .keys import StoredRow
 # or its first rows are evicted and read back from DuckDB (at 10,000 spans/s, groups of 4,096 light rows
 # beside a cache of 10,000 made a quarter of the stage process's waits reads of evicted rows).
 GROUPS_CACHED = 4
-# The columns the stage reads (keys, end rules, transcripts): rows read back carry only these. A
-# span row has 21 columns and half are never read here; at 10,000 spans/s the daemon turned every
-# value into a Python object, pickled it and sent it over, and this process unpickled it.
-SPAN_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "start_time_unix_nano", "end_time_unix_nano",
-                "attributes", "events", "resource", "service")
-LOG_COLUMNS = ("log_id", "trace_id", "span_id", "time_unix_nano", "observed_time_unix_nano", "event_name",
-               "body", "attributes", "service")
-
 
 @dataclass
 class TraceRows:
@@ -96,15 +87,6 @@ class Light:
     @classmethod
     def of(cls, committed: Committed) -> "Light":
         return cls(committed.batch_id, committed.received_at, len(committed.spans) + len(committed.logs))
-
-
-def _commit_queries(lights: list[Light]) -> list[tuple[str, list[int], tuple[str, ...]]]:
-    """The reads of the stored rows of these commits: (SQL, parameters, columns before ``batch_id``),
-    spans then logs."""
-    lo, hi = min(c.batch_id for c in lights), max(c.batch_id for c in lights)
-    return [(f"SELECT {', '.join(columns)}, batch_id{', seq' if i else ''} FROM {table} "
-             "WHERE batch_id BETWEEN ? AND ? AND trace_id IS NOT NULL", [lo, hi], columns)
-            for i, (table, columns) in enumerate((("span_records", SPAN_COLUMNS), ("log_records", LOG_COLUMNS)))]
 
 
 def commit_rows(c: Committed | Light) -> int:
@@ -171,15 +153,20 @@ class RowCache:
         """Rows cached and traces cached."""
         return {"cached_rows": self._rows, "cached_traces": len(self._traces)}
 
-    def take(self, cur: duckdb.DuckDBPyConnection, committed: list[Committed | Light], ahead: Any = None) -> Taken:
+    def take(self, data: StageData, committed: list[Committed | Light],
+             ahead: Later[CommitRows] | None = None) -> Taken:
         """The rows these commits brought, by trace: handed over, or read back for light commits
-        (``ahead``: as ``read_ahead`` posted the reads)."""
+        (``ahead``: as ``read_ahead`` asked for them)."""
         taken = Taken()
         lights = [c for c in committed if isinstance(c, Light)]
-        stored = self._commit_rows(cur, lights, ahead) if lights else {}
-        if ahead is not None:
+        stored: dict[int, tuple[list[StoredRow], list[StoredRow]]] = {}
+        if lights:
+            later = ahead if ahead is not None else self.read_ahead(data, [*lights])
+            assert later is not None
+            read = later.result()
+            stored = _by_commit(lights, read)
             taken.mapped = {row["trace_id"]: None for spans, logs in stored.values() for row in (*spans, *logs)}
-            taken.mapped.update(ahead.result()[2])
+            taken.mapped.update(read.mapped)
         for c in committed:
             if isinstance(c, Light):
                 span_rows, log_rows = stored[c.batch_id]
@@ -213,7 +200,7 @@ class RowCache:
             self._rows += len(rows)
         self._evict()
 
-    def get(self, cur: duckdb.DuckDBPyConnection, trace_ids: Iterable[str],
+    def get(self, data: StageData, trace_ids: Iterable[str],
             where: Callable[[list[str]], Mapping[str, Batches]] | None = None) -> dict[str, TraceRows]:
         """Every stored row of these traces: the cache, else one read from DuckDB.
 
@@ -230,7 +217,7 @@ class RowCache:
             else:
                 missing.append(t)
         if missing:
-            loaded = self._read(cur, missing, where(missing) if where is not None else {})
+            loaded = self._read(data, missing, where(missing) if where is not None else {})
             for t, rows in loaded.items():
                 self._traces[t] = rows
                 self._rows += len(rows)
@@ -258,21 +245,16 @@ class RowCache:
                 row.release()
         self._lent.clear()
 
-    def _read(self, cur: duckdb.DuckDBPyConnection, missing: list[str], batches: Mapping[str, Batches]
-              ) -> dict[str, TraceRows]:
+    def _read(self, data: StageData, missing: list[str], batches: Mapping[str, Batches]) -> dict[str, TraceRows]:
         loaded = {t: TraceRows() for t in missing}
-        ranges, bounds = batch_filter([batches.get(t, (None, None)) for t in missing])
-        where = f"trace_id IN (SELECT unnest(?)){ranges}"
-        params: list[Any] = [missing, *bounds]
-        res = cur.execute(f"SELECT {', '.join(SPAN_COLUMNS)}, batch_id FROM span_records WHERE {where}", params)
+        read = data.trace_rows(missing, [batches.get(t, (None, None)) for t in missing])
         n = len(SPAN_COLUMNS)
-        for rec in res.fetchall():
+        for rec in read.spans:
             trace = loaded[rec[0]]
             trace.spans.append(StoredRow(zip(SPAN_COLUMNS, rec)))  # zip stops before batch_id
             trace.saw(rec[n])
-        res = cur.execute(f"SELECT {', '.join(LOG_COLUMNS)}, batch_id, seq FROM log_records WHERE {where}", params)
         n = len(LOG_COLUMNS)
-        for rec in res.fetchall():
+        for rec in read.logs:
             row = StoredRow(zip(LOG_COLUMNS, rec))
             row["arrival"] = (rec[n], rec[n + 1] or 0)  # NULL: stored before the place was kept
             trace = loaded[rec[1]]
@@ -280,44 +262,18 @@ class RowCache:
             trace.saw(rec[n])
         return loaded
 
-    def read_ahead(self, cur: Any, committed: list[Committed | Light]) -> Any:
-        """In the stage process: have the daemon read the rows of these commits' light ones while this
-        process works (``RemoteCursor.query_ahead``), for ``take``; None where there is nothing to read
-        or no one to read it meanwhile."""
-        query = getattr(cur, "query_ahead", None)
-        lights = [c for c in committed if isinstance(c, Light)]
-        if query is None or not lights:
-            return None
-        # With their traces' stored conversations: the daemon has run every write sent before, and the
-        # stage keeps a conversation in memory until its writes are sent (``Conversations._flush``).
-        lo, hi = min(c.batch_id for c in lights), max(c.batch_id for c in lights)
-        mapped = (f"SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN ({COMMIT_TRACES})",
-                  [lo, hi, lo, hi])
-        return query([*((sql, params) for sql, params, _ in _commit_queries(lights)), mapped])
+    @staticmethod
+    def read_ahead(data: StageData, committed: list[Committed | Light]) -> Later[CommitRows] | None:
+        """The rows of these commits' light ones, asked for now and read with ``take`` (in the stage process
+        the daemon reads them while the stage works); None when there is nothing to read.
 
-    def _commit_rows(self, cur: duckdb.DuckDBPyConnection, lights: list[Light], ahead: Any = None
-                     ) -> dict[int, tuple[list[StoredRow], list[StoredRow]]]:
-        """The stored rows of these commits, by batch: one range read on ``batch_id`` per table
-        (commits are stored in batch order, so the read skips every other row group), or the reads
-        ``read_ahead`` posted."""
-        out: dict[int, tuple[list[StoredRow], list[StoredRow]]] = {c.batch_id: ([], []) for c in lights}
-        read = ahead.result() if ahead is not None else None
-        for i, (sql, params, columns) in enumerate(_commit_queries(lights)):
-            n = len(columns)
-            if read is not None:
-                parts: Iterable[list[Any]] = [read[i]]
-            else:
-                res = cur.execute(sql, params)
-                parts = iter(lambda: res.fetchmany(1024), [])  # bounded memory: not every row twice at once
-            for recs in parts:
-                for rec in recs:
-                    got = out.get(rec[n])
-                    if got is not None:
-                        row = StoredRow(zip(columns, rec[:n]))
-                        if i:
-                            row["arrival"] = (rec[n], rec[n + 1] or 0)
-                        got[i].append(row)
-        return out
+        With their traces' stored conversations: the daemon has run every write sent before, and the
+        stage keeps a conversation in memory until its writes are sent (``Conversations._flush``).
+        """
+        lights = [c for c in committed if isinstance(c, Light)]
+        if not lights:
+            return None
+        return data.commit_rows(min(c.batch_id for c in lights), max(c.batch_id for c in lights))
 
     def _evict(self) -> None:
         """Drop the least recently used traces beyond ``max_rows`` rows."""
@@ -325,3 +281,21 @@ class RowCache:
             tid, rows = self._traces.popitem(last=False)
             self._rows -= len(rows)
             self._lent.discard(tid)
+
+
+def _by_commit(lights: list[Light], read: CommitRows) -> dict[int, tuple[list[StoredRow], list[StoredRow]]]:
+    """The rows read back for these commits, by commit."""
+    out: dict[int, tuple[list[StoredRow], list[StoredRow]]] = {c.batch_id: ([], []) for c in lights}
+    n = len(SPAN_COLUMNS)
+    for rec in read.spans:
+        got = out.get(rec[n])
+        if got is not None:
+            got[0].append(StoredRow(zip(SPAN_COLUMNS, rec)))
+    n = len(LOG_COLUMNS)
+    for rec in read.logs:
+        got = out.get(rec[n])
+        if got is not None:
+            row = StoredRow(zip(LOG_COLUMNS, rec))
+            row["arrival"] = (rec[n], rec[n + 1] or 0)
+            got[1].append(row)
+    return out

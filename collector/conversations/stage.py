@@ -1,73 +1,67 @@
 """Conversations kept current as data arrives: the stage that rebuilds each one as its traces come.
 
-A background ``Stage`` (``collector.background``): ``Conversations(store,
-settings, metrics)`` -> ``start()`` (creates its tables, loads the open
-conversations, starts its thread, which first catches up on commits it has not
-seen) -> ``on_commit`` (the store calls it after each commit; it only enqueues)
--> ``stop()`` (writes what is rebuilt, records how far it got and leaves the
-rest, commits queued or conversations not rebuilt yet, to the catch-up of the
-next start). ``open(schema)`` then ``rebuild()`` rebuild conversations in the
-caller's thread, for a reindex (``reindex``), which ``swap``s its result in.
+``Conversations(data, settings, metrics)`` is rebuild logic with no cursor: what is stored it reaches
+through ``data`` (``data.StageData``: ``process.RemoteData`` in the stage process, ``duck.DuckData`` in
+``tracejudge reindex`` and tests through ``duck.local_stage``, ``MemoryData`` in unit tests). Its
+jobs are classes of their own modules over ``state.StageState``: ``resolve`` (traces to
+conversations), ``rebuild`` (transcripts), ``endings`` (end rules, idle); this module is its loop.
 
-How far it got is the batch mark (``writes``), written with the conversations
-in one transaction. A conversation that cannot be rebuilt (a bug meeting odd
-data) keeps its stored version (one never stored is stored without messages,
-with the reason) and is counted (``conversations_failed``); it never stops the
-others. A cycle that fails is logged and counted, and the stage starts again
-from what is stored.
+A background ``Loop`` (``collector.background``): ``start()`` (loads the stored state, starts its thread,
+which first catches up on commits it has not seen) -> ``on_commit`` (after each commit; it only
+enqueues) -> ``stop()`` (writes what is rebuilt, records how far it got and leaves the rest, commits
+queued or conversations not rebuilt yet, to the catch-up of the next start). ``open()`` then
+``rebuild()`` rebuild conversations in the caller's thread, for a reindex (``reindex``); ``swap(now)``
+swaps a finished reindex in between two cycles.
 
-Its own thread, so ingestion never waits for it; it works at the store's pace
-for it (``store.pacing``): while requests keep coming it waits for a pause in
-them, at most ``max_wait``, then works a quarter of the time. Each cycle it
-takes the commits queued since the last one (``rows``), resolves every touched
-trace to a conversation (``tracemap``), rebuilds each touched conversation's
-transcript from all of its rows (``assemble``), applies the end rules to the
-newest trace (the one that starts last) and ends conversations idle for
-``idle_timeout`` (``endings``), and writes ``conversations`` and ``messages``
-(``writes``). A changed transcript gets a new ``revision`` (to be judged again). A backlog goes
-a group of commits at a time (``rows.groups``), a few to the row cache; in the stage process the
-next group's rows are read, and this one's conversations written, while it works (``process``).
+How far it got is the batch mark, written with the conversations in one transaction
+(``StageData.write``). A conversation that cannot be rebuilt (a bug meeting odd data) keeps its stored
+version (one never stored is stored without messages, with the reason) and is counted
+(``conversations_failed``); it never stops the others. A cycle that fails is logged and counted, and
+the stage starts again from what is stored.
+
+Its own thread, so ingestion never waits for it; it works at its ``pacing``: in the daemon's process a
+store's (while requests keep coming it waits for a pause in them, at most ``max_wait``, then works a
+quarter of the time), in the stage process never busy (it gives way through its nice value). Each cycle
+it takes the commits queued since the last one (``rows``), resolves every touched trace to a conversation,
+rebuilds each touched conversation's transcript from all of its rows, applies the end rules to the
+newest trace (the one that starts last) and ends conversations idle for ``idle_timeout``, and writes
+``conversations`` and ``messages``. A changed transcript gets a new ``revision`` (to be judged again). A
+backlog goes a group of commits at a time (``rows.groups``), a few to the row cache; the next group's
+rows are asked for (``StageData.commit_rows``), and this one's conversations written, while it works.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import datetime as dt
 import logging
+import math
 import queue
+import sys
 import threading
 import time
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-import duckdb
-
-from ..background import Stage
+from ..background import Loop
 from ..config import Conversations as Settings
 from ..metrics import Metrics
-from ..store import Committed, Transaction, registered_rows
-from ..store.transactions import batch_filter, conversation_traces, one, trace_batches
-from .assemble import NO_CONTENT_REASON, ParseMemo, build_transcript
-from .endings import ended_by_rule, idle
-from .keys import conversation_key, has_messages
-from .record import stored_select, stored_transcript, stored_transcripts
-from .rows import GROUPS_CACHED, Batches, Light, RowCache, TraceRows, commit_rows, groups
-from .archive import ARCHIVE_KEPT, ConversationArchive
-from .stitch import Opening, Stitcher, answered, opening, started
-from .tables import TRACES_KEPT, ensure_tables
-from .tracemap import TraceMap, Tracked, is_genai
-from .transcript import Transcript, from_unix_nano
-from .writes import ConversationRow, Writes, message_rows
-
-if TYPE_CHECKING:
-    from ..store import Store  # imported when first asked for (collector.store)
+from ..store import Committed
+from ..store.pacing import Pacing
+from .archive import ARCHIVE_KEPT
+from .data import StageData
+from .endings import Ending
+from .rebuild import Rebuild
+from .resolve import Resolve
+from .rows import GROUPS_CACHED, Batches, Light, commit_rows, groups
+from .state import StageState, Stopping
+from .stitch import answered, started
+from .tables import TRACES_KEPT
+from .writes import Writes
 
 log = logging.getLogger("tracejudge.conversations")
 
 _STOP = object()
 CATCH_UP_CHUNK = 500  # traces resolved, rebuilt and written together when catching up
-END_CHUNK = 2000  # conversations ended as stored per transaction (a restart after downtime)
 CYCLE_GROUPS = 8  # groups of commits (``GROUPS_CACHED``) a cycle takes at most: a backlog goes in several
 # Its pace (``collector.store.pacing``): a rebuild holds the interpreter lock, so it waits for a
 # longer pause than the evaluator's, and gives way every 20 ms of work.
@@ -77,66 +71,45 @@ PIECE = 0.02
 POLL = 0.02
 
 
-class Stopping(Exception):
-    """Raised inside a cycle (or a reindex's ``rebuild``) once ``stop`` is called: the rest is left to
-    the next start."""
+def never_busy() -> Pacing:
+    """The pace of a stage with no ingestion beside it to give way to (its own process gives way through
+    its nice value; a test's stage)."""
+    return Pacing(lambda: math.inf, idle_gap=IDLE_GAP, share=SHARE, max_wait=30.0, poll=POLL, piece=PIECE)
 
 
-class Conversations(Stage):
-    """The conversation stage of the daemon (also used by ``tracejudge reindex``)."""
+class Conversations(Resolve, Rebuild, Ending, Loop):
+    """The conversation stage: rebuild logic over ``StageData`` (in the stage process, in ``tracejudge
+    reindex``, in tests); ``pacing`` says when it may work (``never_busy`` by default), ``fatal`` hears of
+    an error met in a cycle (a local store stops on a fatal one)."""
 
     name = "conversations"
     takes_commits = True
 
-    def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.time, cache_spans: int = 10_000,
+    def __init__(self, data: StageData, settings: Settings, metrics: Metrics | None = None, *,
+                 clock: Callable[[], float] = time.time, pacing: Pacing | None = None,
+                 fatal: Callable[[BaseException], object] | None = None, cache_spans: int = 10_000,
                  rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
-                 max_wait: float = 30.0, idle_gap: float = IDLE_GAP, traces_kept: int = TRACES_KEPT,
-                 conversations_kept: int = ARCHIVE_KEPT) -> None:
-        super().__init__(store, metrics or Metrics())
-        self.settings = settings
-        self.clock = clock
-        self.pacing = store.pacing(idle_gap=idle_gap, share=SHARE, max_wait=max_wait, poll=POLL, piece=PIECE)
-        self.rows = RowCache(cache_spans)
-        self.map = TraceMap(ConversationArchive(conversations_kept))  # ended ones keyed (``archive``)
+                 traces_kept: int = TRACES_KEPT, conversations_kept: int = ARCHIVE_KEPT) -> None:
+        Loop.__init__(self, metrics or Metrics())
+        StageState.__init__(self, data, settings, clock, pacing or never_busy(), cache_spans=cache_spans,
+                            rebuild_interval=rebuild_interval, memo_rows=memo_rows, traces_kept=traces_kept,
+                            conversations_kept=conversations_kept)
+        self._on_fatal = fatal
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._warned_no_content: set[str] = set()
-        self._warned_no_id: set[str | None] = set()  # services told how to set a conversation id
-        self.stitcher = Stitcher(settings.stitch.window, settings.stitch.conversations)
-        self._counted_no_content: set[str] = set()  # pending traces counted as LLM calls without content
-        # Parsed rows of recently rebuilt conversations, so a rebuild parses only new rows.
-        # Bounded in rows parsed, not conversations: a long conversation's memo holds all of them.
-        self._memos: OrderedDict[str, tuple[ParseMemo, int]] = OrderedDict()  # conversation -> (memo, rows)
-        self._memo_rows = 0
-        self.memo_rows = memo_rows
-        self._rows_written: dict[str, ConversationRow] = {}  # the row last written, per conversation in memory
         self._processed_batch = 0
         self._resume_from = 0
         self._resume_to = 0
         self._opened_batch = 0  # the last commit of the runs before this one
         self.tick = min(1.0, settings.idle_timeout / 4)
-        self.rebuild_interval = rebuild_interval
         self.max_queued_commits = max_queued_commits
         self._waiting = False  # for ingestion to pause: commits are queued without their rows
         self._behind = False  # a cycle held commits back (``_cut``): new ones are queued without their rows
-        self._hurry = False  # someone waits for this cycle (tests): no pauses
-        self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
-        self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for
-        self.traces_kept = traces_kept  # keyed in the trace map (``archive_traces``)
-        self._writes = Writes(traces_kept=traces_kept)
-        self._leaving: list[Tracked] = []  # ended with the writes not sent yet (``_write``)
-        self._unranged: set[str] = set()  # traces read this cycle with no commits stored for them
-        # The newest commit among the rows taken in: with the batch mark, where messages are written
-        # (``ConversationRow.messages_batch``), increasing as they are (a reindex has no mark of its own).
-        self._newest_batch = 0
         self._idle_event = threading.Event()
-        self.failed = 0  # rebuilds that failed (the conversation keeps its stored version)
 
     # ------------------------------------------------------------ lifecycle
 
     def _open(self) -> None:
-        """Create tables and load state; ``start`` then queues the catch-up and runs the thread."""
-        ensure_tables(self._db())
+        """Load the stored state; ``start`` then queues the catch-up and runs the thread."""
         self._load_state()
         # Commits this stage never saw (a crash between commit and processing) come back from DuckDB.
         self._queue.put(("catch_up", None))
@@ -144,41 +117,32 @@ class Conversations(Stage):
     def _wake(self) -> None:
         self._queue.put(_STOP)
 
-    def _db(self) -> duckdb.DuckDBPyConnection:
-        assert self.cur is not None, "the stage is not open"
-        return self.cur
+    def _close(self) -> None:
+        self.data.close()
+
+    def _fatal(self) -> None:
+        exc = sys.exc_info()[1]
+        if exc is not None and self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _load_state(self) -> None:
-        """Where the stored conversations stand: the batch mark and the open conversations."""
-        cur = self._db()
-        row = one(cur.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'"))
-        self._processed_batch = int(row[0]) if row else 0
+        """Where the stored conversations stand: the batch mark, the open conversations, the archive's
+        filter, and the recent conversations without an id, to continue them (``stitch``; those with new
+        data since are taken in again by the catch-up, which drops and puts them again)."""
+        kept = self.stitcher.kept if self.stitcher.enabled else 0
+        resume = self.data.resume(self.clock() - self.stitcher.window, kept)
+        self._processed_batch = resume.mark
         self._resume_from = self._processed_batch
-        self._resume_to = self.store.batch_id  # the last commit made before now
-        self._opened_batch = self.store.opened_batch
-        self.map.archive.load(cur)
-        self.map.load_open(cur)
-        self._load_stitcher(cur)
-
-    def _load_stitcher(self, cur: duckdb.DuckDBPyConnection) -> None:
-        """The recent conversations without an id, as stored, to continue them (``stitch``); those with new
-        data since are taken in again by the catch-up, which drops and puts them again."""
+        self._resume_to = resume.committed  # the last commit made before now
+        self._opened_batch = resume.opened
+        self.map.archive.load(resume.filter_layers)
+        self.map.load_open(resume.conversations)
         self.stitcher.clear()
-        if not self.stitcher.enabled:
-            return
-        since = dt.datetime.fromtimestamp(self.clock() - self.stitcher.window, dt.timezone.utc)
-        rows = cur.execute(
-            f"SELECT {stored_select()}, epoch(last_arrival_at) FROM live_conversations "
-            "WHERE starts_with(conversation_id, 'trace:') AND content_captured AND last_arrival_at >= ? "
-            "ORDER BY last_arrival_at DESC, conversation_id LIMIT ?", [since, self.stitcher.kept]).fetchall()
-        rows.reverse()  # the most recent are put last: the last to go
-        for i in range(0, len(rows), 500):
-            part = rows[i:i + 500]
-            arrived = {r[0]: r[-1] for r in part}
-            for cid, tr, _ in stored_transcripts(cur, part):
-                digest = answered(tr.messages)
-                if digest is not None:
-                    self.stitcher.put(cid, tr.service, digest, started(tr), arrived[cid])
+        for recent in resume.recent:  # the most recent last: the last to go
+            tr = recent.transcript
+            digest = answered(tr.messages)
+            if digest is not None:
+                self.stitcher.put(recent.conversation_id, tr.service, digest, started(tr), recent.last_arrival)
 
     @property
     def processed_batch(self) -> int:
@@ -188,7 +152,7 @@ class Conversations(Stage):
     def status(self) -> dict[str, int]:
         """How far the stage has got, for /api/status."""
         return {"conversations_batch": self._processed_batch,
-                "conversations_pending": len(self._dirty) + len(self._writes) + getattr(self.cur, "in_flight", 0),
+                "conversations_pending": len(self._dirty) + len(self._writes) + self.data.in_flight,
                 "conversations_failed": self.failed}
 
     def held(self) -> dict[str, int]:
@@ -290,22 +254,13 @@ class Conversations(Stage):
             self._flush()
             self._sync()
             mark = self._safe_batch()
-            left = len(self._traces_since(mark))
+            left = len(self.data.traces_since(mark, None))
         except Exception:  # noqa: BLE001
             self.error("writing conversations at stop failed; the next start catches up from the stored mark")
             return
         if left:
             log.info("stopped before catching up: %d traces left for the next start (committed after batch %d)",
                      left, mark)
-
-    def _check_stop(self) -> None:
-        if self.stopping.is_set():
-            raise Stopping
-
-    def _give_way(self) -> None:
-        """Within a cycle: once a piece of work has run, let requests go first (``pacing``)."""
-        if not self._hurry and not self.pacing.checkpoint(self.stopping):
-            raise Stopping
 
     def _resync(self) -> None:
         """After a failed cycle memory may be ahead of what is stored: start again from the stored
@@ -361,7 +316,7 @@ class Conversations(Stage):
             # the daemon writes them, then reads the next group's rows, while this one's are rebuilt.
             if n:
                 self._flush()
-            ahead = self.rows.read_ahead(self._db(), todo[n + 1]) if n + 1 < len(todo) else None
+            ahead = self.rows.read_ahead(self.data, todo[n + 1]) if n + 1 < len(todo) else None
             # A backlog: rebuild what the previous group touched and this one did not (done
             # for now, as far as the backlog goes), while its rows are still cached.
             if previous:
@@ -374,9 +329,8 @@ class Conversations(Stage):
         if idle_waiters:
             self._idle_event.set()
 
-    def _swap(self, swaps: list[tuple[Callable[[duckdb.DuckDBPyConnection], object],
-                                      concurrent.futures.Future[None]]]) -> None:
-        """Write what is rebuilt, run each swap, then start again from the stored state (``_resync``)."""
+    def _swap(self, swaps: list[tuple[dt.datetime, concurrent.futures.Future[int]]]) -> None:
+        """Write what is rebuilt, swap the reindex in, then start again from the stored state (``_resync``)."""
         try:
             self._flush()
             self._sync()
@@ -384,13 +338,13 @@ class Conversations(Stage):
             for _, done in swaps:
                 done.set_exception(exc)
             raise
-        for fn, done in swaps:
+        for now, done in swaps:
             try:
-                fn(self._db())
-            except Exception as exc:  # noqa: BLE001
+                count = self.data.swap(now)
+            except Exception as exc:  # noqa: BLE001 - the swap's caller hears of it
                 done.set_exception(exc)
             else:
-                done.set_result(None)
+                done.set_result(count)
         self._resync()
 
     def _catch_up(self) -> None:
@@ -402,7 +356,7 @@ class Conversations(Stage):
         """
         # Only commits made before this stage opened (or resynced): later ones reach it through
         # ``on_commit``, and reading them here too would rebuild a burst that arrived meanwhile twice.
-        traces = self._traces_since(self._resume_from, upto=self._resume_to)
+        traces = self.data.traces_since(self._resume_from, self._resume_to)
         # Only those of an earlier run are news: commits made while this stage was starting (a first start
         # answering traffic at once, a restarted process) are taken in as on any cycle.
         before = sum(1 for _, _, first, _ in traces if first <= self._opened_batch)
@@ -419,19 +373,6 @@ class Conversations(Stage):
         # Every commit made before this stage opened is now taken in, traceless logs included.
         self._processed_batch = max(self._processed_batch, self._resume_to)
 
-    def _traces_since(self, batch: int, upto: int | None = None) -> list[tuple[str, float, int, int]]:
-        """Traces with rows committed after ``batch`` (and up to ``upto``): (trace, last arrival, first and
-        last of those commits), by last commit."""
-        last = 2**63 - 1 if upto is None else upto
-        return [(t, at, int(a), int(b)) for t, at, a, b in self._db().execute(
-            "SELECT trace_id, epoch(max(received_at)), min(batch_id), max(batch_id) FROM ("
-            " SELECT trace_id, received_at, batch_id, start_time_unix_nano AS t FROM span_records"
-            " WHERE batch_id BETWEEN ? AND ? UNION ALL"
-            " SELECT trace_id, received_at, batch_id, time_unix_nano FROM log_records WHERE batch_id BETWEEN ? AND ?"
-            " AND trace_id IS NOT NULL) "
-            # a chunk's traces are stitched in the order they started (``_touch``): so are the chunks
-            "GROUP BY trace_id ORDER BY 4, 2, min(t), 1", [batch + 1, last, batch + 1, last]).fetchall()]
-
     def rebuild(self, arrived: dict[str, float], batches: Mapping[str, Batches] | None = None) -> None:
         """A reindex's step, on a stage ``open``ed in the reindex's schema: take these traces in (their
         rows read back from DuckDB, within ``batches``, the first and last commits with rows of each),
@@ -446,13 +387,13 @@ class Conversations(Stage):
         self._sweep_idle()
         self._flush()
 
-    def swap(self, fn: Callable[[duckdb.DuckDBPyConnection], object]) -> concurrent.futures.Future[None]:
-        """Have ``fn`` run on the stage's cursor in its thread, between two cycles, then start again from
-        what is stored (a reindex swaps its conversations in this way, with nothing of the stage's in
-        flight). The future resolves once it ran, with what it raised; a stop first leaves it unresolved.
+    def swap(self, now: dt.datetime) -> concurrent.futures.Future[int]:
+        """Swap a finished reindex in (``StageData.swap``) in the stage's thread, between two cycles, then
+        start again from what is stored: nothing of the stage's is in flight meanwhile. The future resolves
+        with the number of conversations, or what the swap raised; a stop first leaves it unresolved.
         """
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._queue.put(("swap", (fn, done)))
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._queue.put(("swap", (now, done)))
         return done
 
     # ------------------------------------------------------------ ingestion
@@ -460,9 +401,8 @@ class Conversations(Stage):
     def _ingest(self, committed: list[Committed | Light], ahead: Any = None) -> set[str]:
         """Take these commits in (``ahead``: their rows as ``RowCache.read_ahead`` asked for them); returns
         the conversations they touched."""
-        cur = self._db()
-        taken = self.rows.take(cur, committed, ahead)
-        current = self.map.of(cur, list(taken.arrived), taken.mapped)
+        taken = self.rows.take(self.data, committed, ahead)
+        current = self.map.of(self.data, list(taken.arrived), taken.mapped)
         # A trace seen for the first time has all its rows in these commits: the cache keeps
         # them, so that only traces with older rows are read back from DuckDB.
         self.rows.keep(taken, {t for t, cid in current.items() if cid is not None} | set(self.map.pending))
@@ -476,347 +416,20 @@ class Conversations(Stage):
         self._processed_batch = max(self._processed_batch, *(c.batch_id for c in committed))
         return convs
 
-    def _touch(self, arrived: dict[str, float], current: dict[str, str | None] | None = None,
-               since: Mapping[str, int] | int = 0, taken: Mapping[str, Batches] | None = None,
-               complete: bool = True) -> set[str]:
-        """Resolve each touched trace to its conversation and mark those conversations for a rebuild.
-
-        ``arrived``: when each trace's rows last arrived; ``current`` the trace map for these
-        traces when the caller has read it already; ``since`` the first commit with a trace's
-        new rows (for the batch mark), per trace or for all; ``taken`` the first and last commits
-        with the rows of each trace the caller took in, where it knows them. ``complete``: a trace
-        in no conversation and not pending has no other rows (its first rows are among these); else
-        such a trace is read from the whole table.
-        """
-        if not arrived:
-            return set()
-        cur = self._db()
-        traces = list(arrived)
-        if current is None:
-            current = self.map.of(cur, traces)
-        # Their conversations' first commits bound the reads of these traces' older rows.
-        self.map.load(cur, [c for c in current.values() if c is not None])
-
-        def unstored(tid: str) -> Batches:
-            cid = current.get(tid)
-            if cid is not None:
-                return self.map.convs[cid].first_batch, None
-            pending = self.map.pending.get(tid)
-            if pending is not None:
-                return pending[1], None
-            return taken[tid] if complete and taken is not None and tid in taken else (None, None)
-
-        keys: dict[str, str] = {}
-        how: dict[str, str] = {}  # trace -> how it joined a conversation without an id, if not alone
-        stitching: list[tuple[int, str, Opening | None]] = []  # traces to stitch by history, once all are read
-        trace_batches: dict[str, Batches] = {}
-        for i in range(0, len(traces), 500):  # bounded memory: rows of at most 500 traces at once
-            chunk = traces[i:i + 500]
-            rows = self.rows.get(cur, chunk, where=self._batches(unstored, taken))
-            for tid in chunk:
-                self._check_stop()
-                self._give_way()
-                key = conversation_key(rows[tid].spans, self.settings.id_attributes)
-                if key is None and current.get(tid) is None and not has_messages(rows[tid].spans, rows[tid].logs):
-                    # Neither an id nor a message (yet: content may come in later rows): no conversation.
-                    self._no_content(tid, rows[tid])
-                    self.map.pending[tid] = (arrived[tid], rows[tid].first_batch)
-                    continue
-                trace_batches[tid] = rows[tid].batches()
-                self._newest_batch = max(self._newest_batch, trace_batches[tid][1] or 0)
-                self.map.pending.pop(tid, None)
-                self._counted_no_content.discard(tid)
-                if key is None:
-                    key = self.map.chained(tid, rows[tid])
-                    if key is not None:
-                        how[tid] = "response"
-                    else:
-                        key = self._unkeyed(tid, rows[tid], current.get(tid), stitching)
-                if key is not None:
-                    keys[tid] = key
-            del rows
-        # In the order they started: a turn after the one it continues, whatever order they came in.
-        for _, tid, op in sorted(stitching, key=lambda s: (s[0], s[1])):
-            own = f"trace:{tid}"
-            found = self.stitcher.find(op, arrived[tid], exclude=own) if op is not None else None
-            keys[tid] = found or own
-            if found is not None:
-                how[tid] = "history"
-                self.stitcher.drop(own)
-            # The conversation's transcript is now the trace's own: alone, or the one it continues extended.
-            if op is not None and op.digest is not None:
-                self.stitcher.put(keys[tid], op.service, op.digest, op.started, arrived[tid])
-            else:
-                self.stitcher.drop(keys[tid])
-        self.map.load(cur, [*keys.values(), *(c for c in current.values() if c is not None)])
-        now = self.clock()
-        for tid, cid in keys.items():
-            conv = self.map.convs[cid]
-            old = current.get(tid)
-            first = since if isinstance(since, int) else since[tid]
-            if tid in how:
-                conv.grouped(how[tid])
-                if how[tid] == "response":  # its transcript is known again once rebuilt
-                    self.stitcher.drop(cid)
-            if old != cid:
-                if old is not None:  # the span carrying the id arrived after its children
-                    self.stitcher.drop(old)
-                    prev = self.map.convs[old]
-                    if tid in prev.traces:
-                        prev.traces.remove(tid)
-                    self._dirty.setdefault(old, now)
-                    self._since.setdefault(old, first)
-                self.map.move(tid, cid)
-            if old is None and tid in conv.traces:
-                # Back after the trace map forgot it (``archive_traces``): its older rows are in its
-                # conversation's commits, and the cache holds only the new ones.
-                self.rows.drop([tid])
-                trace_batches[tid] = (conv.first_batch, trace_batches[tid][1])
-            # Each touched trace's commits, as they are now (``_batches`` reads them back).
-            self._writes.traces[tid] = (cid, *trace_batches[tid])
-            if old is None:  # not keyed: neither memory nor the table knew it (``Writes.flush``)
-                self._writes.new_traces.add(tid)
-            b = trace_batches[tid][0]
-            if b is not None and (conv.first_batch is not None or not conv.traces):  # None with traces: unknown
-                conv.first_batch = b if conv.first_batch is None else min(conv.first_batch, b)
-            # Also when the map has it already: a stop can come between writing the map and the
-            # conversation (its rebuild waits for the next interval), and the catch-up mends it.
-            if tid not in conv.traces:
-                conv.traces.append(tid)
-                if conv.state == "ended":  # a new trace reopens an ended conversation
-                    conv.reopen()
-                    self.metrics.conversations_reopened.inc()
-            if not conv.first_arrival:
-                conv.first_arrival = arrived[tid]
-            conv.last_arrival = max(conv.last_arrival, arrived[tid])
-            # At most one rebuild per conversation per interval while data streams in.
-            self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
-            self._since.setdefault(cid, first)
-        return set(keys.values())
-
-    def _unkeyed(self, tid: str, rows: TraceRows, current: str | None,
-                 stitching: list[tuple[int, str, Opening | None]]) -> str | None:
-        """The conversation of a trace with no id nor previous response: the one it is in already, or None
-        with the trace added to ``stitching`` (its conversation is decided once every trace is read)."""
-        service = next((s for r in rows.spans if (s := r.get("service"))), None)
-        if service not in self._warned_no_id:
-            self._warned_no_id.add(service)
-            log.warning("service %s sends traces with no conversation id: each is a conversation of its own, but "
-                        "for one whose model call resends a recent conversation of the service whole, which "
-                        "continues it (grouped_by: history). Set gen_ai.conversation.id on a span around each turn; "
-                        "README.md, 'Point your bot at it', shows how with opentelemetry-instrumentation-openai-v2",
-                        service or "(unnamed)")
-        own = f"trace:{tid}"
-        alone = current == own and self.map.convs[own].traces in ([], [tid])
-        if current is not None and not alone:
-            self.stitcher.drop(current)  # new rows: its transcript is known again once rebuilt
-            return current
-        # Still alone: with more of its rows it may turn out to continue another conversation.
-        op = opening(build_transcript(rows.spans, rows.logs)) if self.stitcher.enabled else None
-        stitching.append((op.started if op is not None else rows.start(), tid, op))
-        return None
-
-    def _no_content(self, tid: str, rows: TraceRows) -> None:
-        """A trace with LLM calls but neither an id nor content makes no conversation: counted once, and
-        the first of each service says why and how to turn capture on (as a conversation without content
-        does)."""
-        if tid in self._counted_no_content or not is_genai(rows, kinds=("llm",)):
-            return
-        self._counted_no_content.add(tid)
-        self.metrics.genai_traces_without_content.inc()
-        service = next((s for r in rows.spans if isinstance(s := r.get("service"), str) and s), "")
-        if service not in self._warned_no_content:
-            self._warned_no_content.add(service)
-            log.warning("trace %s of service %s has LLM calls but neither a conversation id nor message content: "
-                        "its spans are stored, it makes no conversation and cannot be judged: %s",
-                        tid, service or "(unknown)", NO_CONTENT_REASON)
-
-    def _batches(self, unstored: Callable[[str], Batches], taken: Mapping[str, Batches] | None = None
-                 ) -> Callable[[list[str]], dict[str, Batches]]:
-        """For ``RowCache.get``: the commits that can hold each trace's rows. Those this stage wrote for
-        it (in this cycle's writes, else in ``trace_conversations``), with ``taken`` (commits just taken
-        in for it); a trace with none stored from ``unstored(trace)`` (a trace in no conversation yet,
-        or one an older version stored: its conversation's first commit on, learnt by its rebuild)."""
-
-        def where(traces: list[str]) -> dict[str, Batches]:
-            written = self._writes.traces
-            stored = trace_batches(self._db(), [t for t in traces if t not in written])
-            out: dict[str, Batches] = {}
-            for t in traces:
-                first, last = written[t][1:] if t in written else stored.get(t, (None, None))
-                if first is None or last is None:
-                    self._unranged.add(t)
-                    first, last = unstored(t)
-                elif taken is not None and t in taken:
-                    new_first, new_last = taken[t]
-                    first = first if new_first is None else min(first, new_first)
-                    last = last if new_last is None else max(last, new_last)
-                out[t] = first, last
-            return out
-
-        return where
-
-    # ------------------------------------------------------------ transcripts
-
-    def _rebuild_due(self, force: bool = False, only: set[str] | None = None) -> None:
-        now = self.clock()
-        due = sorted(c for c, at in self._dirty.items() if (force or at <= now) and (only is None or c in only))
-        convs = self.map.convs
-        for i in range(0, len(due), 200):  # bounded memory: rows of at most 200 conversations at once
-            part = [convs[c] for c in due[i:i + 200] if c in convs]
-            firsts = {t: conv.first_batch for conv in part for t in conv.traces}
-            rows = self.rows.get(self._db(), firsts, where=self._batches(lambda t: (firsts[t], None)))
-            for conv in part:
-                self._check_stop()
-                self._rebuild_one(conv, rows)
-                self._give_way()
-            del rows
-            if i + 200 < len(due):
-                self._flush()  # bounded memory: transcripts of at most 200 conversations wait to be written
-        for cid in due:
-            self._done(cid)
-
-    def _done(self, cid: str) -> None:
-        """The conversation's rebuild is no longer waited for (written with the next flush)."""
-        self._dirty.pop(cid, None)
-        self._since.pop(cid, None)
-
-    def _rebuild_one(self, conv: Tracked, rows: dict[str, TraceRows] | None = None) -> None:
-        """``_rebuild``, where a failure costs this conversation its update, never the others theirs.
-
-        The conversation keeps its stored version; one never stored is stored
-        without messages, with the reason, so that it is listed and counted.
-        """
-        try:
-            self._rebuild(conv, rows)
-        except Exception as exc:  # noqa: BLE001 - odd data meeting a bug: counted, logged, the rest goes on
-            self.failed += 1
-            log.warning("conversation %s could not be rebuilt (%s: %s); %s", conv.id, type(exc).__name__, exc,
-                        "its stored version is kept" if conv.stored else "it is stored without messages",
-                        exc_info=log.isEnabledFor(logging.DEBUG))
-            if not conv.stored:
-                self._write(conv, Transcript(trace_ids=tuple(conv.traces), no_content_reason=(
-                    f"could not be rebuilt ({type(exc).__name__}: {exc}); the log has the details")))
-        self._done(conv.id)
-
-    def _rebuild(self, conv: Tracked, rows: dict[str, TraceRows] | None = None) -> None:
-        conv.rebuilt_at = self.clock()
-        if not conv.traces:  # every trace moved to a keyed conversation
-            self.stitcher.drop(conv.id)
-            self._writes.delete(conv.id)
-            if conv.archived:
-                self._writes.unarchive.add(conv.id)
-            self.map.convs.pop(conv.id, None)
-            self._rows_written.pop(conv.id, None)
-            return
-        if rows is None or any(t not in rows for t in conv.traces):
-            rows = self.rows.get(self._db(), conv.traces, where=self._batches(lambda _: (conv.first_batch, None)))
-        # Now that every row of its traces is at hand, their first commit is known exactly.
-        conv.first_batch = min((b for t in conv.traces if (b := rows[t].first_batch) is not None),
-                               default=conv.first_batch)
-        for t in self._unranged.intersection(conv.traces):  # stored by an older version: now they are known
-            self._writes.traces[t] = (conv.id, *rows[t].batches())
-        # Oldest first, as trace_ids promises: the same order live and in a reindex, whatever order
-        # the traces' commits came in.
-        conv.traces.sort(key=lambda t: (rows[t].start(), t))
-        expired = conv.stored and any(not rows[t] for t in conv.traces)
-        tr = self._stored(conv) if expired else None
-        if tr is None:
-            spans = [r for t in conv.traces for r in rows[t].spans]
-            logs = [r for t in conv.traces for r in rows[t].logs]
-            memo = self._drop_memo(conv.id) or ParseMemo()
-            tr = build_transcript(spans, logs, memo)
-            self._memos[conv.id] = (memo, len(spans) + len(logs))  # most recently rebuilt last
-            self._memo_rows += len(spans) + len(logs)
-            if self._memo_rows > self.memo_rows:
-                self._trim_memos()
-            digest = tr.content_hash(memo.digest)
-            if digest != conv.hash:
-                conv.revision += 1
-                conv.hash = digest
-        if conv.grouped_by != "id":  # what a trace with no id may continue now
-            history = answered(tr.messages) if self.stitcher.enabled else None
-            if history is None:
-                self.stitcher.drop(conv.id)
-            else:
-                self.stitcher.put(conv.id, tr.service, history, started(tr), conv.last_arrival)
-        conv.newest_trace = max(conv.traces, key=lambda t: (rows[t].start(), t))
-        if conv.state == "open" and conv.newest_trace in rows:
-            ended_by = ended_by_rule(self.settings.end_rules, rows[conv.newest_trace].spans)
-            if ended_by is not None:
-                self._end(conv, ended_by)
-        self._write(conv, tr)
-
-    def _stored(self, conv: Tracked) -> Transcript | None:
-        """The stored transcript of a conversation whose older spans retention deleted: rebuilt from
-        what is left it would lose their messages, so it stays as stored (with its new traces listed)."""
-        stored = stored_transcript(self._db(), conv.id)
-        if stored is None:
-            return None
-        log.warning("conversation %s has new data, but the spans of its older traces were deleted "
-                    "(storage.retention.spans): its stored transcript is kept as it was", conv.id)
-        return dataclasses.replace(stored[0], trace_ids=tuple(conv.traces))
-
-    def _trim_memos(self) -> None:
-        """Down to three quarters of ``memo_rows`` (so that a trim, which walks the memos, comes once in
-        many rebuilds): first the memos of conversations with no rebuild due, the least recently rebuilt
-        first (a deferred rebuild keeps its memo), then the oldest; the newest stays, however long."""
-        target = self.memo_rows * 3 // 4
-        for cid in [c for c in self._memos if c not in self._dirty]:
-            if self._memo_rows <= target:
-                return
-            self._drop_memo(cid)
-        while self._memo_rows > target and len(self._memos) > 1:
-            self._drop_memo(next(iter(self._memos)))
-
-    def _drop_memo(self, cid: str) -> ParseMemo | None:
-        memo, rows = self._memos.pop(cid, (None, 0))
-        self._memo_rows -= rows
-        return memo
-
-    def _end(self, conv: Tracked, ended_by: str) -> None:
-        conv.end(ended_by, self.clock())
-        self.metrics.conversations_ended.inc(ended_by=ended_by)
-
-    def _write(self, conv: Tracked, tr: Transcript) -> None:
-        conv.last_span_end = tr.ended_at
-        if not tr.content_captured and tr.llm_calls and (tr.service or "") not in self._warned_no_content:
-            self._warned_no_content.add(tr.service or "")
-            log.warning("conversation %s of service %s carries no message content, so it cannot be judged: %s",
-                        conv.id, tr.service or "(unknown)", tr.no_content_reason)
-        row = ConversationRow.of(conv, tr, self.clock(), max(self._processed_batch, self._newest_batch))
-        self._rows_written[conv.id] = row
-        self._writes.conversations[conv.id] = row
-        self._writes.messages[conv.id] = message_rows(conv.id, tr, row.messages_batch)
-        if conv.stored:
-            self._writes.replace.add(conv.id)
-        else:
-            self._writes.new.add(conv.id)
-        if conv.archived:  # back in live_conversations with this write, out of the archive with the same flush
-            self._writes.unarchive.add(conv.id)
-            conv.archived = False
-        conv.stored = True
-        if conv.state == "ended":
-            # It leaves memory once this write is sent: until then the trace map and its row in DuckDB
-            # may not say it ended, and reads of its traces must find it here (``_cycle`` sends a group's
-            # writes after the next group's reads).
-            self._leaving.append(conv)
 
     def _flush(self) -> None:
-        """Write everything this cycle changed, with the batch mark (``Writes.flush``); then the row
+        """Write everything this cycle changed, with the batch mark (``StageData.write``); then the row
         cache drops what it parsed, so that it holds text (parsed trees are several times its size).
 
-        In the stage process the daemon writes while this goes on (``RemoteCursor.write_behind``): its
-        statements come after the writes, and the cycle ends with ``_sync``, which raises their error.
+        In the stage process the daemon writes while this goes on (``StageData.write`` goes behind): its
+        operations come after the writes, and the cycle ends with ``_sync``, which raises their error.
         """
         written = len(self._writes.conversations)
         try:
-            behind = getattr(self._db(), "write_behind", None)
-            if behind is None:
-                self._writes.flush(self._db(), self._safe_batch())
-            else:
-                writes, self._writes = self._writes, Writes(traces_kept=self.traces_kept)
-                behind(writes, self._safe_batch())
+            try:
+                self.data.write(self._writes, self._safe_batch())  # counted as pending until it is sent
+            finally:
+                self._writes = Writes(traces_kept=self.traces_kept)
         finally:
             self.rows.release()
             self._unranged.clear()
@@ -828,77 +441,11 @@ class Conversations(Stage):
         archive.written(written)
         # After the writes, on the same cursor (what it moves is stored), in a pause of ingestion.
         if archive.due() and (self._hurry or self.pacing.checkpoint(self.stopping)):
-            archive.move(self._db(), held=self.map.convs.keys())
+            archive.move(self.data, held=self.map.convs.keys())
 
     def _sync(self) -> None:
         """Everything written so far is stored (the stage process's writes behind are answered)."""
-        sync = getattr(self._db(), "sync", None)
-        if sync is not None:
-            sync()
-
-    def _end_stored(self, convs: list[Tracked], now: float) -> None:
-        """End conversations whose stored transcripts are current (open at the last stop, nothing new
-        since) as they are stored, ``END_CHUNK`` per transaction: a restart after downtime ends them
-        all without rebuilding each, and a stop in between leaves the rest open for the next start."""
-        cur = self._db()
-        stamp = dt.datetime.fromtimestamp(now, dt.timezone.utc)
-        convs = sorted(convs, key=lambda c: c.first_batch or 0)  # each part reads from its first commit on
-        for i in range(0, len(convs), END_CHUNK):
-            self._check_stop()
-            self._give_way()
-            part = convs[i:i + END_CHUNK]
-            # ended_at is the last span end, as a rebuild finds it: one read of the span ends of the part,
-            # within the commits of their traces.
-            traces = conversation_traces(cur, [c.id for c in part])
-            within, bounds = batch_filter([(first, last) for _, _, first, last in traces])
-            with registered_rows(cur, "ending_traces", ("trace_id", "conversation_id"),
-                                 [(t, c) for t, c, _, _ in traces]):
-                ends = dict(cur.execute(
-                    "SELECT e.conversation_id, max(s.end_time_unix_nano) FROM ending_traces e "
-                    "JOIN span_records s USING (trace_id) "
-                    f"WHERE s.end_time_unix_nano > 0 AND s.batch_id >= ?{within} GROUP BY 1",
-                    [part[0].first_batch or 0, *bounds]).fetchall())
-            rows = [(c.id, from_unix_nano(ends.get(c.id)), c.ended_by,
-                     dt.datetime.fromtimestamp(c.closed_at or now, dt.timezone.utc), stamp) for c in part]
-            with Transaction(cur), registered_rows(
-                    cur, "ended_now", ("conversation_id", "ended_at", "ended_by", "closed_at", "updated_at"), rows):
-                cur.execute("UPDATE live_conversations AS c SET state = 'ended', ended_at = e.ended_at, "
-                            "ended_by = e.ended_by, closed_at = e.closed_at, updated_at = e.updated_at "
-                            "FROM ended_now e WHERE c.conversation_id = e.conversation_id")
-            for conv in part:
-                self._done(conv.id)
-                self._forget(conv)
-
-    def _forget(self, conv: Tracked) -> None:
-        """An ended conversation leaves memory; late data reads it back from DuckDB."""
-        self.map.forget(conv)
-        self._rows_written.pop(conv.id, None)
-        self._drop_memo(conv.id)
-        self.rows.drop(conv.traces)
-
-    # ------------------------------------------------------------ idle
-
-    def _sweep_idle(self, upto: float | None = None) -> None:
-        """End the conversations idle for ``idle_timeout``: by now, or with commits held back for the next
-        cycle by when the first of them arrived (time is the clock at commit, as if the stage had kept up)."""
-        now = self.clock() if upto is None else min(self.clock(), upto)
-        limit = self.settings.idle_timeout
-        as_stored = []
-        for conv in idle(list(self.map.convs.values()), now, limit):
-            self._end(conv, "idle")
-            row = self._rows_written.get(conv.id)
-            if conv.id in self._dirty:  # new rows: rebuild
-                self._rebuild_one(conv)
-            elif row is None:  # loaded at start, and nothing new: what is stored is current
-                as_stored.append(conv)
-            else:
-                self._done(conv.id)
-                self._writes.conversations[conv.id] = row.ended(conv, now)
-                self._forget(conv)
-        self._end_stored(as_stored, now)
-        for tid in [t for t, (at, _) in self.map.pending.items() if now - at >= limit]:
-            del self.map.pending[tid]
-            self._counted_no_content.discard(tid)
+        self.data.sync()
 
 
 def _without_rows(items: list[Any]) -> list[Any]:

@@ -7,8 +7,9 @@ no message content, ``keys.has_messages``) waits in ``pending`` until it has,
 and is dropped from it, a conversation never made, after ``idle_timeout``.
 
 Memory holds the open conversations and the ended ones touched recently, with
-their traces; anything else is read from ``live_conversations`` (or the archive,
-``archive``) and ``trace_conversations`` when a trace of it comes back.
+their traces; anything else is read back (``StageData.trace_map``,
+``StageData.conversations``, the archive's among them when its filter may have
+them, ``archive``) when a trace of it comes back.
 
 Lifecycle: one per stage, used by its thread only; ``clear()`` after a failed
 cycle, then ``load_open`` again.
@@ -19,14 +20,11 @@ from __future__ import annotations
 import datetime as dt
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
-
-import duckdb
-import orjson
+from typing import Iterable, Mapping
 
 from ..normalize import Attrs, span_kind
-from ..store.transactions import by_keys
 from .archive import ConversationArchive
+from .data import StageData, StoredConversation
 from .keys import json_column, response_links
 from .rows import TraceRows
 
@@ -110,36 +108,32 @@ class TraceMap:
                 "pending_traces": len(self.pending), "response_ids": len(self._responses),
                 "archive_filter_bytes": self.archive.filter.nbytes()}
 
-    def load_open(self, cur: duckdb.DuckDBPyConnection) -> None:
-        """Bring every open conversation into memory (at start)."""
-        for conv in _read(cur, "state = 'open'"):
-            self.keep(conv)
+    def load_open(self, stored: Iterable[StoredConversation]) -> None:
+        """Bring every open conversation into memory (at start: ``Resume.conversations``)."""
+        for conv in stored:
+            self.keep(tracked(conv))
 
-    def of(self, cur: duckdb.DuckDBPyConnection, trace_ids: list[str],
+    def of(self, data: StageData, trace_ids: list[str],
            read: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
-        """The conversation of each of these traces (memory, else the table), None for a new trace.
+        """The conversation of each of these traces (memory, else the trace map), None for a new trace.
 
-        ``read``: the table's answer, read already, for some of them (``Taken.mapped``).
+        ``read``: the trace map's answer, read already, for some of them (``Taken.mapped``).
         """
         read = read or {}
         out: dict[str, str | None] = {t: self._traces.get(t) or read.get(t) for t in trace_ids}
         unknown = [t for t, c in out.items() if c is None and t not in read]
         if unknown:
-            for t, c in by_keys(cur, "SELECT trace_id, conversation_id FROM trace_conversations WHERE trace_id IN {keys}",
-                                unknown):
-                out[t] = c
+            for t, place in data.trace_map(unknown).items():
+                out[t] = place.conversation_id
         return out
 
-    def load(self, cur: duckdb.DuckDBPyConnection, cids: Iterable[str]) -> None:
-        """Bring these conversations into memory (one read of the live ones for those not there yet, then of
-        the archive for those its filter may have); new ones start empty."""
+    def load(self, data: StageData, cids: Iterable[str]) -> None:
+        """Bring these conversations into memory (the live ones, and those the archive's filter may have);
+        new ones start empty."""
         missing = sorted({c for c in cids if c not in self.convs})
         if not missing:
             return
-        found = {c.id: c for c in _read(cur, "conversation_id IN {keys}", missing)}
-        for conv in _tracked(self.archive.find(cur, [c for c in missing if c not in found], _COLUMNS)):
-            conv.archived = True
-            found[conv.id] = conv
+        found = {c.conversation_id: tracked(c) for c in data.conversations(missing, self.archive.filter.maybe(missing))}
         for cid in missing:
             self.keep(found.get(cid) or Tracked(cid, []))
 
@@ -172,20 +166,13 @@ class TraceMap:
 
 
 _WEAKNESS = {"id": 0, "trace": 0, "response": 1, "history": 2}
-_COLUMNS = ("conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
-            "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch, grouped_by")
 
 
-def _read(cur: duckdb.DuckDBPyConnection, where: str, keys: list[str] | None = None) -> list[Tracked]:
-    """Live conversations as the stage tracks them: ``where``, or with ``keys`` those ids (``{keys}`` in it)."""
-    sql = f"SELECT {_COLUMNS} FROM live_conversations WHERE {where}"
-    return _tracked(by_keys(cur, sql, keys) if keys is not None else cur.execute(sql).fetchall())
-
-
-def _tracked(rows: list[tuple[Any, ...]]) -> list[Tracked]:
-    out = [Tracked(rec[0], list(orjson.loads(rec[3] or "[]")), rec[1], rec[2], rec[7] or 0.0, rec[8] or 0.0,
-                   rec[9], rec[4], rec[5], rec[6] or 0, stored=True, first_batch=rec[10]) for rec in rows]
-    for conv, rec in zip(out, rows):
-        if rec[11] and conv.grouped_by != "id":  # NULL in rows older than the column
-            conv.grouped_by = rec[11]
-    return out
+def tracked(c: StoredConversation) -> Tracked:
+    """A stored conversation as the stage tracks it."""
+    conv = Tracked(c.conversation_id, list(c.trace_ids), c.state, c.ended_by, c.first_arrival, c.last_arrival,
+                   c.closed_at, c.newest_trace_id, c.transcript_hash, c.revision, stored=True,
+                   archived=c.archived, first_batch=c.first_batch)
+    if c.grouped_by and conv.grouped_by != "id":  # None in rows older than the column
+        conv.grouped_by = c.grouped_by
+    return conv

@@ -10,6 +10,7 @@ import pytest
 
 from collector.conversations import archive
 from collector.conversations.archive import ArchiveFilter, ConversationArchive
+from collector.conversations.duck import DuckData
 from collector.conversations.tables import _CONVERSATION_FIELDS, SCHEMA, ensure_tables
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -38,11 +39,16 @@ def test_the_filter_is_read_back_from_the_file_as_it_was_written() -> None:
     con.execute(SCHEMA)
     f = ArchiveFilter()
     changed = f.add(_ids("a", 100), T0)
-    f.write(con, changed)
-    back = ArchiveFilter.read(con)
+    DuckData(con).archive([], f.changed(changed))
+    back = _read(con)
     assert {n: (x.capacity, x.ids, bytes(x.bits), x.newest) for n, x in back.layers.items()} == \
         {n: (x.capacity, x.ids, bytes(x.bits), x.newest) for n, x in f.layers.items()}
     assert back.maybe(["a-00000007-5f0e-4c1a-9d7b-3c2e1f0a9b8c", "nope"]) == ["a-00000007-5f0e-4c1a-9d7b-3c2e1f0a9b8c"]
+
+
+def _read(con: duckdb.DuckDBPyConnection) -> ArchiveFilter:
+    """The filter as the stage reads it back when it starts."""
+    return ArchiveFilter(DuckData(con).filter_layers())
 
 
 def _conversations(con: duckdb.DuckDBPyConnection, ids: list[str], state: str = "ended", start: int = 0) -> None:
@@ -64,16 +70,16 @@ def test_the_oldest_ended_conversations_move_past_kept_and_a_quarter_and_the_vie
     _conversations(con, _ids("o", 3), state="open")
     arc = ConversationArchive(kept=8)
     held = {ended[0]}  # the stage holds it in memory: it stays
-    assert arc.move(con, held) == 6  # at most MOVED_AT_ONCE at a time, the oldest first
+    assert arc.move(DuckData(con), held) == 6  # at most MOVED_AT_ONCE at a time, the oldest first
     assert [r[0] for r in con.execute("SELECT conversation_id FROM archived_conversations ORDER BY 1").fetchall()] \
         == ended[1:7]
     assert arc.due()  # still over: the next flush moves on
-    assert arc.move(con, held) == 6
-    assert not arc.due() and arc.move(con, held) == 0  # 8 ended keyed, and the open ones
+    assert arc.move(DuckData(con), held) == 6
+    assert not arc.due() and arc.move(DuckData(con), held) == 0  # 8 ended keyed, and the open ones
     assert (_count(con, "live_conversations"), _count(con, "archived_conversations")) == (11, 12)
     assert _count(con, "conversations") == 23
     assert arc.filter.maybe(ended) == ended[1:13]
-    assert ArchiveFilter.read(con).maybe(ended) == ended[1:13]  # written with each move
+    assert _read(con).maybe(ended) == ended[1:13]  # written with each move
 
 
 def test_a_layer_goes_once_retention_deleted_its_conversations_and_its_survivors_move_to_the_newest(
@@ -85,14 +91,14 @@ def test_a_layer_goes_once_retention_deleted_its_conversations_and_its_survivors
     first = _ids("a", 10)
     _conversations(con, first)
     arc = ConversationArchive(kept=0)
-    assert arc.move(con, ()) == 10
+    assert arc.move(DuckData(con), ()) == 10
     # retention deletes all but two of the first layer's conversations (say, kept for review)
     con.execute("DELETE FROM archived_conversations WHERE conversation_id NOT IN (?, ?)", first[:2])
     _conversations(con, _ids("b", 5), start=100)
-    assert arc.move(con, ()) == 5
+    assert arc.move(DuckData(con), ()) == 5
     assert list(arc.filter.layers) == [1]  # the first layer went, and the survivors are in the second
     assert arc.filter.maybe(first) == first[:2]
-    assert ArchiveFilter.read(con).maybe([*first[:2], *_ids("b", 5)]) == [*first[:2], *_ids("b", 5)]
+    assert _read(con).maybe([*first[:2], *_ids("b", 5)]) == [*first[:2], *_ids("b", 5)]
 
 
 def test_an_older_files_keyed_conversations_table_becomes_the_live_one_with_every_row() -> None:
@@ -104,5 +110,5 @@ def test_an_older_files_keyed_conversations_table_becomes_the_live_one_with_ever
     assert con.execute("SELECT table_type FROM information_schema.tables WHERE table_name = 'conversations'"
                        ).fetchall() == [("VIEW",)]
     assert con.execute("SELECT conversation_id FROM live_conversations ORDER BY 1").fetchall() == [("x",), ("y",), ("z",)]
-    assert ConversationArchive(kept=0).move(con, ()) == 3
+    assert ConversationArchive(kept=0).move(DuckData(con), ()) == 3
     assert con.execute("SELECT conversation_id FROM conversations ORDER BY 1").fetchall() == [("x",), ("y",), ("z",)]

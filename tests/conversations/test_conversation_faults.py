@@ -22,7 +22,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from collector.config import Conversations as Settings
-from collector.conversations import Conversations
+from collector.conversations.duck import DuckData, local_stage
 from collector.conversations.archive import ArchiveFilter
 from collector.conversations.reindex import Reindex
 from collector.ingest.decode import parse_traces, span_batch
@@ -215,7 +215,7 @@ def test_a_reindex_that_archives_its_conversations_swaps_in_the_same_ones_with_t
         try:
             archived = [r[0] for r in cur.execute("SELECT conversation_id FROM archived_conversations").fetchall()]
             live = cur.execute("SELECT count(*) FROM live_conversations WHERE state = 'ended'").fetchall()
-            assert sorted(ArchiveFilter.read(cur).maybe(archived)) == sorted(archived)
+            assert sorted(ArchiveFilter(DuckData(cur).filter_layers()).maybe(archived)) == sorted(archived)
         finally:
             cur.close()
         assert len(archived) == 6 and live == [(0,)]
@@ -294,7 +294,7 @@ def test_stop_leaves_commits_queued_behind_ingestion_to_the_next_start(tmp_path:
     store.open()
     try:
         # Ingestion always seems busy, so the stage holds every commit (as under a sustained load).
-        stage = Conversations(store, Settings(), idle_gap=1e9, max_wait=1e9)
+        stage = local_stage(store, Settings(), idle_gap=1e9, max_wait=1e9)
         stage.start()
         store.on_commit(stage.on_commit)
         for first in range(0, 300, 50):
@@ -306,7 +306,7 @@ def test_stop_leaves_commits_queued_behind_ingestion_to_the_next_start(tmp_path:
         assert "stopped before catching up: 300 traces left for the next start" in caplog.text
         assert _stored(store)["conversations"] == []
 
-        stage = Conversations(store, Settings())
+        stage = local_stage(store, Settings())
         stage.start()
         assert stage.wait_idle(60)
         stage.stop()
@@ -319,7 +319,7 @@ def test_stop_leaves_commits_queued_behind_ingestion_to_the_next_start(tmp_path:
 def test_a_conversation_that_cannot_be_rebuilt_costs_only_its_own_update(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A rebuild that raises (a bug meeting odd data): counted and logged, the others written all the same."""
-    import collector.conversations.stage as stage_module
+    import collector.conversations.rebuild as stage_module
 
     real = stage_module.build_transcript
     broken = {"question 1"}
@@ -333,7 +333,7 @@ def test_a_conversation_that_cannot_be_rebuilt_costs_only_its_own_update(tmp_pat
     store = Store(tmp_path / "t.duckdb")
     store.open()
     try:
-        stage = Conversations(store, Settings())
+        stage = local_stage(store, Settings())
         stage.start()
         store.on_commit(stage.on_commit)
         assert stage.wait_idle(60)  # its catch-up done: each commit is rebuilt once
@@ -367,7 +367,7 @@ def test_a_write_that_fails_is_retried_from_the_stored_state(tmp_path: Path, cap
     store.open()
     other = store.cursor()
     try:
-        stage = Conversations(store, Settings())
+        stage = local_stage(store, Settings())
         stage.start()
         store.on_commit(stage.on_commit)
         assert stage.wait_idle(60)

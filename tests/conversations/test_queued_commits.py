@@ -21,15 +21,14 @@ import pytest
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
+from collector.conversations.duck import DuckData, local_stage
 from collector.conversations.archive import BITS_PER_ID, FIRST_CAPACITY
-from collector.conversations.rows import Light
-from collector.ingest.batches import LogBatch, SpanBatch
 from collector.ingest.decode import log_batch, parse_logs, parse_traces, span_batch
-from collector.store import Committed, Store
+from collector.store import Store
 
 from ..support.conversations import one_timestamp_per_call
 from ..support.daemon import FIXTURES
-from ..support.served import Served
+from ..support.served import Served, stage_on
 from ..support.wire import fixture_requests, wire_body
 
 CASES = sorted(p.name.removesuffix(".meta.json") for p in FIXTURES.glob("*.meta.json"))
@@ -46,9 +45,8 @@ def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_
     store = Store(tmp / f"{queued_only}-{cache_spans}-{remote}-{each_row}-{traces_kept}-{conversations_kept}.duckdb")
     store.open()
     served = Served(store, SETTINGS) if remote else None
-    stage = Conversations(served.store if served else store, SETTINGS,  # type: ignore[arg-type]
-                          max_queued_commits=0 if queued_only else 1_000_000, cache_spans=cache_spans,
-                          traces_kept=traces_kept, conversations_kept=conversations_kept)
+    stage = stage_on(store, SETTINGS, served, max_queued_commits=0 if queued_only else 1_000_000,
+                     cache_spans=cache_spans, traces_kept=traces_kept, conversations_kept=conversations_kept)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
@@ -83,7 +81,7 @@ def rebuilt(tmp: Path, requests: list[dict[str, Any]], queued_only: bool, cache_
     finally:
         stage.stop()
         if served is not None:
-            assert served.cursor.read_ahead, "no group of commits was read ahead"
+            assert served.data.read_ahead, "no group of commits was read ahead"
             served.close()
         store.close()
 
@@ -160,7 +158,7 @@ def test_commits_made_after_the_stage_opened_are_not_caught_up_again(tmp_path: P
     store.open()
     # Ingestion looks busy for the first 2 s (idle_gap), so the first cycle, catch-up included,
     # runs after the burst below is committed.
-    stage = Conversations(store, SETTINGS, idle_gap=3600.0, max_wait=2.0)
+    stage = local_stage(store, SETTINGS, idle_gap=3600.0, max_wait=2.0)
     stage.start()
     store.on_commit(stage.on_commit)
     try:
@@ -189,7 +187,7 @@ def test_only_commits_of_an_earlier_run_are_caught_up_as_such(tmp_path: Path, re
         for trace in traces:  # committed before the stage opens, as a bot sends at once on a start
             store.submit(spans=_chat_commit(f"c{trace}", trace, "Where is my order?", "On its way.")).result(30)
         served = Served(store, SETTINGS) if remote else None
-        stage = Conversations(served.store if served else store, SETTINGS)  # type: ignore[arg-type]
+        stage = stage_on(store, SETTINGS, served)
         stage.start()
         store.on_commit(stage.on_commit)
         try:
@@ -247,7 +245,7 @@ def test_late_rows_of_a_conversation_ended_in_a_backlog_join_it(tmp_path: Path, 
     served = Served(store, SETTINGS) if remote else None
     # The commits queue up (ingestion never looks paused; with ``remote`` the daemon's side does not
     # answer) until a waiter (wait_idle) comes; a cache of 8 rows makes groups of two commits.
-    stage = Conversations(served.store if served else store, SETTINGS,  # type: ignore[arg-type]
+    stage = stage_on(store, SETTINGS, served,
                           cache_spans=8, idle_gap=3600.0, max_wait=3600.0, max_queued_commits=0)
     stage.start()
     store.on_commit(stage.on_commit)
@@ -267,7 +265,7 @@ def test_late_rows_of_a_conversation_ended_in_a_backlog_join_it(tmp_path: Path, 
     finally:
         stage.stop()
         if served is not None:
-            assert served.cursor.read_ahead, "no group of commits was read ahead"
+            assert served.data.read_ahead, "no group of commits was read ahead"
             served.close()
     cur = store.cursor()
     try:
@@ -358,7 +356,7 @@ def test_a_conversation_back_from_the_archive_keeps_its_older_messages_and_is_st
 
 def _started(store: Store, **kw: Any) -> Conversations:
     """A conversation stage over ``store``, started, taking its commits."""
-    stage = Conversations(store, SETTINGS, **kw)
+    stage = local_stage(store, SETTINGS, **kw)
     stage.start()
     store.on_commit(stage.on_commit)
     return stage
@@ -394,7 +392,8 @@ def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_the
 
     settings = Settings.model_validate({"idle_timeout": "10s"})
     # Ingestion never looks paused: the commits queue up until a waiter (wait_idle) comes.
-    stage = Watched(store, settings, clock=lambda: now[0], cache_spans=8, idle_gap=3600.0, max_wait=3600.0)
+    stage = Watched(DuckData(store.cursor(), store), settings, clock=lambda: now[0], cache_spans=8,
+                    pacing=store.pacing(idle_gap=3600.0, share=0.25, max_wait=3600.0, poll=0.02))
     stage.start()
     store.on_commit(stage.on_commit)
     try:
@@ -420,18 +419,3 @@ def test_a_backlog_goes_in_bounded_cycles_and_idle_conversations_end_between_the
     # cache of 8 rows: groups of 2, cycles of at most 16 commits (one span each), each ending the
     # conversations of the cycle before
     assert len(held) >= 3 and max(held) <= 17, held
-
-
-
-def test_a_stage_with_commits_queued_takes_the_next_without_its_rows(tmp_path: Path) -> None:
-    """What ``takes_rows`` says is what ``on_commit`` does: the daemon sends the stage's process rows
-    only while it takes them, since it would drop them."""
-    stage = Conversations(Store(tmp_path / "t.duckdb"), SETTINGS, max_queued_commits=2)  # not started
-    takes = []
-    for batch_id in (1, 2, 3):
-        takes.append(stage.takes_rows())
-        stage.on_commit(Committed(batch_id, 0.0, SpanBatch(), LogBatch(), 0, 0))
-    queued = [stage._queue.get_nowait() for _ in range(3)]
-    assert takes == [True, True, False]
-    assert [type(c) for c in queued] == [Committed, Committed, Light]
-    assert [c.batch_id for c in queued] == [1, 2, 3]

@@ -55,17 +55,19 @@ def test_a_release_leaves_nothing_to_drop_for_the_next() -> None:
 def test_a_read_of_missing_traces_stays_within_the_commits_it_is_given() -> None:
     import duckdb
 
+    from collector.conversations.duck import DuckData
     from collector.store.schema import SCHEMA
 
     con = duckdb.connect()
     con.execute(SCHEMA)
+    data = DuckData(con)
     for batch, span in ((1, "a"), (5, "b"), (9, "c")):  # trace t1's rows in three commits
         con.execute("INSERT INTO span_records (trace_id, span_id, received_at, batch_id) VALUES ('t1', ?, now(), ?)",
                     [span, batch])
     spans = lambda rows: sorted(r["span_id"] for r in rows["t1"].spans)  # noqa: E731
-    assert spans(RowCache(10).get(con, ["t1"], where=lambda ts: {"t1": (1, 5)})) == ["a", "b"]
-    assert spans(RowCache(10).get(con, ["t1"], where=lambda ts: {"t1": (5, None)})) == ["b", "c"]
-    got = RowCache(10).get(con, ["t1"], where=lambda ts: {"t1": (None, None)})  # unknown: the whole table
+    assert spans(RowCache(10).get(data, ["t1"], where=lambda ts: {"t1": (1, 5)})) == ["a", "b"]
+    assert spans(RowCache(10).get(data, ["t1"], where=lambda ts: {"t1": (5, None)})) == ["b", "c"]
+    got = RowCache(10).get(data, ["t1"], where=lambda ts: {"t1": (None, None)})  # unknown: the whole table
     assert spans(got) == ["a", "b", "c"] and got["t1"].batches() == (1, 9)
 
 

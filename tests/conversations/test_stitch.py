@@ -20,6 +20,7 @@ import pytest
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations, conversation_record
+from collector.conversations.duck import local_stage
 from collector.conversations.reindex import Reindex
 from collector.conversations.stitch import Opening, Stitcher, opening
 from collector.conversations.transcript import Transcript, TranscriptMessage
@@ -31,7 +32,7 @@ from ..support.conversations import comparable_messages
 from ..normalize.test_framework_captures import GAPS
 from ..support.daemon import wait_conversations
 from ..support.genai_fixtures import case_names
-from ..support.served import Served
+from ..support.served import Served, stage_on
 from ..support.wire import replay
 
 CASES = Path(__file__).resolve().parents[1] / "fixtures" / "frameworks" / "cases"
@@ -101,7 +102,7 @@ class Clock:
 
 def _stage(store: Any, clock: Callable[[], float], **stitch: Any) -> Conversations:
     settings = Settings.model_validate({"stitch": stitch}) if stitch else Settings()
-    stage = Conversations(store, settings, clock=clock)
+    stage = local_stage(store, settings, clock=clock)
     stage.start()
     return stage
 
@@ -167,7 +168,7 @@ def test_stitched_through_the_stage_process_pipe(store: Store) -> None:
     """As in the daemon: the stage's statements run on the other side of a pipe, a commit per trace."""
     case = EXACT[0]
     served = Served(store, Settings())
-    stage = Conversations(served.store, Settings(), clock=store.test_clock, cache_spans=8)  # type: ignore
+    stage = stage_on(store, Settings(), served, clock=store.test_clock, cache_spans=8)
     stage.start()
     store.on_commit(stage.on_commit)
     try:

@@ -15,6 +15,7 @@ import duckdb
 import pytest
 
 from collector.conversations.tables import CONVERSATION_COLUMNS
+from collector.conversations.duck import DuckData
 from collector.conversations.writes import ConversationRow, Writes
 
 from ..support.stored import StoredConversation, create_store, text_messages
@@ -34,7 +35,7 @@ def flush(db: Path, conv: StoredConversation, written: int | None, mark: int, fi
                              [conv.conversation_id]).fetchall()[0][0]
         if stored:
             writes.replace.add(conv.conversation_id)
-        writes.flush(con, mark)
+        DuckData(con).write(writes, mark)
     finally:
         con.close()
 
@@ -87,7 +88,7 @@ def test_messages_an_older_version_wrote_are_replaced(tmp_path: Path) -> None:
 
 def test_the_oldest_transcripts_are_deleted_between_where_they_were_written_and_the_others_kept(tmp_path: Path) -> None:
     """As retention deletes the messages of the oldest conversations: bounded on both sides where it can be."""
-    from collector.conversations.writes import delete_messages
+    from collector.conversations.duck import delete_messages
 
     db = tmp_path / "t.duckdb"
     create_store(db)
@@ -138,7 +139,7 @@ def test_rows_taken_as_new_that_are_stored_already_are_replaced_all_the_same(tmp
         writes.new_traces.add("t-1")
         con = duckdb.connect(str(db))
         try:
-            writes.flush(con, mark)
+            DuckData(con).write(writes, mark)
         finally:
             con.close()
 

@@ -23,7 +23,7 @@ from collector.cli.status import render
 from collector.config import Config, ConfigError, Retention as Settings, load_config
 from collector.conversations.archive import ConversationArchive
 from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
-from collector.conversations.writes import archive_traces
+from collector.conversations.duck import DuckData, archive_traces
 from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
 from collector.system.memory import INDEX_WARNING
@@ -121,7 +121,7 @@ def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(mak
         try:
             with Transaction(con):
                 archive_traces(con, 0)
-            assert ConversationArchive(0).move(con, held=()) == 3
+            assert ConversationArchive(0).move(DuckData(con), held=()) == 3
             assert con.execute("SELECT count(*) FROM trace_conversations").fetchall() == [(0,)]
         finally:
             con.close()

@@ -1,8 +1,9 @@
-"""The conversation stage's statements over a pipe to the daemon's side of the stage process, in one process.
+"""The conversation stage's operations over a pipe to the daemon's side of the stage process, in one process.
 
-``Served(store, settings)``: ``store`` for a ``Conversations`` stage (a ``RemoteStore``) whose cursor sends
-its statements through a real pipe to ``StageProcess._serve``, which runs them on a cursor of the real
-``store`` in a thread, as the daemon does for its stage process; ``close()`` ends it.
+``Served(store)``: ``data``, a ``RemoteData`` whose operations go through a real pipe to
+``StageProcess._serve``, which runs them on a ``DuckData`` over a cursor of the real ``store`` in a thread,
+as the daemon does for its stage process; ``close()`` ends it. ``stage_on(store, settings, served)`` is a
+stage on either.
 """
 
 from __future__ import annotations
@@ -12,19 +13,22 @@ import threading
 from typing import Any
 
 from collector.config import Conversations as Settings
-from collector.conversations.process import RemoteCursor, RemoteStore, StageProcess
+from collector.conversations.data import CommitRows, Later
+from collector.conversations.duck import DuckData, local_stage
+from collector.conversations.process import RemoteData, StageProcess
+from collector.conversations.stage import Conversations
 from collector.metrics import Metrics
 from collector.store import Store
 
 
-class Counting(RemoteCursor):
-    """The stage process's cursor, counting the reads it posts ahead."""
+class Counting(RemoteData):
+    """The stage process's data, counting the reads of commits it posts."""
 
     read_ahead = 0
 
-    def query_ahead(self, queries: Any) -> Any:
+    def commit_rows(self, first: int, last: int) -> Later[CommitRows]:
         self.read_ahead += 1
-        return super().query_ahead(queries)
+        return super().commit_rows(first, last)
 
 
 class Gated(StageProcess):
@@ -35,24 +39,24 @@ class Gated(StageProcess):
         self.gate = threading.Event()
         self.gate.set()
 
-    def _answer(self, cur: Any, request: tuple[Any, ...]) -> Any:
+    def _answer(self, data: DuckData, name: str, args: tuple[Any, ...]) -> Any:
         self.gate.wait()
-        return super()._answer(cur, request)
+        return super()._answer(data, name, args)
 
 
 class Served:
-    """A stage's cursor whose statements the daemon's side of the stage process (``StageProcess._serve``)
+    """A stage's data whose operations the daemon's side of the stage process (``StageProcess._serve``)
     runs on ``store``, over a pipe."""
 
-    def __init__(self, store: Store, settings: Settings) -> None:
+    def __init__(self, store: Store, settings: Settings | None = None) -> None:
         theirs, ours = multiprocessing.Pipe()
-        self.server = Gated(store, settings, Metrics())
+        self.server = Gated(store, settings or Settings(), Metrics())
         self.server.cur = store.cursor()
+        self.server.data = DuckData(self.server.cur, store)
         self.thread = threading.Thread(target=self.server._serve, args=(theirs,), daemon=True)
         self.thread.start()
         self.ours = ours
-        self.cursor = Counting(ours, threading.Lock())
-        self.store = RemoteStore(self.cursor)
+        self.data = Counting(ours)
 
     def close(self) -> None:
         self.ours.close()
@@ -60,3 +64,13 @@ class Served:
         assert not self.thread.is_alive()
         assert self.server.cur is not None
         self.server.cur.close()
+
+
+def stage_on(store: Store, settings: Settings, served: Served | None = None, **kw: Any) -> Conversations:
+    """A stage on ``store`` in this process, or with ``served`` on its data over the pipe, as in the stage
+    process: never busy there (it gives way through its nice value), so ``idle_gap`` and ``max_wait`` go."""
+    if served is None:
+        return local_stage(store, settings, **kw)
+    kw.pop("idle_gap", None)
+    kw.pop("max_wait", None)
+    return Conversations(served.data, settings, **kw)
