@@ -80,7 +80,7 @@ def _spans(conversations: int, turns: int, ids: bool) -> list[list[dict[str, Any
 def child(args: argparse.Namespace) -> None:
     """One run, with whichever ``collector`` is first on the path; prints its figures as JSON."""
     from collector.config import Conversations as Settings
-    from collector.conversations.duck import local_stage
+    from collector.conversations.stage import local_stage
     from collector.ingest.batches import SPAN_COLUMNS, SpanBatch
     from collector.store import Store
 

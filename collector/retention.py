@@ -58,7 +58,7 @@ import duckdb
 
 from .background import Stage
 from .config import Retention as Settings, size_bytes
-from .conversations.writes import delete_messages
+from .conversations.duck import delete_messages
 from .evals.judging import JUDGEMENT_DUE, RETRY_DUE, utc
 from .words import iso_utc
 from .system.memory import INDEX_WARNING, duckdb_memory, index_eighths

@@ -178,7 +178,7 @@ def test_the_evaluator_goes_on_after_a_cycle_that_raised_beyond_duckdb(tmp_path:
 def test_what_each_stage_holds_in_memory_is_on_metrics(store: Store) -> None:
     """``tracejudge_stage_held{stage,what}``: the row cache, the trace map and the queues, read at scrape time."""
     from collector.config import Conversations as Settings
-    from collector.conversations.duck import local_stage
+    from collector.conversations.stage import local_stage
     from collector.ingest.decode import parse_traces, span_batch
 
     from .support.wire import span_request_bytes

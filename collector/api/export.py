@@ -11,7 +11,7 @@ Two ways through, chosen by how many conversations the filter selects:
 
 - **By storage position** (a large export). The ``messages`` rows of a
   conversation are written together, in order, whenever it is rebuilt
-  (``conversations.writes``), so a window of rows by ``rowid`` holds whole
+  (``conversations.duck.DuckData.write``), so a window of rows by ``rowid`` holds whole
   conversations, the last one perhaps cut (it waits for the next window).
   The window's conversations rows are read in one query. Conversations are
   written in the order they were last stored, then those without messages.

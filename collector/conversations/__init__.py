@@ -5,7 +5,7 @@ from its rows (with ``normalize``) into a ``transcript``. ``stage`` keeps every
 conversation current as commits arrive: rebuild logic with no cursor, its jobs
 in ``resolve`` (traces to conversations, with ``tracemap`` and ``stitch``),
 ``rebuild`` (transcripts, with ``rows``, the row cache) and ``endings`` (end
-rules, idle), over ``state``; what it writes is ``writes``. All it reads and
+rules, idle), over ``state``, building the rows ``rebuild`` writes. All it reads and
 writes goes through ``data.StageData``, named operations with typed rows:
 ``duck`` runs them on DuckDB (all of the stage's SQL), ``process`` runs the
 stage in a process of its own and carries them to the daemon by name.

@@ -29,11 +29,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .data import StageData
+from .data import Layer, StageData
 
 # Ended conversations keyed in live_conversations: about 10 MB of DuckDB's memory. At 200 conversations a
 # second (3,000 spans/s) the last 8 minutes, at one a second the last day.
@@ -46,18 +43,6 @@ FIRST_CAPACITY = 1 << 16
 BITS_PER_ID = 16
 HASHES = 11
 RETIRE_SURVIVORS = 100  # ids of an old layer still archived, added to the newest so that the old one goes
-
-
-@dataclass
-class Layer:
-    capacity: int
-    ids: int
-    bits: bytearray
-    newest: dt.datetime | None  # the latest last_arrival_at of the conversations added
-
-    @property
-    def size(self) -> int:
-        return len(self.bits) * 8
 
 
 def _hashes(cid: str) -> tuple[int, int]:

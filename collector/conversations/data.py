@@ -7,8 +7,7 @@ them, by name and with plain arguments, to the daemon's side, which runs them on
 ``tests/support/memory.py`` keeps them in memory, for the stage's unit tests.
 
 Every argument and every row is plain data: str, int, float, bool, None, datetime, bytes, lists,
-tuples, dicts, sets, and the dataclasses and named tuples below (and ``writes.Writes``,
-``writes.ConversationRow``, ``archive.Layer``), made of those. ``OPERATIONS`` names them all: the
+tuples, dicts, sets, and the dataclasses and named tuples below, made of those. ``OPERATIONS`` names them all: the
 process boundary carries nothing else.
 
 Lifecycle: ``write`` and ``commit_rows`` may return before the work is done (in the stage process the
@@ -18,17 +17,15 @@ waits for all of it and raises a write's error. Everything else answers before i
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Callable, Generic, NamedTuple, Protocol, TypeVar
 
 from ..store.transactions import Batches
+from .tables import CONVERSATION_COLUMNS, TRACES_KEPT
 from .transcript import Transcript
-
-if TYPE_CHECKING:
-    from .archive import Layer
-    from .writes import Writes
 
 T = TypeVar("T")
 
@@ -44,6 +41,96 @@ SpanRow = tuple[Any, ...]
 """A stored span: ``SPAN_COLUMNS`` then its commit (``batch_id``)."""
 LogRow = tuple[Any, ...]
 """A stored log record: ``LOG_COLUMNS`` then its commit and its place in it (``seq``, None before it was kept)."""
+
+
+def timestamp(seconds: float | None) -> dt.datetime | None:
+    """Seconds since the epoch as a UTC time, as the stage's rows carry them."""
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc) if seconds is not None else None
+
+
+@dataclass(frozen=True)
+class ConversationRow:
+    """One row of ``conversations``, its fields in the table's column order."""
+
+    conversation_id: str
+    service: str | None
+    started_at: dt.datetime | None
+    ended_at: dt.datetime | None
+    ended_by: str | None
+    state: str
+    user_turns: int
+    input_tokens: int | None
+    output_tokens: int | None
+    llm_calls: int
+    message_count: int
+    models: str
+    system: str | None
+    content_captured: bool
+    no_content_reason: str | None
+    transcript_hash: str | None
+    revision: int
+    trace_ids: str
+    newest_trace_id: str | None
+    first_arrival_at: dt.datetime | None
+    last_arrival_at: dt.datetime | None
+    closed_at: dt.datetime | None
+    updated_at: dt.datetime | None
+    unparsed_spans: int
+    unparsed_logs: int
+    sources: str
+    first_batch: int | None
+    messages_batch: int | None
+    grouped_by: str
+
+    def ended(self, ended_at: dt.datetime | None, ended_by: str | None, state: str, closed_at: dt.datetime | None,
+              updated_at: dt.datetime | None) -> "ConversationRow":
+        """This row once the conversation ended idle, its transcript unchanged."""
+        return dataclasses.replace(self, ended_at=ended_at, ended_by=ended_by, state=state, closed_at=closed_at,
+                                   updated_at=updated_at)
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, c) for c in CONVERSATION_COLUMNS)  # astuple copies deep: slower
+
+
+
+assert tuple(f.name for f in dataclasses.fields(ConversationRow)) == CONVERSATION_COLUMNS
+
+
+@dataclass
+class Writes:
+    """What one cycle changes, written together by ``StageData.write``."""
+
+    conversations: dict[str, ConversationRow] = field(default_factory=dict)
+    messages: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    replace: set[str] = field(default_factory=set)  # conversations whose stored messages go
+    new: set[str] = field(default_factory=set)  # of ``conversations``, those with no row stored
+    deleted: set[str] = field(default_factory=set)
+    unarchive: set[str] = field(default_factory=set)  # read back from the archive: their archived rows go
+    # trace -> (its conversation, the first and last commits with its rows)
+    traces: dict[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
+    new_traces: set[str] = field(default_factory=set)  # of ``traces``, those not keyed in ``trace_conversations``
+    traces_kept: int = TRACES_KEPT  # keyed in ``trace_conversations``; older ones go to ``trace_archive``
+
+    def __len__(self) -> int:
+        """Conversations waiting to be written or deleted."""
+        return len(self.conversations) + len(self.deleted)
+
+    def delete(self, cid: str) -> None:
+        self.deleted.add(cid)
+        self.conversations.pop(cid, None)
+        self.messages.pop(cid, None)
+
+
+@dataclass
+class Layer:
+    capacity: int
+    ids: int
+    bits: bytearray
+    newest: dt.datetime | None  # the latest last_arrival_at of the conversations added
+
+    @property
+    def size(self) -> int:
+        return len(self.bits) * 8
 
 
 class StoredRows(NamedTuple):
@@ -129,7 +216,7 @@ class Resume:
     committed: int  # the last commit made before now
     opened: int  # the last commit of the runs before this one (``Store.opened_batch``)
     conversations: list[StoredConversation] = field(default_factory=list)  # the open ones
-    filter_layers: dict[int, "Layer"] = field(default_factory=dict)  # ``archive.ArchiveFilter``
+    filter_layers: dict[int, Layer] = field(default_factory=dict)  # ``archive.ArchiveFilter``
     recent: list[RecentTranscript] = field(default_factory=list)  # oldest first
 
 

@@ -21,19 +21,14 @@ import orjson
 from ..store import Transaction, insert_rows
 from ..store.transactions import COMMIT_TRACES, Batches, batch_filter, by_keys, conversation_traces, one, \
     registered_rows
-from .data import (LOG_COLUMNS, SPAN_COLUMNS, CommitRows, EndedToArchive, Ending, Later, RecentTranscript, Resume,
-                   StoredConversation, StoredRows, TracePlace, TraceSince)
+from .data import (LOG_COLUMNS, SPAN_COLUMNS, CommitRows, EndedToArchive, Ending, Later, Layer, RecentTranscript,
+                   Resume, StoredConversation, StoredRows, TracePlace, TraceSince, Writes)
 from .record import stored_select, stored_transcript, stored_transcripts
 from .tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS, TRACE_MAP_COLUMNS, ensure_tables
 from .transcript import Transcript, from_unix_nano
 
 if TYPE_CHECKING:
-    from ..config import Conversations as Settings
-    from ..metrics import Metrics
     from ..store import Store
-    from .stage import Conversations
-    from .archive import Layer
-    from .writes import Writes
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -66,8 +61,6 @@ class DuckData:
 
     def filter_layers(self) -> dict[int, Layer]:
         """The archive's filter as stored (``archive.ArchiveFilter``)."""
-        from .archive import Layer
-
         return {n: Layer(capacity, ids, bytearray(bits), utc(newest)) for n, capacity, ids, bits, newest in self.cur.execute(
             "SELECT layer, capacity, ids, bits, newest FROM conversation_filter ORDER BY layer").fetchall()}
 
@@ -246,8 +239,6 @@ class DuckData:
                                 [n, layer.capacity, layer.ids, bytes(layer.bits), layer.newest])
 
     def swap(self, now: dt.datetime) -> int:
-        from .reindex import swap_reindexed
-
         return swap_reindexed(self.cur, now)
 
     def sync(self) -> None:
@@ -259,18 +250,6 @@ class DuckData:
 
     def close(self) -> None:
         self.cur.close()
-
-
-def local_stage(store: Store, settings: Settings, metrics: Metrics | None = None, *, schema: str | None = None,
-                idle_gap: float | None = None, max_wait: float = 30.0, **kw: Any) -> Conversations:
-    """A conversation stage in this process, on a cursor of ``store`` of its own (on ``schema`` first), at
-    the store's pace (``idle_gap``, ``max_wait``: ``collector.store.pacing``): ``tracejudge reindex``, tests."""
-    from .stage import IDLE_GAP, PIECE, POLL, SHARE, Conversations
-
-    pacing = store.pacing(idle_gap=IDLE_GAP if idle_gap is None else idle_gap, share=SHARE, max_wait=max_wait,
-                          poll=POLL, piece=PIECE)
-    return Conversations(DuckData(store.cursor(schema), store), settings, metrics, pacing=pacing, fatal=store.fatal,
-                         **kw)
 
 
 def utc(at: dt.datetime | None) -> dt.datetime | None:
@@ -348,3 +327,33 @@ def archive_traces(cur: duckdb.DuckDBPyConnection, kept: int) -> None:
     cur.execute(f"INSERT INTO trace_archive ({columns}) SELECT {columns} FROM trace_conversations WHERE {moved}",
                 [cutoff[0]])
     cur.execute(f"DELETE FROM trace_conversations WHERE {moved}", [cutoff[0]])
+
+
+REINDEX_SCHEMA = "reindex"
+"""Where a reindex rebuilds every conversation, beside the live ones (``reindex``)."""
+REBUILT = ("live_conversations", "archived_conversations", "conversation_filter", "messages", "trace_conversations",
+            "trace_archive")
+
+
+def swap_reindexed(cur: duckdb.DuckDBPyConnection, now: dt.datetime) -> int:
+    """Replace the live conversations with the reindex's, in one transaction, at ``now``; how many there are.
+
+    ``cur`` is on the main schema. A transcript that changed gets the next revision (to be judged again), one
+    that did not keeps its own; the conversation stage's batch mark goes where the reindex stopped reading.
+    """
+    with Transaction(cur):
+        row = one(cur.execute(f"SELECT value FROM {REINDEX_SCHEMA}.tracejudge_state WHERE key = 'reindex.upto'"))
+        upto = row[0] if row else None
+        for table in ("live_conversations", "archived_conversations"):
+            cur.execute(
+                f"UPDATE {REINDEX_SCHEMA}.{table} AS n SET revision = CASE WHEN o.transcript_hash = "
+                "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
+                "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
+            cur.execute(f"UPDATE {REINDEX_SCHEMA}.{table} SET updated_at = ?", [now])
+        for table in REBUILT:
+            cur.execute(f"DELETE FROM main.{table}")
+            cur.execute(f"INSERT INTO main.{table} SELECT * FROM {REINDEX_SCHEMA}.{table}")
+        cur.execute("INSERT OR REPLACE INTO main.tracejudge_state VALUES ('conversations.batch', ?)", [upto])
+        cur.execute(f"DROP SCHEMA {REINDEX_SCHEMA} CASCADE")
+        row = one(cur.execute("SELECT count(*) FROM main.conversations"))
+    return int(row[0]) if row else 0

@@ -13,7 +13,7 @@ import datetime as dt
 from typing import Any, Iterable, Sequence
 
 from ..config import EndRule
-from .data import Ending as Ended
+from .data import Ending as Ended, timestamp
 from .keys import StoredRow, json_column
 from .state import StageState
 from .tracemap import Tracked
@@ -98,7 +98,8 @@ class Ending(StageState):
                 as_stored.append(conv)
             else:
                 self._done(conv.id)
-                self._writes.conversations[conv.id] = row.ended(conv, now)
+                self._writes.conversations[conv.id] = row.ended(conv.last_span_end, conv.ended_by, conv.state,
+                                                                timestamp(conv.closed_at), timestamp(now))
                 self._forget(conv)
         self._end_stored(as_stored, now)
         for tid in [t for t, (at, _) in self.map.pending.items() if now - at >= limit]:

@@ -76,15 +76,13 @@ from ..store import Committed
 from ..store.transactions import Batches
 from ..words import duration_text, plural
 from .rows import Light
-from .data import (OPERATIONS, CommitRows, EndedToArchive, Ending, Later, Resume, StoredConversation, StoredRows,
+from .data import (Layer, Writes, OPERATIONS, CommitRows, EndedToArchive, Ending, Later, Resume, StoredConversation, StoredRows,
                    TracePlace, TraceSince)
 from .duck import DuckData
 from .transcript import Transcript
 
 if TYPE_CHECKING:
     from ..store import Store  # imported when first asked for (collector.store)
-    from .archive import Layer
-    from .writes import Writes
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -253,8 +251,8 @@ def _dumps(request: tuple[Any, ...]) -> bytes:
 PLAIN_CLASSES = frozenset({
     ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
     ("collector.conversations.data", "Ending"),
-    ("collector.conversations.writes", "Writes"), ("collector.conversations.writes", "ConversationRow"),
-    ("collector.conversations.archive", "Layer"),
+    ("collector.conversations.data", "Writes"), ("collector.conversations.data", "ConversationRow"),
+    ("collector.conversations.data", "Layer"),
 })
 
 

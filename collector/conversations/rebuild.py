@@ -10,16 +10,20 @@ and is counted; one whose older spans retention deleted keeps its stored transcr
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from typing import Any
+
+import orjson
 
 from .assemble import ParseMemo, build_transcript
+from .data import ConversationRow, timestamp
 from .endings import ended_by_rule
 from .rows import TraceRows
 from .state import StageState
 from .stitch import answered, started
 from .tracemap import Tracked
 from .transcript import Transcript
-from .writes import ConversationRow, message_rows
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -146,7 +150,7 @@ class Rebuild(StageState):
             self._warned_no_content.add(tr.service or "")
             log.warning("conversation %s of service %s carries no message content, so it cannot be judged: %s",
                         conv.id, tr.service or "(unknown)", tr.no_content_reason)
-        row = ConversationRow.of(conv, tr, self.clock(), max(self._processed_batch, self._newest_batch))
+        row = conversation_row(conv, tr, self.clock(), max(self._processed_batch, self._newest_batch))
         self._rows_written[conv.id] = row
         self._writes.conversations[conv.id] = row
         self._writes.messages[conv.id] = message_rows(conv.id, tr, row.messages_batch)
@@ -163,3 +167,37 @@ class Rebuild(StageState):
             # may not say it ended, and reads of its traces must find it here (``_cycle`` sends a group's
             # writes after the next group's reads).
             self._leaving.append(conv)
+
+
+
+def _json_text(value: Any) -> str:
+    """JSON text of a column (orjson; json where orjson refuses, e.g. integers past 64 bits)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def conversation_row(conv: Tracked, tr: Transcript, now: float, written: int) -> ConversationRow:
+    """``written``: the batch the stage has taken in, which its messages rows carry."""
+    usage = tr.usage
+    return ConversationRow(
+        conversation_id=conv.id, service=tr.service, started_at=tr.started_at,
+        ended_at=tr.ended_at if conv.state == "ended" else None, ended_by=conv.ended_by, state=conv.state,
+        user_turns=tr.user_turns, input_tokens=usage.input_tokens if usage else None,
+        output_tokens=usage.output_tokens if usage else None, llm_calls=tr.llm_calls,
+        message_count=len(tr.messages), models=orjson.dumps(list(tr.models)).decode(), system=tr.system,
+        content_captured=tr.content_captured, no_content_reason=tr.no_content_reason,
+        transcript_hash=conv.hash, revision=conv.revision, trace_ids=orjson.dumps(conv.traces).decode(),
+        newest_trace_id=conv.newest_trace, first_arrival_at=timestamp(conv.first_arrival),
+        last_arrival_at=timestamp(conv.last_arrival), closed_at=timestamp(conv.closed_at), updated_at=timestamp(now),
+        unparsed_spans=tr.unparsed_spans, unparsed_logs=tr.unparsed_logs,
+        sources=orjson.dumps(list(tr.sources)).decode(), first_batch=conv.first_batch,
+        messages_batch=written, grouped_by=conv.grouped_by)
+
+
+def message_rows(cid: str, tr: Transcript, written: int | None) -> list[tuple[Any, ...]]:
+    """The ``messages`` rows of a transcript, with the ``messages_batch`` its conversations row is written with."""
+    return [(cid, i, m.role, m.content, _json_text(m.to_dict()["tool_calls"]) if m.tool_calls else None,
+             m.tool_call_id, m.name, m.at, m.span_id, m.source, m.truncated, written)
+            for i, m in enumerate(tr.messages)]

@@ -40,7 +40,8 @@ from ..store import Transaction
 from ..store.schema import TRACE_MAP
 from ..store.transactions import one
 from .archive import ARCHIVE_KEPT
-from .duck import DuckData, local_stage
+from .duck import REINDEX_SCHEMA as SCHEMA, DuckData, swap_reindexed
+from .stage import local_stage
 from .tables import ensure_tables
 
 if TYPE_CHECKING:
@@ -48,11 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tracejudge.reindex")
 
-SCHEMA = "reindex"
 LAYOUT = "traces-v3"  # reindex_traces with each trace's first and last commits
 CHUNK = 500  # traces rebuilt and committed together
-_REBUILT = ("live_conversations", "archived_conversations", "conversation_filter", "messages", "trace_conversations",
-            "trace_archive")
 # Those kept as stored, copied from the main schema before the rebuild: every one into the live table (keyed,
 # so that the rebuild finds it; the reindex's moves archive it with its filter).
 _KEPT_FROM = {"live_conversations": "conversations", "messages": "messages",
@@ -309,27 +307,3 @@ class Runner:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-
-def swap_reindexed(cur: duckdb.DuckDBPyConnection, now: dt.datetime) -> int:
-    """Replace the live conversations with the reindex's, in one transaction, at ``now``; how many there are.
-
-    ``cur`` is on the main schema. A transcript that changed gets the next revision (to be judged again), one
-    that did not keeps its own; the conversation stage's batch mark goes where the reindex stopped reading.
-    """
-    with Transaction(cur):
-        row = one(cur.execute(f"SELECT value FROM {SCHEMA}.tracejudge_state WHERE key = 'reindex.upto'"))
-        upto = row[0] if row else None
-        for table in ("live_conversations", "archived_conversations"):
-            cur.execute(
-                f"UPDATE {SCHEMA}.{table} AS n SET revision = CASE WHEN o.transcript_hash = "
-                "n.transcript_hash THEN o.revision ELSE coalesce(o.revision, 0) + 1 END "
-                "FROM main.conversations o WHERE o.conversation_id = n.conversation_id")
-            cur.execute(f"UPDATE {SCHEMA}.{table} SET updated_at = ?", [now])
-        for table in _REBUILT:
-            cur.execute(f"DELETE FROM main.{table}")
-            cur.execute(f"INSERT INTO main.{table} SELECT * FROM {SCHEMA}.{table}")
-        cur.execute("INSERT OR REPLACE INTO main.tracejudge_state VALUES ('conversations.batch', ?)", [upto])
-        cur.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
-        row = one(cur.execute("SELECT count(*) FROM main.conversations"))
-    return int(row[0]) if row else 0

@@ -40,7 +40,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..background import Loop
 from ..config import Conversations as Settings
@@ -56,7 +56,10 @@ from .rows import GROUPS_CACHED, Batches, Light, commit_rows, groups
 from .state import StageState, Stopping
 from .stitch import answered, started
 from .tables import TRACES_KEPT
-from .writes import Writes
+from .data import Writes
+if TYPE_CHECKING:
+    from ..store import Store  # DuckDB only where a stage runs on it (local_stage)
+
 
 log = logging.getLogger("tracejudge.conversations")
 
@@ -451,3 +454,15 @@ class Conversations(Resolve, Rebuild, Ending, Loop):
 def _without_rows(items: list[Any]) -> list[Any]:
     """The queued items with each whole commit as a ``Light`` one (its rows are read back when taken in)."""
     return [Light.of(it) if isinstance(it, Committed) else it for it in items]
+
+
+def local_stage(store: Store, settings: Settings, metrics: Metrics | None = None, *, schema: str | None = None,
+                idle_gap: float | None = None, max_wait: float = 30.0, **kw: Any) -> Conversations:
+    """A conversation stage in this process, on a cursor of ``store`` of its own (on ``schema`` first), at
+    the store's pace (``idle_gap``, ``max_wait``: ``collector.store.pacing``): ``tracejudge reindex``, tests."""
+    from .duck import DuckData  # DuckDB only where a stage runs on it
+
+    pacing = store.pacing(idle_gap=IDLE_GAP if idle_gap is None else idle_gap, share=SHARE, max_wait=max_wait,
+                          poll=POLL, piece=PIECE)
+    return Conversations(DuckData(store.cursor(schema), store), settings, metrics, pacing=pacing, fatal=store.fatal,
+                         **kw)

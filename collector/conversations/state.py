@@ -22,7 +22,7 @@ from .data import StageData
 from .rows import RowCache, TraceRows
 from .stitch import Stitcher
 from .tracemap import TraceMap, Tracked
-from .writes import ConversationRow, Writes
+from .data import ConversationRow, Writes
 
 
 class Stopping(Exception):

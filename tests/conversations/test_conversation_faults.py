@@ -22,7 +22,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from collector.config import Conversations as Settings
-from collector.conversations.duck import DuckData, local_stage
+from collector.conversations.duck import DuckData
+from collector.conversations.stage import local_stage
 from collector.conversations.archive import ArchiveFilter
 from collector.conversations.reindex import Reindex
 from collector.ingest.decode import parse_traces, span_batch

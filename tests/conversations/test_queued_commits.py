@@ -21,7 +21,8 @@ import pytest
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations
-from collector.conversations.duck import DuckData, local_stage
+from collector.conversations.duck import DuckData
+from collector.conversations.stage import local_stage
 from collector.conversations.archive import BITS_PER_ID, FIRST_CAPACITY
 from collector.ingest.decode import log_batch, parse_logs, parse_traces, span_batch
 from collector.store import Store

@@ -19,7 +19,7 @@ import duckdb
 import pytest
 
 from collector.conversations.process import _result, plain_request
-from collector.conversations.writes import Writes
+from collector.conversations.data import Writes
 from collector.store import Store
 
 from ..support.served import Served

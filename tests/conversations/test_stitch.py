@@ -20,7 +20,7 @@ import pytest
 
 from collector.config import Conversations as Settings
 from collector.conversations import Conversations, conversation_record
-from collector.conversations.duck import local_stage
+from collector.conversations.stage import local_stage
 from collector.conversations.reindex import Reindex
 from collector.conversations.stitch import Opening, Stitcher, opening
 from collector.conversations.transcript import Transcript, TranscriptMessage

@@ -16,7 +16,7 @@ import pytest
 
 from collector.conversations.tables import CONVERSATION_COLUMNS
 from collector.conversations.duck import DuckData
-from collector.conversations.writes import ConversationRow, Writes
+from collector.conversations.data import ConversationRow, Writes
 
 from ..support.stored import StoredConversation, create_store, text_messages
 

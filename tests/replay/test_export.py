@@ -242,7 +242,7 @@ def test_every_filter_by_storage_position_selects_what_by_id_selects(tmp_path: P
 def test_a_walk_writes_the_store_as_it_was_when_it_began(tmp_path: Path) -> None:
     """The daemon rebuilds, adds and deletes conversations while an export is under way: the export still writes each conversation selected at its start exactly once, as it was then."""
     from collector.conversations.tables import CONVERSATION_COLUMNS
-    from collector.conversations.writes import ConversationRow, Writes
+    from collector.conversations.data import ConversationRow, Writes
     from collector.store import Store
 
     db = tmp_path / "t.duckdb"

@@ -25,7 +25,7 @@ from collector.conversations.data import (LOG_COLUMNS, SPAN_COLUMNS, CommitRows,
                                           StoredRows, TracePlace, TraceSince)
 from collector.conversations.record import STORED_COLUMNS, stored_conversation, stored_message
 from collector.conversations.transcript import Transcript, from_unix_nano
-from collector.conversations.writes import ConversationRow, Writes
+from collector.conversations.data import ConversationRow, Writes
 from collector.ingest.batches import LogBatch, SpanBatch
 from collector.store import Committed
 from collector.store.transactions import Batches

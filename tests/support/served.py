@@ -14,7 +14,8 @@ from typing import Any
 
 from collector.config import Conversations as Settings
 from collector.conversations.data import CommitRows, Later
-from collector.conversations.duck import DuckData, local_stage
+from collector.conversations.duck import DuckData
+from collector.conversations.stage import local_stage
 from collector.conversations.process import RemoteData, StageProcess
 from collector.conversations.stage import Conversations
 from collector.metrics import Metrics

@@ -20,7 +20,7 @@ import duckdb
 from collector.conversations.tables import CONVERSATION_COLUMNS, MESSAGE_COLUMNS
 from collector.conversations.tables import SCHEMA as CONVERSATIONS_SCHEMA
 from collector.conversations.transcript import Transcript, TranscriptMessage, Usage
-from collector.conversations.writes import message_rows
+from collector.conversations.rebuild import message_rows
 from collector.evals import judging
 from collector.normalize import ToolCall
 from collector.review import calibration
