@@ -4,8 +4,10 @@ Pure and deterministic: the same rows in any order, with any duplicates (OTLP
 retries), give the same ``Transcript``. The rules (DESIGN.md, "Rebuilding
 conversations"):
 
-- content comes from LLM-call spans, their span events or their log records;
-  agent-span content only for a trace where no LLM call has any;
+- content comes from LLM-call spans, their span events or their log records
+  (where a library spreads a call over the spans around it, as Mastra does, put
+  together from those: ``normalize.mastra``); agent-span content only for a
+  trace where no LLM call has any;
 - one LLM call counts once: spans with the same response id, an LLM span nested
   in another, or a sibling with the same tokens over the same time (the
   anthropic SDK's own span beside OpenLLMetry's) are one call, and the member
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..normalize import (
@@ -38,6 +40,7 @@ from ..normalize import (
     as_int,
     as_str,
     combine,
+    mastra,
     read_events,
     read_meta,
     read_span,
@@ -271,6 +274,18 @@ def _depths(spans: dict[str, _Span]) -> None:
 
 def _order(sp: _Span) -> tuple[int, int, int, str]:
     return (sp.start, sp.depth, sp.end, sp.span_id)
+
+
+def _with_steps(spans: dict[str, _Span]) -> dict[str, _Span]:
+    """The trace's spans, its model calls given the content that Mastra spreads over the spans
+    around each call (``normalize.mastra``); the parsed spans are left as they are."""
+    prefix = mastra.NAME + "/"
+    if not any(s.content is not None and s.content.source.startswith(prefix) for s in spans.values()):
+        return spans
+    found = mastra.steps(sorted(spans.values(), key=_order), lambda s: s.meta.kind == "llm")
+    if not found:
+        return spans
+    return {sid: replace(sp, content=found[sid]) if sid in found else sp for sid, sp in spans.items()}
 
 
 def _has_messages(c: Content | None) -> bool:
@@ -511,6 +526,7 @@ class _Assembly:
 
     def add_trace(self, tspans: dict[str, _Span]) -> None:
         _depths(tspans)
+        tspans = _with_steps(tspans)
         calls = _llm_calls(tspans)
         for call in calls:
             self.n_calls += 1

@@ -17,7 +17,8 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from . import haystack, langfuse, litellm, logfire, openinference, openllmetry, otel_events, otel_genai, others, vercel_ai
+from . import (haystack, langfuse, litellm, logfire, mastra, openinference, openllmetry, otel_events, otel_genai, others,
+               vercel_ai)
 from ._meta import read_meta, span_kind
 from ._indexed import INDEXED_PREFIXES
 from ._model import Attrs, Content, Event, Message, Meta, SpanKind, ToolCall, Truncated, as_int, as_str, repair_text, repaired
@@ -37,6 +38,7 @@ __all__ = [
     "as_int",
     "as_str",
     "combine",
+    "mastra",
     "read_events",
     "read_meta",
     "read_span",
@@ -71,6 +73,7 @@ SPAN_DIALECTS: tuple[Dialect, ...] = (
     Dialect(openllmetry.NAME, openllmetry.read, (), openllmetry.KEY_PREFIXES),
     Dialect(openinference.NAME, openinference.read, openinference.KEYS, openinference.KEY_PREFIXES),
     Dialect(vercel_ai.NAME, vercel_ai.read, vercel_ai.KEYS),
+    Dialect(mastra.NAME, mastra.read, mastra.KEYS),
     Dialect(langfuse.NAME, langfuse.read, langfuse.KEYS),
     Dialect(logfire.NAME, logfire.read, logfire.KEYS),
     Dialect(haystack.NAME, haystack.read, haystack.KEYS),
