@@ -222,9 +222,13 @@ def _content_blocks(content: Any) -> list[Any]:
 def _only_results(obj: dict[str, Any]) -> bool:
     """Whether ``obj``'s blocks are all tool results (and there is one)."""
     blocks = [b for key in ("parts", "content") for b in _content_blocks(obj.get(key))]
-    return bool(blocks) and all(
-        isinstance(b, dict) and (b.get("type") if "type" in b else (_keyed_block(b) or {}).get("type"))
-        in TOOL_RESULT_TYPES for b in blocks)
+    return bool(blocks) and all(isinstance(b, dict) and _block_type(b) in TOOL_RESULT_TYPES for b in blocks)
+
+
+def _block_type(block: dict[str, Any]) -> str | None:
+    """A content block's ``type``, or its only key's (``{"functionResponse": {...}}``); None when not text."""
+    kind = block.get("type") if "type" in block else (_keyed_block(block) or {}).get("type")
+    return kind if isinstance(kind, str) else None
 
 
 def read_message(obj: Any, truncated: bool = False) -> list[Message]:

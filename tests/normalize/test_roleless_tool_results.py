@@ -43,3 +43,8 @@ def test_a_tool_result_without_a_name_is_named_after_its_call() -> None:
     tool = [m for m in t.messages if m.role == "tool"]
     assert [(m.tool_call_id, m.name, m.content) for m in tool] == [("lookup_order_0", "lookup_order",
                                                                     '{"result":"shipped"}')]
+
+
+def test_a_block_whose_type_is_not_text_is_no_tool_result() -> None:
+    """Found by test_readers_never_raise_on_odd_values: a block typed with a list raised TypeError."""
+    assert read_messages([{"role": "", "content": {"type": []}}]) == []
