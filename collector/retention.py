@@ -524,7 +524,10 @@ class Retention(Stage):
     def _passed(self, last: tuple[dt.datetime, str]) -> None:
         """Step 3 has passed every ended conversation up to ``last`` (arrival, id) this pass."""
         self._after = last
-        self._next_conversation = last[0]  # a bound of the next one's arrival, for how far behind it is
+        # A bound of the next one's arrival, for how far behind step 3 is; a pass from the oldest reads again
+        # those kept before it (on purpose, not behind), so it only moves on.
+        if self._next_conversation is None or last[0] > self._next_conversation:
+            self._next_conversation = last[0]
 
     def _conversations_passed(self) -> None:
         """Step 3's pass has passed every expired conversation: the next one is due GATHER seconds on at the
