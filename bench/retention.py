@@ -16,15 +16,22 @@ live    the same burst of four-turn conversations sent to a daemon of each code 
         ``--live-keep`` seconds (60) of spans, with the stages upstream catching up as they go:
         the time from the last span's expiry (its ack plus the retention) to zero stored spans.
 steady  ``--rate`` spans/s (5,000) of bench/ingest.py's four-turn conversations for ``--minutes``
-        (10) with ``retention.spans: --steady-keep`` (2m): the stored span count, the file size
-        (with its WAL) and retention's lag behind its horizon each minute, and whether the count and
-        the file are flat (within 10%) from the fourth minute on.
+        (10) with ``retention.spans: --steady-keep`` (2m) and, with ``--steady-conversations``,
+        ``retention.conversations``: the stored span count, the file size (with its WAL) and
+        retention's lag behind its horizon (spans; conversations from ``/api/status``) each minute,
+        and whether the count and the file are flat (within 10%) from the fourth minute on.
+
+conversations  the burst of four-turn conversations, settled (ended, sampled, judged), then on a
+        copy for each code a daemon keeping 2 s of spans and of conversations: the time until
+        the last conversation but the reviewed ones has gone, and conversations deleted per second
+        (the stages upstream idle: retention's own pace).
 
 ``--baseline REF`` deletes the burst first with another commit's code (``git archive REF``, e.g.
-``main``), then with this tree's, in the same run, and prints the ratio. Run by hand:
+``main``), then with this tree's, in the same run, and prints the ratio; the live and steady phases
+run it first too. Run by hand:
 
     .venv/bin/python bench/retention.py [--baseline main] [--burst 300000] [--workload four-turn|one-span]
-                                        [--phases burst,steady] [--rate 5000] [--minutes 10] [--steady-keep 2m]
+                                        [--phases burst,conversations,live,steady] [--rate 5000] [--minutes 10] [--steady-keep 2m]
 """
 
 from __future__ import annotations
@@ -148,6 +155,51 @@ def burst(runs: list[tuple[str, Path]], work: Path, bodies: list[bytes], keep: s
     return out
 
 
+def conversations_burst(runs: list[tuple[str, Path]], work: Path, bodies: list[bytes]) -> dict[str, dict[str, float]]:
+    """The burst of four-turn conversations ingested with no retention, settled (every conversation ended,
+    sampled and judged); then, on a copy of that file for each run's code, the daemon keeping 2 s of spans
+    and of conversations, by which all of it has expired: the time until the last conversation that may go
+    (all but the reviewed) has gone, and conversations deleted per second. The stages upstream are idle:
+    this is retention's own pace, whatever the machine's other load does to theirs."""
+    proc, info = daemon(HERE, work / "conversations-burst", None)
+    try:
+        asyncio.run(ingest.send_all(bodies, "grpc", info["grpc"]))
+        settled = memory.settled(info["api"], timeout=1800)
+        print(f"  conversations ended, sampled and judged {settled:.0f} s after the last ack", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait()
+    source = work / "conversations-burst" / "bench.duckdb"
+    out = {}
+    for name, code in runs:
+        data = work / f"conversations-{name.replace(' ', '-').replace('/', '-')}"
+        data.mkdir()
+        shutil.copy(source, data / "bench.duckdb")
+        started = time.perf_counter()
+        proc, info = daemon(code, data, "2s", "2s")
+        gone, report, first, last = 0, started + 15, 0.0, started
+        try:
+            # Until none has gone for 30 s (some are due for the evaluator at the start: they go once judged).
+            while time.perf_counter() < min(started + 900, last + 30):
+                time.sleep(POLL / 5)
+                now = memory.get(info["api"], "/api/status")["storage"]["retention"]["deleted"]["conversations"]
+                if now > gone:
+                    gone, last = now, time.perf_counter()
+                    first = first or last
+                if time.perf_counter() >= report:
+                    print(f"  {name}: {time.perf_counter() - started:5.0f} s after the start: {gone:,} conversations "
+                          "deleted", flush=True)
+                    report += 15
+        finally:
+            proc.terminate()
+            proc.wait()
+        cleared = last - started
+        out[name] = {"clear": cleared, "gone": gone, "rate": gone / cleared}
+        print(f"  {name}: {gone:,} conversations deleted, the last {cleared:.1f} s after the start, the first "
+              f"{first - started:.1f} s after ({gone / cleared:,.0f}/s, the start included)", flush=True)
+    return out
+
+
 def live(name: str, code: Path, work: Path, bodies: list[bytes], keep: float) -> dict[str, float]:
     """The burst sent to a daemon of ``code`` keeping ``keep`` seconds of spans: the time from the last span's
     expiry (its ack plus ``keep``) to zero stored, and when conversations were current (retention waits for them)."""
@@ -178,10 +230,11 @@ def live(name: str, code: Path, work: Path, bodies: list[bytes], keep: float) ->
             "delete": (spans - stored) / (zero - start - keep), "ingest": spans / elapsed}
 
 
-def steady(work: Path, rate: float, minutes: float, keep: str, conversations: str | None = None
-           ) -> list[dict[str, float]]:
-    proc, info = daemon(HERE, work / "steady", keep, conversations)
-    db = work / "steady" / "bench.duckdb"
+def steady(name: str, code: Path, work: Path, rate: float, minutes: float, keep: str,
+           conversations: str | None = None) -> list[dict[str, float]]:
+    data = work / f"steady-{name.replace(' ', '-').replace('/', '-')}"
+    proc, info = daemon(code, data, keep, conversations)
+    db = data / "bench.duckdb"
     rows: list[dict[str, float]] = []
     answered: list[tuple[float, float]] = []
 
@@ -194,13 +247,18 @@ def steady(work: Path, rate: float, minutes: float, keep: str, conversations: st
             behind = await asyncio.to_thread(metric, info["api"], "tracejudge_retention_behind_seconds")
             # Retention deletes only what the stages upstream are done with: their lag bounds its pace.
             status = await asyncio.to_thread(memory.get, info["api"], "/api/status")
+            # How far behind its horizon step 3 is (the daemon's figure; absent from older code: -1).
+            kept = status.get("storage", {}).get("retention", {}).get("conversations", {})
             rows.append({"minute": minute, "stored": stored, "file": soak.file_bytes(db) / MB, "behind": behind,
+                         "conversations_behind": float(kept.get("behind_seconds", -1) or 0),
                          "sent": len(answered) * ingest.SPANS_PER_REQUEST,
                          "stage": float(status.get("conversations_lag_seconds") or 0),
                          "pending": float(status.get("evals_pending") or 0)})
             r = rows[-1]
-            print(f"  minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB, "
-                  f"retention {r['behind']:4.0f} s behind, {r['sent']:>9,.0f} sent; conversation stage "
+            print(f"  {name}, minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB, "
+                  f"retention {r['behind']:4.0f} s behind (conversations "
+                  + (f"{r['conversations_behind']:.0f} s" if r["conversations_behind"] >= 0 else "-")
+                  + f"), {r['sent']:>9,.0f} sent; conversation stage "
                   f"{r['stage']:4.0f} s behind, {r['pending']:,.0f} conversations waiting for the evaluator",
                   flush=True)
         await sender
@@ -249,6 +307,18 @@ def main() -> None:
                 new, old = results["this tree"], results[args.baseline]
                 print(f"  this tree vs {args.baseline}: deletion {new['delete'] / old['delete']:.1f}x as fast; "
                       f"cleared in {new['clear']:.1f} s vs {old['clear']:.1f} s")
+        if "conversations" in phases:
+            bodies = ingest.make_requests(args.burst)
+            print(f"conversations: {len(bodies) * ingest.SPANS_PER_REQUEST:,} spans of four-turn conversations, "
+                  "then retention.spans and retention.conversations 2s", flush=True)
+            runs = [("this tree", HERE)]
+            if args.baseline:
+                runs.insert(0, (args.baseline, ingest.checkout(args.baseline, work / "conversations-baseline-code")))
+            cleared = conversations_burst(runs, work, bodies)
+            if args.baseline:
+                new, old = cleared["this tree"], cleared[args.baseline]
+                print(f"  this tree vs {args.baseline}: conversations deleted {new['rate'] / old['rate']:.1f}x as fast; "
+                      f"cleared in {new['clear']:.1f} s vs {old['clear']:.1f} s")
         if "live" in phases:
             bodies = ingest.make_requests(args.burst)
             print(f"live: {len(bodies) * ingest.SPANS_PER_REQUEST:,} spans of four-turn conversations sent to a daemon "
@@ -266,14 +336,19 @@ def main() -> None:
             print(f"steady: {args.rate:,.0f} spans/s for {args.minutes:g} minutes, retention.spans "
                   f"{args.steady_keep}" + (f", conversations {args.steady_conversations}"
                                            if args.steady_conversations else ""), flush=True)
-            rows = steady(work, args.rate, args.minutes, args.steady_keep, args.steady_conversations)
-            later = [r for r in rows if r["minute"] >= 4]
-            if later:
-                for key, label in (("stored", "stored spans"), ("file", "file size")):
-                    lo, hi = min(r[key] for r in later), max(r[key] for r in later)
-                    print(f"  {label} from minute 4: {lo:,.0f} to {hi:,.0f}, spread {hi / lo - 1 if lo else 0:.1%} "
-                          "(target <= 10%)")
-                print(f"  retention at most {max(r['behind'] for r in rows):.0f} s behind its horizon")
+            runs = [("this tree", HERE)]
+            if args.baseline:  # one after the other: each has the machine to itself
+                runs.insert(0, (args.baseline, ingest.checkout(args.baseline, work / "steady-baseline-code")))
+            for name, code in runs:
+                rows = steady(name, code, work, args.rate, args.minutes, args.steady_keep, args.steady_conversations)
+                later = [r for r in rows if r["minute"] >= 4]
+                if later:
+                    for key, label in (("stored", "stored spans"), ("file", "file size")):
+                        lo, hi = min(r[key] for r in later), max(r[key] for r in later)
+                        print(f"  {name}: {label} from minute 4: {lo:,.0f} to {hi:,.0f}, spread "
+                              f"{hi / lo - 1 if lo else 0:.1%} (target <= 10%)")
+                    print(f"  {name}: retention at most {max(r['behind'] for r in rows):.0f} s behind its horizon",
+                          flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 A background ``Stage`` (``collector.background``) after all the others, since it
 deletes what each of them wrote. A sweep runs when the oldest commit it has not
-swept yet expires (at most ``interval`` apart), and goes on until nothing more is due:
+swept yet expires, or the oldest ended conversation step 3 has not passed yet (at
+most ``interval`` apart), and goes on until nothing more is due:
 
 1. **commits**: span and log rows go by ranges of commits (``batch_id``), the
    oldest first, about ``rows`` rows a transaction, once the whole commit is
@@ -22,12 +23,22 @@ swept yet expires (at most ``interval`` apart), and goes on until nothing more i
    retention.conversations``, nothing due for the evaluator, and with
    ``keep_reviewed`` no review item: its row, messages, sampling decision,
    verdicts, not-run records, progress row, trace map rows and spans go in one
-   transaction, so a kill -9 leaves it whole or gone.
+   transaction, so a kill -9 leaves it whole or gone. They go ``chunk`` (4,000)
+   a transaction, each table's rows by one statement joining their ids: a
+   statement's cost is mostly a read of its table, whatever the chunk. A pass
+   comes at most every ``GATHER`` seconds (so that it finds a chunk's worth, not
+   the few expired since the last sweep) and goes on from the last conversation
+   the previous one passed; those kept (due, reviewed, open) are read again by a
+   pass from the oldest every ``RESCAN`` seconds.
+
+A range of step 1 and a chunk of step 3 take turns, so a backlog of either does
+not hold the other back.
 
 Nothing the conversation stage has not taken in yet is touched: every delete is
 bounded by its stored batch mark. Each transaction waits for a pause in
 ingestion (``store.pacing``); once a sweep is more than ``BEHIND`` seconds
-behind its horizon it takes half the time instead of a tenth when none comes.
+behind its horizon (step 3: ``CONVERSATIONS_BEHIND``) it takes half the time
+instead of a tenth when none comes.
 Forwarding keeps its own copy of every request it has still to send
 (``collector.forward.queue``), so no delete here takes one from it. Each
 range's rows, the held traces and the place reached commit together: a kill -9
@@ -35,7 +46,9 @@ leaves a range deleted and recorded, or neither.
 
 How far behind its horizon retention is (``behind_seconds``): how long before
 the horizon the oldest commit not swept yet arrived, 0 when none has expired.
-Held traces are not counted: they are kept on purpose.
+Held traces are not counted: they are kept on purpose. Step 3's own figure
+(``conversations_behind_seconds``, in ``/api/status``) likewise leaves out the
+conversations it passes over, and includes up to ``GATHER`` seconds by design.
 
 DuckDB marks deleted rows and, at its next checkpoint, frees row groups left
 empty and rewrites ones mostly deleted; the freed blocks are reused by later
@@ -78,11 +91,25 @@ WAITING_AGAIN = 2.0  # seconds before a range that waits for them is looked at a
 # lookups of its traces' conversations cost per trace, and the transaction's turn waits for a pause in
 # ingestion: bench/retention.py measured ... (see docs/operations.md, "Disk").
 ROWS = 65_536
-# Conversations per transaction of step 3 (each waits for a pause in ingestion).
-CHUNK = 400
-# Expired conversations looked at per chunk deleted: those still due for the evaluator are passed over, a
-# window at a time, so that a sweep reads all of them in a few queries, each with bounded memory.
-WINDOW = 10
+# Conversations per transaction of step 3 (each waits for a pause in ingestion). Most of a transaction's
+# cost is per statement, not per conversation: each of its dozen deletes reads a table's ids whatever the
+# chunk's size. On a copy of one settled file of 37,500 conversations, all expired, chunks of 400 (and a
+# read from the oldest at every sweep) deleted 3,500/s, chunks of 4,000 12,100/s; under 5,000 spans/s (312
+# conversations/s) the former managed about 190/s, and spans waited behind them.
+CHUNK = 4_000
+# Ended conversations past the horizon read per query (at least a chunk): those kept (due for the evaluator,
+# reviewed) are passed over a window at a time, each with bounded memory: joined whole, 300,000 ran DuckDB
+# out of it, and at a 24MB limit 8,000 at a time did too (tests/retention).
+WINDOW = 4_000
+# Seconds expired conversations gather before step 3 deletes them: a pass costs per statement, and one a
+# sweep (a second apart under load) paid that for the few hundred expired since the last.
+GATHER = 10.0
+# Seconds between passes of step 3 from the oldest conversation: in between, each goes on from where the
+# last stopped, so what is kept (reviewed, due) is not read again by every pass. A conversation due then
+# (or open, the conversation stage behind) is deleted by the next pass from the oldest.
+RESCAN = 60.0
+# Seconds behind its horizon step 3 may be, GATHER included, before retention takes the larger share.
+CONVERSATIONS_BEHIND = 30.0
 # Its pace: deleting holds DuckDB's writer for a few ms per statement; it waits up to MAX_WAIT for the
 # same pause as the conversation stage and takes at most a tenth of the time when none comes, or half
 # once it is more than BEHIND seconds behind its horizon. A sweep is due as soon as a commit expires, and
@@ -158,12 +185,16 @@ class Retention(Stage):
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics, *,
                  clock: Callable[[], float] = time.time, interval: float = INTERVAL, chunk: int = CHUNK,
-                 rows: int = ROWS, settle: float = SETTLE, max_wait: float = MAX_WAIT) -> None:
+                 window: int = WINDOW, rows: int = ROWS, settle: float = SETTLE, max_wait: float = MAX_WAIT,
+                 gather: float = GATHER, rescan: float = RESCAN) -> None:
         super().__init__(store, metrics)
         self.settings = settings
         self.clock = clock
         self.interval = interval
         self.chunk = chunk
+        self.window = max(window, chunk)
+        self.gather = gather
+        self.rescan = rescan
         self.rows = rows
         self.settle = settle
         self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL)
@@ -174,6 +205,12 @@ class Retention(Stage):
         self._next_arrival: dt.datetime | None = None  # when the oldest row not swept yet arrived
         self._held = 0  # traces held (step 1)
         self._waiting: tuple[int, float] | None = None  # the range (its last swept commit) waiting to settle, since
+        # Step 3: the last conversation passed (last arrival, id), when its next pass is due (GATHER), when
+        # its next pass from the oldest (RESCAN), and when the oldest ended one not passed yet arrived.
+        self._after: tuple[dt.datetime, str] = (utc(0), "")
+        self._conversations_due = 0.0
+        self._rescan_at = 0.0
+        self._next_conversation: dt.datetime | None = None
         self._indexes_warned = 0  # eighths of the memory limit the key indexes held at the last warning
 
     def _open(self) -> None:
@@ -197,20 +234,35 @@ class Retention(Stage):
             self.stopping.wait(delay)
 
     def next_sweep(self) -> float:
-        """Seconds until the next sweep is due: when the oldest row not swept yet expires."""
-        keep = self.settings.spans
-        if keep is None:
-            return self.interval
-        if self._waiting is not None:  # a range waits for its conversations (``_settled``)
-            return WAITING_AGAIN
-        due = self.interval if self._next_arrival is None else self._next_arrival.timestamp() + keep - self.clock()
-        # With nothing left to sweep, what arrives next expires no sooner than ``keep`` from now.
-        delay = min(self.interval, keep, due, HELD_AGAIN if self._held else self.interval)
-        return max(SOON, delay)
+        """Seconds until the next sweep is due: when the oldest row not swept yet expires, or the oldest
+        ended conversation not passed yet (but GATHER seconds after the last pass at the soonest)."""
+        keep, now = self.settings.spans, self.clock()
+        delays = [self.interval]
+        if keep is not None:
+            if self._waiting is not None:  # a range waits for its conversations (``_settled``)
+                return WAITING_AGAIN
+            due = self.interval if self._next_arrival is None else self._next_arrival.timestamp() + keep - now
+            # With nothing left to sweep, what arrives next expires no sooner than ``keep`` from now.
+            delays += [keep, due, HELD_AGAIN if self._held else self.interval]
+        keep = self.settings.conversations
+        if keep is not None:
+            nxt = self._next_conversation
+            delays.append(max(keep if nxt is None else nxt.timestamp() + keep - now, self._conversations_due - now))
+        return max(SOON, min(delays))
 
     def behind_seconds(self) -> float:
         """How long before the horizon of ``retention.spans`` the oldest row not swept yet arrived (0: none)."""
         return behind_seconds(self.settings, self.clock(), self._next_arrival) or 0.0
+
+    def conversations_behind_seconds(self) -> float | None:
+        """How long before the horizon of ``retention.conversations`` the oldest ended conversation step 3
+        has not passed yet arrived (0: none; those passed over, kept on purpose, not counted); None without
+        ``retention.conversations``. Up to GATHER seconds of it are by design."""
+        keep = self.settings.conversations
+        if keep is None:
+            return None
+        nxt = self._next_conversation
+        return 0.0 if nxt is None else max(0.0, self.clock() - keep - nxt.timestamp())
 
     def sweep(self) -> dict[str, int]:
         """Delete everything due now, a transaction at a time; what was deleted, by kind."""
@@ -227,18 +279,26 @@ class Retention(Stage):
         deleted = {what: 0 for what in _OLDEST}
         # The conversation stage's stored batch mark: later commits are not taken in yet.
         mark = int(self._state("conversations.batch", "0"))
-        if self.settings.spans is not None:
-            keep = self.settings.spans
-            # The horizon moves on with each range: what expires while a sweep runs is swept by it.
-            while self._turn() and self._expire_commits(utc(self.clock() - keep), mark, deleted):
-                pass
+        spans, conversations = self.settings.spans, self.settings.conversations
+        ranges = spans is not None
+        chunks = conversations is not None and self.clock() >= self._conversations_due
+        if chunks and self.clock() >= self._rescan_at:  # from the oldest: what was kept may go now
+            self._after, self._rescan_at = (utc(0), ""), self.clock() + self.rescan
+        # A range of step 1 and a chunk of step 3 in turn while either has more due: neither waits for the
+        # other's backlog. Each horizon moves on with each piece: what expires while a sweep runs is swept by it.
+        while ranges or chunks:
+            if ranges:
+                assert spans is not None
+                ranges = self._turn() and self._expire_commits(utc(self.clock() - spans), mark, deleted)
+            if chunks:
+                assert conversations is not None
+                chunks = self._turn() and self._expire_conversations(utc(self.clock() - conversations), mark,
+                                                                     deleted)
+                if not chunks:
+                    self._conversations_passed()
+        if spans is not None:
             self._next_arrival = unswept(cur)
-            self._release_held(utc(self.clock() - keep), deleted)
-        if self.settings.conversations is not None:
-            horizon = utc(self.clock() - self.settings.conversations)
-            after: list[Any] = [utc(0), ""]
-            while self._turn() and self._expire_conversations(horizon, mark, deleted, after):
-                pass
+            self._release_held(utc(self.clock() - spans), deleted)
         self._measure()
         self._check_indexes()
         self.sweeps += 1
@@ -250,7 +310,8 @@ class Retention(Stage):
     def _turn(self) -> bool:
         self.pacing.done()
         # Behind its horizon by more than BEHIND: under ingestion that never pauses, take more of the time.
-        self.pacing.share = SHARE_BEHIND if self.behind_seconds() > BEHIND else SHARE
+        behind = self.behind_seconds() > BEHIND or (self.conversations_behind_seconds() or 0) > CONVERSATIONS_BEHIND
+        self.pacing.share = SHARE_BEHIND if behind else SHARE
         if not self.pacing.wait(self.stopping):
             raise _Stopping
         return True
@@ -404,16 +465,19 @@ class Retention(Stage):
         insert_rows(cur, f"INSERT INTO {HELD_TABLE}", ("trace_id", "first_batch", "since"), add)
         self._held += len(add) - len(drop)
 
-    def _expire_conversations(self, horizon: dt.datetime, mark: int, deleted: dict[str, int],
-                              after: list[Any]) -> bool:
-        """One chunk of step 3: the first ``chunk`` with nothing due among the next ``chunk * WINDOW`` ended
-        conversations past the horizon (``after``: the last one passed this sweep, moved on here); True
-        when more may be due."""
+    def _expire_conversations(self, horizon: dt.datetime, mark: int, deleted: dict[str, int]) -> bool:
+        """One chunk of step 3: the first ``chunk`` with nothing due among the next ``window`` ended
+        conversations past the horizon after the last one passed (``_after``, moved on here); True when
+        more may be due.
+
+        Every table holding them is deleted from by one statement joining their ids, registered once, in
+        one transaction: a kill -9 leaves each conversation whole or gone."""
         cur = self.cur
         assert cur is not None
         reviewed = ("AND NOT EXISTS (SELECT 1 FROM review_items r WHERE r.conversation_id = c.conversation_id) "
                     if self.settings.keep_reviewed else "")
         ended = _NEXT.format(columns="first_batch, revision", ended="AND state = 'ended' ")
+        passed_at, passed_id = self._after
         with self.store.large_reads:
             window = cur.execute(
                 f"WITH c AS ({ended}) "
@@ -421,42 +485,59 @@ class Retention(Stage):
                 f"{reviewed}FROM c LEFT JOIN sampling_decisions s ON s.conversation_id = c.conversation_id "
                 "LEFT JOIN eval_progress p ON p.conversation_id = c.conversation_id "
                 "ORDER BY c.last_arrival_at, c.conversation_id",
-                [horizon, after[0], after[0], after[1], self.chunk * WINDOW]).fetchall()
+                [horizon, passed_at, passed_at, passed_id, self.window]).fetchall()
         free = [(cid, at, first) for cid, at, first, deletable in window if deletable]
         rows = free[:self.chunk]
         # The next chunk starts after the last one deleted, or else after the window.
         last = rows[-1] if len(free) > self.chunk else window[-1] if window else None
         if last is None:
             return False
-        after[:] = last[1], last[0]
-        more = len(window) == self.chunk * WINDOW or len(free) > self.chunk
+        more = len(window) == self.window or len(free) > self.chunk
         if not rows:
+            self._passed((last[1], last[0]))
             return more
         ids = [cid for cid, _, _ in rows]
-        with Transaction(cur):
+        gone = "conversation_id IN (SELECT conversation_id FROM expired_conversations)"
+        with Transaction(cur), registered_rows(cur, "expired_conversations", ("conversation_id",), [(c,) for c in ids]):
             newest = max(at for _, at, _ in rows)
             spans = self._delete_rows(ids, newest, mark, [first for _, _, first in rows])
             delete_messages(cur, ids, ids, newest)  # within where their messages were written; most are archived
             for table in ("sampling_decisions", "verdicts", "not_run", "eval_progress"):
-                cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
+                cur.execute(f"DELETE FROM {table} WHERE {gone}")
             if not self.settings.keep_reviewed:
-                cur.execute("DELETE FROM review_history WHERE item_id IN (SELECT id FROM review_items "
-                            "WHERE conversation_id IN (SELECT unnest(?::VARCHAR[])))", [ids])
-                cur.execute("DELETE FROM review_items WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
+                cur.execute(f"DELETE FROM review_history WHERE item_id IN (SELECT id FROM review_items WHERE {gone})")
+                cur.execute(f"DELETE FROM review_items WHERE {gone}")
             for table in ("trace_conversations", "trace_archive"):
-                cur.execute(f"DELETE FROM {table} WHERE conversation_id IN (SELECT unnest(?::VARCHAR[]))", [ids])
+                cur.execute(f"DELETE FROM {table} WHERE {gone}")
             # A conversation the conversation stage reopens meanwhile makes this commit conflict:
-            # all of it rolls back, and the next sweep finds it open.
-            [(live,)] = cur.execute("DELETE FROM live_conversations WHERE conversation_id IN "
-                                    "(SELECT unnest(?::VARCHAR[]))", [ids]).fetchall()
+            # all of it rolls back, and the next pass from the oldest finds it open.
+            [(live,)] = cur.execute(f"DELETE FROM live_conversations WHERE {gone}").fetchall()
             # The archive has no key: the last arrival bounds the row groups read (moves append the oldest first).
-            [(archived,)] = cur.execute("DELETE FROM archived_conversations WHERE last_arrival_at <= ? AND "
-                                        "conversation_id IN (SELECT unnest(?::VARCHAR[]))", [newest, ids]).fetchall()
-            gone = live + archived
+            [(archived,)] = cur.execute(f"DELETE FROM archived_conversations WHERE last_arrival_at <= ? AND {gone}",
+                                        [newest]).fetchall()
+        self._passed((last[1], last[0]))
         self._count(deleted, spans)
-        deleted["conversations"] += gone
-        self.m.deleted.inc(gone, what="conversations")
+        deleted["conversations"] += live + archived
+        self.m.deleted.inc(live + archived, what="conversations")
         return more
+
+    def _passed(self, last: tuple[dt.datetime, str]) -> None:
+        """Step 3 has passed every ended conversation up to ``last`` (arrival, id) this pass."""
+        self._after = last
+        # A bound of the next one's arrival, for how far behind step 3 is; a pass from the oldest reads again
+        # those kept before it (on purpose, not behind), so it only moves on.
+        if self._next_conversation is None or last[0] > self._next_conversation:
+            self._next_conversation = last[0]
+
+    def _conversations_passed(self) -> None:
+        """Step 3's pass has passed every expired conversation: the next one is due GATHER seconds on at the
+        soonest, or when the oldest ended one after them expires."""
+        assert self.cur is not None
+        self._conversations_due = self.clock() + self.gather
+        at, cid = self._after
+        [(self._next_conversation,)] = self.cur.execute(
+            "SELECT min(last_arrival_at) FROM conversations WHERE state = 'ended' AND "
+            "(last_arrival_at > ? OR (last_arrival_at = ? AND conversation_id > ?))", [at, at, cid]).fetchall()
 
     def _delete_rows(self, conversations: list[str], newest: dt.datetime, mark: int,
                      firsts: list[int | None]) -> tuple[int, int]:
@@ -510,6 +591,7 @@ class Retention(Stage):
     def status(self) -> dict[str, Any]:
         return {"storage": storage_status(self.store.path, self.settings, self.clock(), self.oldest,
                                           behind=self.behind_seconds(), held=self._held,
+                                          conversations_behind=self.conversations_behind_seconds(),
                                           deleted={what: int(self.m.deleted.value(what=what)) for what in _OLDEST},
                                           sweeps=self.sweeps)}
 
@@ -543,10 +625,11 @@ def behind_seconds(settings: Settings, now: float, arrival: dt.datetime | None) 
 
 def storage_status(path: Path, settings: Settings, now: float, oldest: dict[str, dt.datetime | None], *,
                    behind: float | None, held: int | None = None, deleted: dict[str, int] | None = None,
-                   sweeps: int | None = None) -> dict[str, Any]:
+                   sweeps: int | None = None, conversations_behind: float | None = None) -> dict[str, Any]:
     """The file's size and what retention keeps, for /api/status and ``tracejudge status``.
 
-    ``behind``: ``behind_seconds``; ``held``: traces step 1 left behind (the daemon's figure, absent from the file).
+    ``behind``: ``behind_seconds``; ``held``: traces step 1 left behind; ``conversations_behind``:
+    ``Retention.conversations_behind_seconds`` (the daemon's figures, absent from the file).
     """
     def size(p: Path) -> int:
         try:
@@ -566,6 +649,8 @@ def storage_status(path: Path, settings: Settings, now: float, oldest: dict[str,
     }
     if held is not None:
         out["retention"]["held_traces"] = held
+    if conversations_behind is not None:
+        out["retention"]["conversations"]["behind_seconds"] = conversations_behind
     if deleted is not None:
         out["retention"]["deleted"] = deleted
         out["retention"]["sweeps"] = sweeps

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,12 +26,13 @@ from collector.config import Config, ConfigError, Retention as Settings, load_co
 from collector.conversations.archive import ConversationArchive
 from collector.conversations.tables import SCHEMA as CONVERSATION_TABLES
 from collector.conversations.duck import DuckData, archive_traces
-from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE
+from collector.evals.judging import PROGRESS_SCHEMA as PROGRESS_TABLE, utc
 from collector.evals.verdicts import SCHEMA as VERDICT_TABLES
 from collector.system.memory import INDEX_WARNING
 from collector.metrics import Metrics
-from collector.retention import (IDLE_GAP, INTERVAL, ROWS, SETTLE, SHARE, SHARE_BEHIND, SOON, WAITING_AGAIN,
-                                 Retention)
+from collector.retention import (GATHER, IDLE_GAP, INTERVAL, RESCAN, ROWS, SETTLE, SHARE, SHARE_BEHIND, SOON,
+                                 WAITING_AGAIN, Retention)
+from collector.review.queue import SCHEMA as REVIEW_TABLES
 from collector.store import Pacing, Store, Transaction
 
 from ..forward.test_forward import forwarded, sink, traces
@@ -548,5 +551,212 @@ def test_spans_of_a_conversation_open_unsampled_or_due_for_judgement_are_held_un
         assert one(store, "SELECT count(*) FROM retention_held") == 0
     finally:
         cur.close()
+        stage.stop()
+        store.close()
+
+
+# ------------------------------------------------------------ step 3 on a file made here: many conversations
+
+T0 = 1_790_000_000.0  # the first conversation's last arrival (unix seconds)
+OLD = 6_000  # conversations that arrive in the first minute, 100 a second, a commit per 100
+NEW = 400  # conversations that arrive an hour later
+# Expired ones each kept for a reason: still open, no sampling decision yet, due for judgement, due for a
+# retry, reviewed (keep_reviewed).
+KEPT = {"c-000100": "open", "c-000200": "unsampled", "c-000300": "due", "c-000400": "retry", "c-000500": "reviewed"}
+
+
+def made_file(path: Path) -> None:
+    """OLD + NEW ended conversations, as the stages leave them: a row, two messages, a sampling decision (a
+    tenth sampled, judged, with a verdict), a trace of two spans and a log record in the conversation's
+    commit; and a few of KEPT's kinds among the old ones."""
+    store = Store(path)
+    store.open()
+    cur = store.cursor()
+    try:
+        for schema in (CONVERSATION_TABLES, VERDICT_TABLES, PROGRESS_TABLE.format(name="eval_progress"), REVIEW_TABLES):
+            cur.execute(schema)
+        cur.execute(f"CREATE TEMP TABLE made AS SELECT i, printf('c-%06d', i) AS cid, printf('t-%06d', i) AS tid, "
+                    f"(i // 100 + 1)::UBIGINT AS batch, to_timestamp({T0} + CASE WHEN i < {OLD} THEN i / 100 "
+                    f"ELSE 3600 + (i - {OLD}) / 100 END) AS arrived FROM range({OLD + NEW}) t(i)")
+        cur.execute("INSERT INTO live_conversations (conversation_id, state, revision, first_arrival_at, "
+                    "last_arrival_at, first_batch, messages_batch, content_captured) "
+                    "SELECT cid, 'ended', 1, arrived, arrived, batch, batch, true FROM made")
+        cur.execute("INSERT INTO messages (conversation_id, seq, role, content, first_batch) "
+                    "SELECT cid, s, CASE s WHEN 0 THEN 'user' ELSE 'assistant' END, 'hi', batch FROM made, range(2) r(s)")
+        cur.execute("INSERT INTO sampling_decisions (conversation_id, revision, sampled, probability, decided_at) "
+                    "SELECT cid, 1, i % 10 = 0, 0.1, arrived FROM made")
+        cur.execute("INSERT INTO eval_progress (conversation_id, revision, judged_at, errors, attempts) "
+                    "SELECT cid, 1, arrived, 0, 1 FROM made WHERE i % 10 = 0")
+        cur.execute("INSERT INTO verdicts (id, seq, conversation_id, criterion_id, criterion_version, judge_provider, "
+                    "judge_model, transcript_sha256, result, evidence_verified, flagged, input_tokens, output_tokens, "
+                    "inclusion_probability, judged_at, superseded) SELECT 'v-' || cid, i, cid, 'c', 1, 'code', 'code', "
+                    "'x', 'fail', false, false, 0, 0, 0.1, arrived, false FROM made WHERE i % 10 = 0")
+        cur.execute("INSERT INTO trace_conversations SELECT tid, cid, batch, batch FROM made")
+        cur.execute("INSERT INTO span_records (trace_id, span_id, received_at, batch_id) "
+                    "SELECT tid, tid || '-' || s, arrived, batch FROM made, range(2) r(s)")
+        cur.execute("INSERT INTO log_records (log_id, trace_id, received_at, batch_id) "
+                    "SELECT 'l-' || tid, tid, arrived, batch FROM made")
+        cur.execute("INSERT OR REPLACE INTO tracejudge_state VALUES ('conversations.batch', "
+                    "(SELECT max(batch)::VARCHAR FROM made))")
+        kept = {why: cid for cid, why in KEPT.items()}
+        cur.execute("UPDATE live_conversations SET state = 'open' WHERE conversation_id = ?", [kept["open"]])
+        cur.execute("DELETE FROM sampling_decisions WHERE conversation_id = ?", [kept["unsampled"]])
+        cur.execute("DELETE FROM eval_progress WHERE conversation_id = ?", [kept["due"]])
+        cur.execute("UPDATE eval_progress SET retry_at = ?::TIMESTAMPTZ + INTERVAL 1 DAY, errors = 1 "
+                    "WHERE conversation_id = ?", [utc(T0), kept["retry"]])
+        cur.execute("INSERT INTO review_items (id, verdict_id, conversation_id, criterion_id, state, created_at) "
+                    "VALUES (1, ?, ?, 'c', 'open', ?)", ["v-" + kept["reviewed"], kept["reviewed"], utc(T0)])
+    finally:
+        cur.close()
+        store.close()
+
+
+def conversation_rows(store: Store) -> dict[str, dict[str, int]]:
+    """Each conversation's rows in every table that holds some (a conversation with none is left out)."""
+    tables = {"conversations": "conversations", "messages": "messages", "decisions": "sampling_decisions",
+              "progress": "eval_progress", "verdicts": "verdicts", "trace_map": "trace_map",
+              "spans": "span_records JOIN trace_map USING (trace_id)",
+              "logs": "log_records JOIN trace_map USING (trace_id)"}
+    out: dict[str, dict[str, int]] = {}
+    cur = store.cursor()
+    try:
+        for name, source in tables.items():
+            for cid, n in cur.execute(f"SELECT conversation_id, count(*) FROM {source} GROUP BY ALL").fetchall():
+                out.setdefault(cid, dict.fromkeys(tables, 0))[name] = n
+    finally:
+        cur.close()
+    return out
+
+
+def whole_rows(rows: dict[str, int], i: int) -> bool:
+    """A made conversation's rows, all of them."""
+    judged = int(i % 10 == 0)
+    return rows == {"conversations": 1, "messages": 2, "decisions": 1, "progress": judged, "verdicts": judged,
+                    "trace_map": 1, "spans": 2, "logs": 1}
+
+
+def check_whole_or_gone(store: Store) -> dict[str, dict[str, int]]:
+    """Every made conversation has all its rows or none, and every new one (unexpired) all of them;
+    the spans and logs of no conversation are left behind either. Each one's rows, by conversation."""
+    rows = conversation_rows(store)
+    for i in range(OLD + NEW):
+        cid = f"c-{i:06d}"
+        if cid in KEPT:
+            continue
+        assert cid in rows or i < OLD, f"{cid}: unexpired, deleted"
+        assert cid not in rows or whole_rows(rows[cid], i), (cid, rows[cid])
+    assert one(store, "SELECT count(*) FROM span_records WHERE trace_id NOT IN (SELECT trace_id FROM trace_map)") == 0
+    return rows
+
+
+@pytest.mark.slow
+def test_a_burst_of_expired_conversations_goes_in_one_sweep_of_bounded_transactions_and_what_is_kept_stays(
+        tmp_path: Path) -> None:
+    """6,000 conversations expire within a minute of each other (an hour after a burst of them): the sweep due
+    when they expire deletes them all, a chunk a transaction, each conversation whole between any two;
+    the expired ones still open, not sampled, due for judgement or a retry, or reviewed, stay whole, as do
+    the unexpired ones. Once the first four may go, the next pass from the oldest deletes them."""
+    made_file(path := tmp_path / "t.duckdb")
+    clock = [T0 + 3600 - 10]  # 10 s before the first expires
+    chunk = 1000
+    store, stage = open_retention(path, clock, conversations="1h")
+    stage.chunk, stage.window = chunk, 2 * chunk
+    stage.pacing = pacing = CheckedPacing(lambda: check_whole_or_gone(store))
+    try:
+        assert stage.sweep()["conversations"] == 0
+        assert stage.conversations_behind_seconds() == 0
+        assert SOON <= stage.next_sweep() <= GATHER  # due when the first expires, GATHER apart at most
+        clock[0] += 10 + 60 + GATHER  # all OLD expired, none of NEW
+        assert stage.conversations_behind_seconds() > 60
+        pacing.turns = 0
+        deleted = stage.sweep()
+        assert deleted == {"spans": 2 * (OLD - len(KEPT)), "log_records": OLD - len(KEPT),
+                           "conversations": OLD - len(KEPT)}
+        # A transaction a chunk, and a read past the last: bounded by the chunk, not a conversation's rows.
+        assert pacing.turns <= -(-(OLD - len(KEPT)) // chunk) + 2, pacing.turns
+        rows = check_whole_or_gone(store)
+        assert set(rows) == set(KEPT) | {f"c-{i:06d}" for i in range(OLD, OLD + NEW)}
+        assert stage.conversations_behind_seconds() == 0  # the kept ones are passed over on purpose
+        assert stage.status()["storage"]["retention"]["conversations"]["behind_seconds"] == 0
+        assert one(store, "SELECT count(*) FROM review_items") == 1
+
+        # Each one kept may go now, but the reviewed: the pass that finds them is the next from the oldest.
+        cur = store.cursor()
+        try:
+            cur.execute("UPDATE live_conversations SET state = 'ended' WHERE conversation_id = 'c-000100'")
+            cur.execute("INSERT INTO sampling_decisions (conversation_id, revision, sampled, probability, decided_at) "
+                        "VALUES ('c-000200', 1, false, 0.1, now())")
+            cur.execute("INSERT INTO eval_progress (conversation_id, revision, judged_at, errors, attempts) "
+                        "VALUES ('c-000300', 1, now(), 0, 1)")
+            cur.execute("UPDATE eval_progress SET retry_at = NULL WHERE conversation_id = 'c-000400'")
+        finally:
+            cur.close()
+        clock[0] += GATHER
+        assert stage.sweep()["conversations"] == 0  # after the last one passed: nothing new has expired
+        clock[0] += RESCAN
+        assert stage.sweep()["conversations"] == 4
+        assert set(conversation_rows(store)) - {f"c-{i:06d}" for i in range(OLD, OLD + NEW)} == {"c-000500"}
+    finally:
+        stage.stop()
+        store.close()
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from collector.config import Retention as Settings
+from collector.metrics import Metrics
+from collector.retention import Retention
+from collector.store import Pacing, Store
+
+class Told(Pacing):
+    def wait(self, stop=None):
+        print("turn", flush=True)
+        return super().wait(stop)
+
+store = Store(Path(sys.argv[1]))
+store.open()
+stage = Retention(store, Settings(conversations="1h"), Metrics(), clock=lambda: float(sys.argv[2]), chunk=50,
+                  window=100)
+stage.open()
+stage.pacing = Told(lambda: 10.0, idle_gap=0.1, share=1.0, max_wait=0, poll=0.01)
+stage.sweep()
+print("swept", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("turns", [3, 40])
+def test_a_kill_during_a_conversation_delete_loses_nothing_unexpired_and_leaves_each_conversation_whole_or_gone(
+        tmp_path: Path, turns: int) -> None:
+    """A process sweeping expired conversations 50 a transaction is killed (SIGKILL) after ``turns`` of its
+    transactions have begun, wherever it is: every conversation has all its rows or none, nothing unexpired
+    has gone, and the next sweep deletes the rest."""
+    made_file(path := tmp_path / "t.duckdb")
+    now = T0 + 3600 + 70
+    with subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(now)], stdout=subprocess.PIPE, text=True,
+                          cwd=Path(__file__).resolve().parents[2]) as child:
+        try:
+            assert child.stdout is not None
+            seen = 0
+            for line in child.stdout:
+                seen += line.startswith("turn")
+                assert not line.startswith("swept"), "the sweep ended before the kill"
+                if seen >= turns:
+                    break
+            time.sleep(0.05 * (turns % 7))  # somewhere in a transaction, or between two
+        finally:
+            child.kill()  # SIGKILL
+            child.wait()
+    clock = [now]
+    store, stage = open_retention(path, clock, conversations="1h")
+    try:
+        rows = check_whole_or_gone(store)
+        assert len(rows) > len(KEPT) + NEW, "the kill came before any was deleted"
+        assert OLD - len(KEPT) - (len(rows) - len(KEPT) - NEW) >= 50 * (turns - 2)  # those deleted are gone
+        assert stage.sweep()["conversations"] == len(rows) - len(KEPT) - NEW
+        assert set(check_whole_or_gone(store)) == set(KEPT) | {f"c-{i:06d}" for i in range(OLD, OLD + NEW)}
+    finally:
         stage.stop()
         store.close()
