@@ -243,6 +243,7 @@ def test_a_walk_writes_the_store_as_it_was_when_it_began(tmp_path: Path) -> None
     """The daemon rebuilds, adds and deletes conversations while an export is under way: the export still writes each conversation selected at its start exactly once, as it was then."""
     from collector.conversations.tables import CONVERSATION_COLUMNS
     from collector.conversations.data import ConversationRow, Writes
+    from collector.conversations.duck import DuckData
     from collector.store import Store
 
     db = tmp_path / "t.duckdb"
@@ -274,7 +275,7 @@ def test_a_walk_writes_the_store_as_it_was_when_it_began(tmp_path: Path) -> None
         row, messages = new.rows()
         writes.conversations["new-one"] = ConversationRow(**dict(zip(CONVERSATION_COLUMNS, row)))
         writes.messages["new-one"] = messages
-        writes.flush(w, 1)
+        DuckData(w).write(writes, 1)
         w.close()
         rest = [line for lines in iter(walk.page, None) for line in lines]
         walk.close()
