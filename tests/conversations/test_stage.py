@@ -24,6 +24,7 @@ from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Committed
 
 from ..support.memory import MemoryData
+from ..support.daemon import wait_until
 
 T0 = 1_764_478_800  # unix seconds: the stage's clock starts here
 SETTINGS = Settings.model_validate({"idle_timeout": "60s", "end_rules": [
@@ -219,9 +220,7 @@ def test_the_batch_mark_stays_before_a_commit_whose_conversation_is_not_written_
         harness.send(chat(1, "hello", "hi", "c-1"))  # a waiter: rebuilt at once
         # With no waiter, the second turn's rebuild is due in an hour.
         harness.stage.on_commit(harness.data.commit(spans=chat(2, "more", "ok", "c-1"), received_at=harness.now))
-        deadline = time.monotonic() + 30
-        while harness.stage.processed_batch < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: harness.stage.processed_batch >= 2, "the stage to take in commit 2", timeout=30)
         assert harness.stage.processed_batch == 2
     finally:
         harness.stage.stop()
