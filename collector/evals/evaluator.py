@@ -208,8 +208,10 @@ class Evaluator(Stage):
         self._not_run_mark: str | None = "" if provider is not None else None
         """Conversations with not-run records queued up to this id; None once all are (or without a provider)."""
         self.scans = 0
-        self._next_scan = 0.0  # monotonic time of the next scan while work is queued
         """Scans completed since the start (each also looks for retries that are due)."""
+        self._next_scan = 0.0  # monotonic time before which no scan starts (unless the last had more)
+        self._scan_more = False
+        self._skipped_scan = False  # the last cycle left a scan for later: it was not due
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None
         self._started = threading.Event()  # its loop runs (or its thread ended)
@@ -339,7 +341,9 @@ class Evaluator(Stage):
                     continue
                 self.cycle_ok()
                 if not more:
-                    await self._sleep(self._store_in() if self._finished else self.poll)
+                    # A wake whose scan was not due yet is answered once it is.
+                    scan_in = max(0.0, self._next_scan - time.monotonic()) if self._skipped_scan else self.poll
+                    await self._sleep(min(self._store_in(), scan_in) if self._finished else scan_in)
         finally:
             for task in self._in_flight.values():
                 task.cancel()
@@ -380,14 +384,17 @@ class Evaluator(Stage):
         if self._store_due():
             await self._store_finished()
         more = False
-        # With work queued, the scan waits for its interval: every cycle (one per judged conversation)
-        # it would take the DuckDB thread from the reads that start the next ones.
-        due = len(self._pending) < self.max_in_flight or time.monotonic() >= self._next_scan
-        if len(self._pending) < MAX_PENDING and due:
+        # A scan joins every ended conversation kept with its decisions: run at every cycle (one per
+        # judged or stored batch, and per wake) it was a fifth of the daemon's CPU under load. So scans
+        # come a quarter of ``poll`` apart at most, unless the last one had more to read; and with work
+        # queued, ``poll`` apart (they would take the DuckDB thread from the reads that start the next).
+        self._skipped_scan = not (self._scan_more or time.monotonic() >= self._next_scan)
+        if len(self._pending) < MAX_PENDING and not self._skipped_scan:
             busy = self._busy_ids()  # read here: the loop changes these while the scan runs
-            more = await self._db(lambda: self._scan_all(busy))
+            more = self._scan_more = await self._db(lambda: self._scan_all(busy))
             self.scans += 1
-            self._next_scan = time.monotonic() + self.poll
+            queued = len(self._pending) >= self.max_in_flight
+            self._next_scan = time.monotonic() + (self.poll if queued else self.poll / 4)
         self._start_pending()
         self.m.pending.set(len(self._pending))
         self.m.in_flight.set(len(self._in_flight))
