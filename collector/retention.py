@@ -173,9 +173,14 @@ class RetentionMetrics:
         self.behind = Gauge("tracejudge_retention_behind_seconds",
                             "How long before the horizon of storage.retention.spans the oldest span or log record "
                             "retention has not swept yet arrived; 0 when none has expired (held rows not counted).")
+        self.conversations_behind = Gauge(
+            "tracejudge_retention_conversations_behind_seconds",
+            "How long before the horizon of storage.retention.conversations the oldest ended conversation "
+            "retention has not deleted or passed over yet arrived; 0 when none has expired (those kept on "
+            "purpose not counted); absent without storage.retention.conversations.")
         for what in _OLDEST:
             self.deleted.declare(what=what)
-        metrics.add_instruments(self.deleted, self.oldest, self.behind)
+        metrics.add_instruments(self.deleted, self.oldest, self.behind, self.conversations_behind)
 
 
 class Retention(Stage):
@@ -199,7 +204,7 @@ class Retention(Stage):
         self.settle = settle
         self.pacing = store.pacing(idle_gap=IDLE_GAP, share=SHARE, max_wait=max_wait, poll=POLL)
         self.m = RetentionMetrics(metrics)
-        metrics.on_scrape(lambda: self.m.behind.set(self.behind_seconds()))
+        metrics.on_scrape(self._scraped)
         self.oldest: dict[str, dt.datetime | None] = {}
         self.sweeps = 0  # sweeps completed (tests wait on it through /api/status)
         self._next_arrival: dt.datetime | None = None  # when the oldest row not swept yet arrived
@@ -249,6 +254,12 @@ class Retention(Stage):
             nxt = self._next_conversation
             delays.append(max(keep if nxt is None else nxt.timestamp() + keep - now, self._conversations_due - now))
         return max(SOON, min(delays))
+
+    def _scraped(self) -> None:
+        self.m.behind.set(self.behind_seconds())
+        conversations = self.conversations_behind_seconds()
+        if conversations is not None:
+            self.m.conversations_behind.set(conversations)
 
     def behind_seconds(self) -> float:
         """How long before the horizon of ``retention.spans`` the oldest row not swept yet arrived (0: none)."""

@@ -66,6 +66,10 @@ def render(body: dict[str, Any]) -> str:
         lines.append(["", f"deletion {'caught up' if behind < 1 else f'{behind:.0f} s behind its horizon'}"
                           + (f"; {plural(held, 'trace')} held for conversations still open, not sampled or "
                              "due for judgement" if held else "")])
+    conversations_behind = keep["conversations"].get("behind_seconds")
+    if conversations_behind is not None:
+        lines.append(["", "deletion of ended conversations " + (
+            "caught up" if conversations_behind < 1 else f"{conversations_behind:.0f} s behind its horizon")])
     if keep["keep_reviewed"] and keep["conversations"]["keep_seconds"] is not None:
         lines.append(["", "conversations with a review item are kept as long as their item"])
     memory = body.get("duckdb_memory")

@@ -110,6 +110,14 @@ def open_retention(path: Path, clock: list[float], rows: int = ROWS, settle: flo
     return store, stage
 
 
+def scraped_behind(stage: Retention) -> float:
+    """``tracejudge_retention_conversations_behind_seconds`` as /metrics renders it."""
+    lines = [line for line in stage.metrics.render().splitlines()
+             if line.startswith("tracejudge_retention_conversations_behind_seconds ")]
+    assert len(lines) == 1, lines
+    return float(lines[0].split()[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("archived", [False, True])
 def test_expired_spans_go_and_their_conversations_stay_until_they_expire_too(make_daemon: Any, tmp_path: Path,
@@ -253,7 +261,9 @@ def test_a_kill_during_deletion_loses_nothing_unexpired_and_leaves_no_half_delet
     assert "spans" in text.stdout and "kept 14d" in text.stdout and "running at" in text.stdout, text.stdout
     assert "of 128.0 MB (storage.memory_limit); key indexes" in text.stdout, text.stdout
     assert "deletion caught up" in text.stdout, text.stdout
+    assert "deletion of ended conversations caught up" in text.stdout, text.stdout
     assert status["retention"]["behind_seconds"] == 0 and daemon.metric("tracejudge_retention_behind_seconds") == 0
+    assert daemon.metric("tracejudge_retention_conversations_behind_seconds") == 0
     assert daemon.stop() == 0
     whole_or_gone(daemon)
     assert daemon.query("SELECT count(*) FROM span_records WHERE received_at < now() - INTERVAL 14 DAY") == [(0,)]
@@ -668,6 +678,7 @@ def test_a_burst_of_expired_conversations_goes_in_one_sweep_of_bounded_transacti
         assert SOON <= stage.next_sweep() <= GATHER  # due when the first expires, GATHER apart at most
         clock[0] += 10 + 60 + GATHER  # all OLD expired, none of NEW
         assert stage.conversations_behind_seconds() > 60
+        assert scraped_behind(stage) > 60
         pacing.turns = 0
         deleted = stage.sweep()
         assert deleted == {"spans": 2 * (OLD - len(KEPT)), "log_records": OLD - len(KEPT),
@@ -678,6 +689,7 @@ def test_a_burst_of_expired_conversations_goes_in_one_sweep_of_bounded_transacti
         assert set(rows) == set(KEPT) | {f"c-{i:06d}" for i in range(OLD, OLD + NEW)}
         assert stage.conversations_behind_seconds() == 0  # the kept ones are passed over on purpose
         assert stage.status()["storage"]["retention"]["conversations"]["behind_seconds"] == 0
+        assert scraped_behind(stage) == 0
         assert one(store, "SELECT count(*) FROM review_items") == 1
 
         # Each one kept may go now, but the reviewed: the pass that finds them is the next from the oldest.
