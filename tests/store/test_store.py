@@ -378,3 +378,26 @@ def test_a_stop_during_the_rebuild_of_an_older_file_leaves_it_whole_and_the_next
         assert layout() == (rows, 0)
     finally:
         daemon.end()
+
+
+def test_span_and_log_text_is_compressed_with_zstd(store: Store) -> None:
+    """Checkpointed, every text column of the span and log tables is stored with zstd (the writer's
+    cheaper, smaller choice: ``SPAN_TABLE``), not by DuckDB's choice among its methods."""
+    n = 3000
+    logs = LogBatch()
+    for column, values in zip(LOG_COLUMNS, logs.columns):
+        values.extend([f"l{i}" if column == "log_id" else f"log {i} " * 20 if column == "body" else None
+                       for i in range(n)])
+    assert store.submit(spans(n, 7), logs).result(timeout=60) == (n, n)
+    cur = store.cursor()
+    try:
+        cur.execute("CHECKPOINT")
+        found = {(t, c): k for t, c, k in cur.execute(
+            "SELECT 'span_records', column_name, compression FROM pragma_storage_info('span_records') "
+            "WHERE segment_type = 'VARCHAR' UNION ALL "
+            "SELECT 'log_records', column_name, compression FROM pragma_storage_info('log_records') "
+            "WHERE segment_type = 'VARCHAR'").fetchall()}
+    finally:
+        cur.close()
+    assert ("span_records", "attributes") in found and ("log_records", "body") in found, found
+    assert set(found.values()) == {"ZSTD"}, found
