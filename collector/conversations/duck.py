@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -36,6 +37,11 @@ _UTC = dt.timezone.utc
 _CONVERSATION = ("conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
                  "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch, grouped_by")
 STITCH_CHUNK = 500  # stored transcripts read back at once when the stage starts
+# Seconds between tries of an archive move that met another transaction deleting the same conversations:
+# retention deletes the oldest ended ones, the very ones the archive moves. Its chunk commits within a
+# second or so; the move then goes again without them. Before, DuckDB's "Conflict on tuple deletion"
+# failed the stage's cycle, and the stage started again from the stored state.
+CONFLICT_WAITS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 
 
 class DuckData:
@@ -45,6 +51,8 @@ class DuckData:
     def __init__(self, cur: duckdb.DuckDBPyConnection, store: Store | None = None) -> None:
         self.cur = cur
         self.store = store
+        self.pause: Callable[[float], None] = time.sleep
+        """Between two tries of an archive move (``CONFLICT_WAITS``)."""
         ensure_tables(cur)
 
     # ------------------------------------------------------------ reads
@@ -224,6 +232,19 @@ class DuckData:
                         "FROM ended_now e WHERE c.conversation_id = e.conversation_id")
 
     def archive(self, ids: Sequence[str], layers: Mapping[int, Layer | None]) -> None:
+        for wait in (*CONFLICT_WAITS, None):
+            try:
+                self._archive(ids, layers)
+                return
+            except duckdb.TransactionException as exc:
+                if wait is None or "Conflict" not in str(exc) or Transaction.is_open(self.cur):
+                    raise
+                log.info("moving %d conversations to the archive met another transaction deleting some of them "
+                         "(retention's); trying again in %.2f s", len(ids), wait)
+                self.pause(wait)
+
+    def _archive(self, ids: Sequence[str], layers: Mapping[int, Layer | None]) -> None:
+        """One try: the rows still in ``live_conversations`` move, with the filter's changes."""
         cur = self.cur
         with Transaction(cur):
             cur.execute("INSERT INTO archived_conversations SELECT * FROM live_conversations "

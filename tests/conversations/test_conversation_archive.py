@@ -10,7 +10,7 @@ import pytest
 
 from collector.conversations import archive
 from collector.conversations.archive import ArchiveFilter, ConversationArchive
-from collector.conversations.duck import DuckData
+from collector.conversations.duck import CONFLICT_WAITS, DuckData
 from collector.conversations.tables import _CONVERSATION_FIELDS, SCHEMA, ensure_tables
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -112,3 +112,47 @@ def test_an_older_files_keyed_conversations_table_becomes_the_live_one_with_ever
     assert con.execute("SELECT conversation_id FROM live_conversations ORDER BY 1").fetchall() == [("x",), ("y",), ("z",)]
     assert ConversationArchive(kept=0).move(DuckData(con), ()) == 3
     assert con.execute("SELECT conversation_id FROM conversations ORDER BY 1").fetchall() == [("x",), ("y",), ("z",)]
+
+
+def test_a_move_that_meets_retention_deleting_the_same_conversations_goes_again_without_them() -> None:
+    """Retention deletes the oldest ended conversations, the very ones the archive moves: a move whose
+    delete meets one of retention's in flight is rolled back and tried again once that one has committed
+    (here when the move pauses), and moves what is left; before, the stage's cycle failed on it."""
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    ended = _ids("e", 5)
+    _conversations(con, ended)
+    retention = con.cursor()
+    retention.execute("BEGIN")
+    retention.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [ended[2]])
+    data = DuckData(con.cursor())
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        retention.execute("COMMIT")  # retention's chunk commits while the move waits
+
+    data.pause = pause
+    data.archive(ended, {})
+    assert pauses == [CONFLICT_WAITS[0]]
+    assert sorted(r[0] for r in con.execute("SELECT conversation_id FROM archived_conversations").fetchall()) \
+        == [c for c in ended if c != ended[2]]
+    assert _count(con, "live_conversations") == 0
+
+
+def test_a_move_that_keeps_meeting_a_conflict_raises_after_its_last_try() -> None:
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    ended = _ids("e", 3)
+    _conversations(con, ended)
+    retention = con.cursor()
+    retention.execute("BEGIN")
+    retention.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [ended[0]])
+    data = DuckData(con.cursor())
+    pauses: list[float] = []
+    data.pause = pauses.append  # retention never commits
+    with pytest.raises(duckdb.TransactionException, match="Conflict"):
+        data.archive(ended, {})
+    assert pauses == list(CONFLICT_WAITS)
+    retention.execute("ROLLBACK")
+    assert _count(con, "live_conversations") == 3 and _count(con, "archived_conversations") == 0
