@@ -714,11 +714,13 @@ class StageProcess(Stage):
                 return
             answer: tuple[Any, ...]
             self._answering = True
+            name = "(unread)"
             try:
                 name, args = plain_request(raw)
                 answer = ("ok", self._answer(data, name, args))
             except Exception as exc:  # noqa: BLE001 - the child raises it where it made the call
-                answer = ("err", type(exc).__module__, type(exc).__name__, str(exc))
+                # Named: an operation posted behind fails at a later call, whose traceback is not its own.
+                answer = ("err", type(exc).__module__, type(exc).__name__, f"{exc} (in {name})")
                 self.store.fatal(exc)
             finally:
                 self._answering = False

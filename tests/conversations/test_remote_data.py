@@ -120,6 +120,10 @@ def test_the_daemon_runs_only_named_operations_of_plain_data() -> None:
 
 
 def test_an_operation_the_daemon_refuses_is_raised_where_it_was_made(served: Served) -> None:
-    with pytest.raises(RuntimeError, match="ValueError: unknown operation 'execute'"):
+    with pytest.raises(RuntimeError, match=r"ValueError: unknown operation 'execute'.* \(in \(unread\)\)"):
         served.data._call("execute", "SELECT 1")
     assert served.data.trace_map(["t-1"]) == {}  # and the pipe goes on
+    # A failure names its operation: one posted behind is raised at a later call, not its own.
+    with pytest.raises(RuntimeError, match=r"TypeError: .* \(in trace_map\)"):
+        served.data._call("trace_map", 5)
+    assert served.data.trace_map(["t-1"]) == {}
