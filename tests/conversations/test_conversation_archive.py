@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import duckdb
 import pytest
@@ -114,18 +115,24 @@ def test_an_older_files_keyed_conversations_table_becomes_the_live_one_with_ever
     assert con.execute("SELECT conversation_id FROM conversations ORDER BY 1").fetchall() == [("x",), ("y",), ("z",)]
 
 
+def _retention_deleting(n: int, which: int) -> tuple[duckdb.DuckDBPyConnection, list[str], Any, DuckData]:
+    """``n`` ended conversations, one of which (``which``) retention's transaction has deleted, uncommitted;
+    the file, their ids, retention's cursor, and the stage's data on a cursor of its own."""
+    con = duckdb.connect()
+    con.execute(SCHEMA)
+    ended = _ids("e", n)
+    _conversations(con, ended)
+    retention = con.cursor()
+    retention.execute("BEGIN")
+    retention.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [ended[which]])
+    return con, ended, retention, DuckData(con.cursor())
+
+
 def test_a_move_that_meets_retention_deleting_the_same_conversations_goes_again_without_them() -> None:
     """Retention deletes the oldest ended conversations, the very ones the archive moves: a move whose
     delete meets one of retention's in flight is rolled back and tried again once that one has committed
     (here when the move pauses), and moves what is left; before, the stage's cycle failed on it."""
-    con = duckdb.connect()
-    con.execute(SCHEMA)
-    ended = _ids("e", 5)
-    _conversations(con, ended)
-    retention = con.cursor()
-    retention.execute("BEGIN")
-    retention.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [ended[2]])
-    data = DuckData(con.cursor())
+    con, ended, retention, data = _retention_deleting(5, 2)
     pauses: list[float] = []
 
     def pause(seconds: float) -> None:
@@ -141,14 +148,7 @@ def test_a_move_that_meets_retention_deleting_the_same_conversations_goes_again_
 
 
 def test_a_move_that_keeps_meeting_a_conflict_raises_after_its_last_try() -> None:
-    con = duckdb.connect()
-    con.execute(SCHEMA)
-    ended = _ids("e", 3)
-    _conversations(con, ended)
-    retention = con.cursor()
-    retention.execute("BEGIN")
-    retention.execute("DELETE FROM live_conversations WHERE conversation_id = ?", [ended[0]])
-    data = DuckData(con.cursor())
+    con, ended, retention, data = _retention_deleting(3, 0)
     pauses: list[float] = []
     data.pause = pauses.append  # retention never commits
     with pytest.raises(duckdb.TransactionException, match="Conflict"):
