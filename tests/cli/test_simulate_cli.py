@@ -136,6 +136,7 @@ def test_ctrl_c_keeps_what_was_done_and_the_same_command_resumes(tmp_path: Path,
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()  # reaped, its pipes closed: a later test's collection must not meet them
     assert proc.returncode == 130 and "interrupted" in err and f"--out {out}" in err
     kept = len((out / "conversations.jsonl").read_text().splitlines())
     assert kept == 2
