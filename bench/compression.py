@@ -42,8 +42,8 @@ def one(method: str, spans: int) -> dict[str, float]:
     batches = [span_batch(parse_traces(body))[0] for body in ingest.make_requests(spans)]
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "bench.duckdb")
-        forced = f"SET force_compression = '{method}'" if method != "table" else "SELECT 1"
-        store.open(prepare=lambda con: con.execute(forced))
+        store.open(prepare=None if method == "table" else
+                   lambda con: con.execute(f"SET force_compression = '{method}'"))
         start = time.process_time()
         waiting = []
         for batch in batches:

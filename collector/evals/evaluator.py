@@ -384,9 +384,9 @@ class Evaluator(Stage):
         if self._store_due():
             await self._store_finished()
         more = False
-        # A scan joins every ended conversation kept with its decisions: run at every cycle (one per
-        # judged or stored batch, and per wake) it was a fifth of the daemon's CPU under load. So scans
-        # come a quarter of ``poll`` apart at most, unless the last one had more to read; and with work
+        # A scan joins every ended conversation kept with its decisions, and ran at every cycle (one per
+        # judged or stored batch, and per wake). Scans now come a quarter of ``poll`` apart at most, unless
+        # the last had more to read (the daemon's CPU a span: 0.94x under load, bench/soak.py); with work
         # queued, ``poll`` apart (they would take the DuckDB thread from the reads that start the next).
         self._skipped_scan = not (self._scan_more or time.monotonic() >= self._next_scan)
         if len(self._pending) < MAX_PENDING and not self._skipped_scan:

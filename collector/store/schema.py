@@ -63,7 +63,7 @@ WHERE NOT EXISTS (SELECT 1 FROM trace_conversations k WHERE k.trace_id = a.trace
 # the hash of its ids, for the newest records only (``Store._insert``).
 # Their text columns are compressed with zstd, not by DuckDB's choice: choosing runs every method's
 # analysis over each segment at each checkpoint, and its usual choice (FSST) is slower and larger. On
-# bench/ingest.py's spans the writer took 0.6x the CPU a span and the file a third of the space, and reads
+# bench/ingest.py's spans the writer took 0.68x the CPU a span and the file a third of the space, and reads
 # by commit range cost the same (bench/compression.py). Not on the keyed tables: a read by key decompresses
 # a whole zstd vector, and lookups of conversations took 1.8x as long. A file made before keeps its tables.
 SPAN_TABLE = """CREATE TABLE IF NOT EXISTS {name} (
