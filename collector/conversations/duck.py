@@ -20,6 +20,7 @@ import duckdb
 import orjson
 
 from ..store import Transaction, insert_rows
+from ..words import plural
 from ..store.transactions import COMMIT_TRACES, Batches, batch_filter, by_keys, conversation_traces, one, \
     registered_rows
 from .data import (LOG_COLUMNS, SPAN_COLUMNS, CommitRows, EndedToArchive, Ending, Later, Layer, RecentTranscript,
@@ -37,10 +38,11 @@ _UTC = dt.timezone.utc
 _CONVERSATION = ("conversation_id, state, ended_by, trace_ids, newest_trace_id, transcript_hash, revision, "
                  "epoch(first_arrival_at), epoch(last_arrival_at), epoch(closed_at), first_batch, grouped_by")
 STITCH_CHUNK = 500  # stored transcripts read back at once when the stage starts
-# Seconds between tries of an archive move that met another transaction deleting the same conversations:
-# retention deletes the oldest ended ones, the very ones the archive moves. Its chunk commits within a
-# second or so; the move then goes again without them. Before, DuckDB's "Conflict on tuple deletion"
-# failed the stage's cycle, and the stage started again from the stored state.
+# Seconds between tries of a write or an archive move that met another transaction deleting the same
+# rows: retention deletes the oldest ended conversations with their traces, the very ones the archive
+# moves and the write's trace map moves (``archive_traces``). Its chunk commits within a second or so;
+# the write or move then goes again. Before, DuckDB's "Conflict on tuple deletion" failed the stage's
+# cycle (once in each 10-minute soak), and the stage started again from the stored state.
 CONFLICT_WAITS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 
 
@@ -52,7 +54,7 @@ class DuckData:
         self.cur = cur
         self.store = store
         self.pause: Callable[[float], None] = time.sleep
-        """Between two tries of an archive move (``CONFLICT_WAITS``)."""
+        """Between two tries of a write or an archive move (``CONFLICT_WAITS``)."""
         ensure_tables(cur)
 
     # ------------------------------------------------------------ reads
@@ -174,14 +176,17 @@ class DuckData:
         why not ``INSERT OR REPLACE``). Should one taken as new be stored after all, the transaction is
         rolled back and written again with every row replacing, so what is written never depends on it.
         """
-        try:
-            self._write(writes, mark, trust_new=True)
-        except duckdb.ConstraintException as exc:
-            if Transaction.is_open(self.cur):
-                raise  # part of a caller's transaction, which the failure ended: it cannot be redone here
-            log.warning("a conversation or trace taken as new was stored already (%s); written again "
-                        "replacing every row", exc)
-            self._write(writes, mark, trust_new=False)
+        def write() -> None:
+            try:
+                self._write(writes, mark, trust_new=True)
+            except duckdb.ConstraintException as exc:
+                if Transaction.is_open(self.cur):
+                    raise  # part of a caller's transaction, which the failure ended: it cannot be redone here
+                log.warning("a conversation or trace taken as new was stored already (%s); written again "
+                            "replacing every row", exc)
+                self._write(writes, mark, trust_new=False)
+
+        self._again_on_conflict(lambda: f"writing {plural(len(writes.conversations), 'conversation')}", write)
 
     def _write(self, w: Writes, mark: int, trust_new: bool) -> None:
         """One transaction. A keyed row is replaced by deleting the stored one by key (``by_keys``, in the
@@ -232,15 +237,21 @@ class DuckData:
                         "FROM ended_now e WHERE c.conversation_id = e.conversation_id")
 
     def archive(self, ids: Sequence[str], layers: Mapping[int, Layer | None]) -> None:
+        self._again_on_conflict(lambda: f"moving {plural(len(ids), 'conversation')} to the archive",
+                                lambda: self._archive(ids, layers))
+
+    def _again_on_conflict(self, what: Callable[[], str], attempt: Callable[[], None]) -> None:
+        """``attempt``, one transaction, tried again after each of ``CONFLICT_WAITS`` while it meets another
+        transaction deleting the same rows: DuckDB rolled all of it back, so it goes again whole."""
         for wait in (*CONFLICT_WAITS, None):
             try:
-                self._archive(ids, layers)
+                attempt()
                 return
             except duckdb.TransactionException as exc:
                 if wait is None or "Conflict" not in str(exc) or Transaction.is_open(self.cur):
                     raise
-                log.info("moving %d conversations to the archive met another transaction deleting some of them "
-                         "(retention's); trying again in %.2f s", len(ids), wait)
+                log.info("%s met another transaction deleting some of the same rows (retention's); "
+                         "trying again in %.2f s", what(), wait)
                 self.pause(wait)
 
     def _archive(self, ids: Sequence[str], layers: Mapping[int, Layer | None]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -11,8 +12,10 @@ import pytest
 
 from collector.conversations import archive
 from collector.conversations.archive import ArchiveFilter, ConversationArchive
+from collector.conversations.data import ConversationRow, Writes
 from collector.conversations.duck import CONFLICT_WAITS, DuckData
-from collector.conversations.tables import _CONVERSATION_FIELDS, SCHEMA, ensure_tables
+from collector.conversations.tables import _CONVERSATION_FIELDS, CONVERSATION_COLUMNS, SCHEMA, ensure_tables
+from collector.store.schema import TRACE_MAP
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -156,3 +159,29 @@ def test_a_move_that_keeps_meeting_a_conflict_raises_after_its_last_try() -> Non
     assert pauses == list(CONFLICT_WAITS)
     retention.execute("ROLLBACK")
     assert _count(con, "live_conversations") == 3 and _count(con, "archived_conversations") == 0
+
+
+def test_a_write_that_meets_retention_deleting_a_conversation_it_replaces_goes_again() -> None:
+    """The stage's write replaces a conversation (and moves the oldest traces to the trace archive) while
+    retention deletes the oldest ended conversations with their traces: a write that meets one of
+    retention's deletes in flight is rolled back and written again once that one has committed; before,
+    the stage's cycle failed on it and started again from the stored state (once in a 10-minute soak)."""
+    con, ended, retention, data = _retention_deleting(3, 1)
+    con.execute(TRACE_MAP)
+    [stored] = con.execute("SELECT * FROM live_conversations WHERE conversation_id = ?", [ended[1]]).fetchall()
+    writes = Writes()
+    writes.conversations[ended[1]] = dataclasses.replace(
+        ConversationRow(**dict(zip(CONVERSATION_COLUMNS, stored))), state="open", ended_at=None)
+    writes.replace.add(ended[1])
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        retention.execute("COMMIT")
+
+    data.pause = pause
+    data.write(writes, 7)
+    assert pauses == [CONFLICT_WAITS[0]]
+    assert con.execute("SELECT conversation_id, state FROM live_conversations ORDER BY 1").fetchall() == \
+        [(ended[0], "ended"), (ended[1], "open"), (ended[2], "ended")]
+    assert con.execute("SELECT value FROM tracejudge_state WHERE key = 'conversations.batch'").fetchall() == [("7",)]
