@@ -17,9 +17,11 @@ live    the same burst of four-turn conversations sent to a daemon of each code 
         the time from the last span's expiry (its ack plus the retention) to zero stored spans.
 steady  ``--rate`` spans/s (5,000) of bench/ingest.py's four-turn conversations for ``--minutes``
         (10) with ``retention.spans: --steady-keep`` (2m) and, with ``--steady-conversations``,
-        ``retention.conversations``: the stored span count, the file size (with its WAL) and
-        retention's lag behind its horizon (spans; conversations from ``/api/status``) each minute,
-        and whether the count and the file are flat (within 10%) from the fourth minute on.
+        ``retention.conversations``: the stored span count, the file size (with its WAL; also the WAL
+        alone, and the largest the two were within the minute, sampled every second: a checkpoint folds
+        the WAL, up to DuckDB's 16 MiB, into the file at any moment, so one sample a minute falls either
+        side of it) and retention's lag behind its horizon (spans; conversations from ``/api/status``)
+        each minute, and whether the count and the file are flat (within 10%) from the fourth minute on.
 
 conversations  the burst of four-turn conversations, settled (ended, sampled, judged), then on a
         copy for each code a daemon keeping 2 s of spans and of conversations: the time until
@@ -238,30 +240,45 @@ def steady(name: str, code: Path, work: Path, rate: float, minutes: float, keep:
     rows: list[dict[str, float]] = []
     answered: list[tuple[float, float]] = []
 
+    wal = Path(f"{db}.wal")
+    peak = [0.0]  # the largest file with its WAL since the last minute's sample
+
+    async def sample_every_second() -> None:
+        while True:
+            peak[0] = max(peak[0], soak.file_bytes(db) / MB)
+            await asyncio.sleep(1.0)
+
     async def run() -> None:
         sender = asyncio.ensure_future(soak.paced(info["grpc"], int(rate * minutes * 60), rate, answered))
+        sampler = asyncio.ensure_future(sample_every_second())
         start = time.perf_counter()
         for minute in range(1, int(minutes) + 1):
             await asyncio.sleep(max(0.0, start + 60 * minute - time.perf_counter()))
+            file_now = soak.file_bytes(db) / MB
+            wal_now = (wal.stat().st_size if wal.exists() else 0) / MB
+            peak_now, peak[0] = max(peak[0], file_now), file_now
             stored = (await asyncio.to_thread(memory.get, info["api"], "/api/spans/count"))["spans"]
             behind = await asyncio.to_thread(metric, info["api"], "tracejudge_retention_behind_seconds")
             # Retention deletes only what the stages upstream are done with: their lag bounds its pace.
             status = await asyncio.to_thread(memory.get, info["api"], "/api/status")
             # How far behind its horizon step 3 is (the daemon's figure; absent from older code: -1).
             kept = status.get("storage", {}).get("retention", {}).get("conversations", {})
-            rows.append({"minute": minute, "stored": stored, "file": soak.file_bytes(db) / MB, "behind": behind,
+            rows.append({"minute": minute, "stored": stored, "file": file_now, "wal": wal_now, "peak": peak_now,
+                         "behind": behind,
                          "conversations_behind": float(kept.get("behind_seconds", -1) or 0),
                          "sent": len(answered) * ingest.SPANS_PER_REQUEST,
                          "stage": float(status.get("conversations_lag_seconds") or 0),
                          "pending": float(status.get("evals_pending") or 0)})
             r = rows[-1]
-            print(f"  {name}, minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB, "
+            print(f"  {name}, minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB "
+                  f"(WAL {r['wal']:.0f}; the minute's largest {r['peak']:.0f}), "
                   f"retention {r['behind']:4.0f} s behind (conversations "
                   + (f"{r['conversations_behind']:.0f} s" if r["conversations_behind"] >= 0 else "-")
                   + f"), {r['sent']:>9,.0f} sent; conversation stage "
                   f"{r['stage']:4.0f} s behind, {r['pending']:,.0f} conversations waiting for the evaluator",
                   flush=True)
         await sender
+        sampler.cancel()
 
     try:
         asyncio.run(run())
@@ -343,7 +360,8 @@ def main() -> None:
                 rows = steady(name, code, work, args.rate, args.minutes, args.steady_keep, args.steady_conversations)
                 later = [r for r in rows if r["minute"] >= 4]
                 if later:
-                    for key, label in (("stored", "stored spans"), ("file", "file size")):
+                    for key, label in (("stored", "stored spans"), ("file", "file size"),
+                                       ("peak", "the minute's largest file size")):
                         lo, hi = min(r[key] for r in later), max(r[key] for r in later)
                         print(f"  {name}: {label} from minute 4: {lo:,.0f} to {hi:,.0f}, spread "
                               f"{hi / lo - 1 if lo else 0:.1%} (target <= 10%)")
