@@ -215,15 +215,18 @@ class RemoteData:
 
 
 class Posted(Later[Any]):
-    """An operation ``RemoteData`` sent without waiting; its answer once read."""
+    """An operation ``RemoteData`` sent without waiting; its answer once read.
+
+    It answers ``result`` itself: given its own bound method to read, as ``Later`` takes one, it referred
+    to itself, and only the garbage collector freed it, with its answer (a commit's rows), seconds later.
+    """
 
     def __init__(self, data: RemoteData, behind: bool) -> None:
-        super().__init__(self._read)
         self.data = data
         self.behind = behind
         self.answer: tuple[Any, ...] | None = None
 
-    def _read(self) -> Any:
+    def result(self) -> Any:
         if self.answer is None:
             self.data.sync()  # its own error, if any, is raised below, not by sync
         assert self.answer is not None

@@ -9,9 +9,11 @@ daemon's side runs nothing but a named operation of plain data.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -127,3 +129,19 @@ def test_an_operation_the_daemon_refuses_is_raised_where_it_was_made(served: Ser
     with pytest.raises(RuntimeError, match=r"TypeError: .* \(in trace_map\)"):
         served.data._call("trace_map", 5)
     assert served.data.trace_map(["t-1"]) == {}
+
+
+def test_an_answer_read_ahead_is_freed_once_read_without_the_garbage_collector(served: Served) -> None:
+    """A read ahead holds its answer (a commit's rows) until it is read; then nothing refers to it. The
+    stage's process collects garbage only every few seconds: an answer held by a cycle stayed that long,
+    and at 6,000 spans/s the process held twice the memory."""
+    ahead = served.data.commit_rows(1, 1)
+    gone = threading.Event()
+    weakref.finalize(ahead, gone.set)
+    gc.disable()
+    try:
+        ahead.result()
+        del ahead
+        assert gone.is_set()
+    finally:
+        gc.enable()
