@@ -108,6 +108,7 @@ def run_simulation(cfg: Config, scenarios: list[Any], *, bot: str | None, bot_ur
                    quiet: bool) -> dict[str, Any]:
     """Run (or resume) a simulation into ``out``; the report (not yet compared with a baseline)."""
     import asyncio
+    import signal
 
     from replay.simulate import RunFolder, Settings, SimulatedUser, build_report, new_run_id, run, write_report
 
@@ -136,18 +137,46 @@ def run_simulation(cfg: Config, scenarios: list[Any], *, bot: str | None, bot_ur
             click.echo(f"  [{already + p.done}/{total}] {c.persona_id} #{c.attributes['replicate']}: "
                        f"{c.ended_by}, {plural(sum(m.role == 'user' for m in c.messages), 'user turn')}", err=True)
 
+    interrupted = False
+
     async def main() -> Any:
+        loop, me = asyncio.get_running_loop(), asyncio.current_task()
+        assert me is not None
+
+        def on_sigint() -> None:
+            nonlocal interrupted
+            if interrupted:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop at once, as asyncio.run would
+            interrupted = True
+            me.cancel()
+
+        # Ctrl-C through the loop's own signal handling, not asyncio.run's: asyncio.run's handler runs only once
+        # the main thread runs again, so a SIGINT the kernel handed to another thread (a judges check thread, the
+        # default executor's) left a loop waiting for a stalled bot asleep until --bot-timeout; and asyncio.run
+        # installs none when SIGINT came ignored (a script's background job). The loop's handler wakes it through
+        # its wakeup fd whichever thread takes the signal, and is installed whatever SIGINT was.
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
         try:
-            return await run(scenarios, criteria, the_bot, user, judge, folder, settings, done)
+            try:
+                return await run(scenarios, criteria, the_bot, user, judge, folder, settings, done)
+            finally:
+                await the_bot.aclose()
+                await user.aclose()
+                if judge is not None:
+                    await judge.aclose()
+        except asyncio.CancelledError:
+            if not interrupted:
+                raise
+            me.uncancel()  # our own cancel, done with: main ends as interrupted
+            return None
         finally:
-            await the_bot.aclose()
-            await user.aclose()
-            if judge is not None:
-                await judge.aclose()
+            loop.remove_signal_handler(signal.SIGINT)
 
     try:
         progress = asyncio.run(main())
     except KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
         click.echo(f"\ninterrupted: {len(folder.conversations)} conversations are kept in {folder.path}; "
                    f"run the same command with --out {folder.path} to go on", err=True)
         sys.exit(130)

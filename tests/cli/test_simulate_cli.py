@@ -3,11 +3,13 @@ user and the judge on a loopback model, bots from ``tests.support.roleplay``."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,34 +120,104 @@ def test_a_baseline_says_fixed_broke_and_still_failing(tmp_path: Path, model: Ro
     assert json.loads(still.stdout)["scenarios"][0]["baseline"]["status"] == "still_failing"
 
 
-@pytest.mark.slow
-def test_ctrl_c_keeps_what_was_done_and_the_same_command_resumes(tmp_path: Path, model: RolePlayModel) -> None:
-    config = write_config(tmp_path, model)
+def written(out: Path) -> int:
+    file = out / "conversations.jsonl"
+    return len(file.read_text().splitlines()) if file.exists() else 0
+
+
+def stop_a_stalled_run(tmp_path: Path, config: Path, sigint: Callable[[subprocess.Popen[str], Path], None], *more: str,
+                       python: tuple[str, ...] = ()) -> list[str]:
+    """Simulate two scenarios of four replicates, one conversation at a time, against a bot that never answers the
+    third; ``sigint(process, out)`` sends its SIGINT. It must exit 130 at once, the two conversations done kept;
+    returns its arguments after ``python``."""
     suite = write_scenarios(tmp_path, {"id": "late-order"}, {"id": "other-order"})
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "collector", "simulate", str(suite), "--bot", "tests.support.roleplay:stalls",
-            "--out", str(out), "--replicates", "4", "--concurrency", "1", "--config", str(config)]
-    # The third conversation never gets its answer: Ctrl-C comes while it waits, two being done.
-    proc = subprocess.Popen(args, cwd=REPO, env=clean_env(ROLEPLAY_STALL="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = ["-m", "collector", "simulate", str(suite), "--bot", "tests.support.roleplay:stalls", "--out", str(out),
+            "--replicates", "4", "--concurrency", "1", "--config", str(config), *more]
+    proc = subprocess.Popen([sys.executable, *python, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=clean_env(ROLEPLAY_STALL="1", ROLEPLAY_STALLED=str(tmp_path / "stalled")), text=True)
     try:
-        wait_until(lambda: (out / "conversations.jsonl").exists() and
-                   len((out / "conversations.jsonl").read_text().splitlines()) >= 2, "two conversations written")
-        proc.send_signal(signal.SIGINT)
+        sigint(proc, out)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()  # reaped, its pipes closed: a later test's collection must not meet them
-    assert proc.returncode == 130 and "interrupted" in err and f"--out {out}" in err
-    kept = len((out / "conversations.jsonl").read_text().splitlines())
-    assert kept == 2
-    again = run_cli(*args[3:])
-    assert f"resuming {out}: {kept} of 8 conversations done before" in again.stderr
+    assert proc.returncode == 130 and "interrupted" in err and f"--out {out}" in err, err
+    assert written(out) == 2
+    return args
+
+
+def once_two_are_written(proc: subprocess.Popen[str], out: Path) -> None:
+    # The third conversation never gets its answer: Ctrl-C comes while the second is judged, or the third waits.
+    wait_until(lambda: written(out) >= 2, "two conversations written")
+    proc.send_signal(signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_was_done_and_the_same_command_resumes(tmp_path: Path, model: RolePlayModel) -> None:
+    args = stop_a_stalled_run(tmp_path, write_config(tmp_path, model), once_two_are_written)
+    out = tmp_path / "run"
+    again = run_cli(*args[2:])
+    assert f"resuming {out}: 2 of 8 conversations done before" in again.stderr
     records = [json.loads(x) for x in (out / "conversations.jsonl").read_text().splitlines()]
     assert sorted((r["persona_id"], r["attributes"]["replicate"]) for r in records) == \
         sorted((s, n) for s in ("late-order", "other-order") for n in range(1, 5))
     assert len({r["attributes"]["run"] for r in records}) == 1
+
+
+IGNORING_SIGINT = ("-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+"""Python's arguments that run the rest with SIGINT ignored, as a script's background job (``&`` without job
+control) starts: an ignored signal stays ignored across exec, and Python (and asyncio.run) leave it so."""
+
+
+@pytest.mark.slow
+def test_a_run_started_with_sigint_ignored_still_stops_on_sigint(tmp_path: Path, model: RolePlayModel) -> None:
+    stop_a_stalled_run(tmp_path, write_config(tmp_path, model), once_two_are_written, python=IGNORING_SIGINT)
+
+
+def asleep(pid: int) -> bool:
+    """Every thread of the process sleeps (waits in a system call): its event loop in its selector, with nothing
+    to do."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that has just ended
+            pass
+    return bool(states) and all(state == "S" for state in states)
+
+
+def takes_sigint(pid: int, tid: int) -> bool:
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return not blocked & (1 << (signal.SIGINT - 1))
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or not hasattr(LIBC, "tgkill"),
+                    reason="threads are read from /proc and signalled with tgkill(2)")
+def test_a_sigint_another_thread_takes_wakes_the_idle_run_at_once(tmp_path: Path, model: RolePlayModel) -> None:
+    """The kernel hands a process's signal to any of its threads that does not block it (a judges check thread,
+    the default executor's), and Python runs its handler only when the main thread next runs bytecode."""
+    config = write_config(tmp_path, model)
+    cfg = yaml.safe_load(config.read_text())
+    del cfg["simulate"]["user"]  # Anthropic's client plays the user too: no aiohttp keep-alive timer wakes the loop
+    config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+
+    def once_the_loop_sleeps(proc: subprocess.Popen[str], out: Path) -> None:
+        stalled = tmp_path / "stalled"
+        wait_until(lambda: stalled.exists() and asleep(proc.pid), "the loop asleep, waiting for the stalled bot")
+        thread = next(int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()
+                      if int(t.name) != proc.pid and takes_sigint(proc.pid, int(t.name)))
+        assert LIBC.tgkill(proc.pid, thread, signal.SIGINT) == 0, os.strerror(ctypes.get_errno())
+
+    # With nothing else to wake it, a loop that missed the signal would sleep until the bot's hour is up.
+    stop_a_stalled_run(tmp_path, config, once_the_loop_sleeps, "--bot-timeout", "1h")
 
 
 @pytest.mark.parametrize(("text", "problem"), [

@@ -25,6 +25,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -226,8 +227,11 @@ async def slow(messages: list[dict[str, str]], conversation_id: str) -> str:
 
 
 async def stalls(messages: list[dict[str, str]], conversation_id: str) -> Any:
-    """``broken``, but with ``$ROLEPLAY_STALL`` set the third replicate never answers (until a Ctrl-C)."""
+    """``broken``, but with ``$ROLEPLAY_STALL`` set the third replicate never answers (until a Ctrl-C); the file
+    ``$ROLEPLAY_STALLED`` names, when set, is written as it starts to wait."""
     if os.environ.get("ROLEPLAY_STALL") and conversation_id.endswith("/3"):
+        if os.environ.get("ROLEPLAY_STALLED"):
+            Path(os.environ["ROLEPLAY_STALLED"]).write_text(conversation_id, encoding="utf-8")
         await asyncio.sleep(3600)
     return shop(messages, conversation_id)
 
