@@ -234,9 +234,23 @@ class Retention(Stage):
                 delay = self.next_sweep()
             except _Stopping:
                 return
-            except Exception:  # noqa: BLE001 - a conflict with another stage's write, a full disk: next sweep
-                delay = self.cycle_failed("a retention sweep failed")
+            except Exception as exc:  # noqa: BLE001 - a conflict with another stage's write, a full disk: next sweep
+                delay = self.sweep_failed(exc)
             self.stopping.wait(delay)
+
+    def sweep_failed(self, exc: Exception) -> float:
+        """In the handler of a sweep's failure: the seconds until the next sweep.
+
+        A transaction that met the conversation stage writing some of the same rows (its trace map's moves
+        to the archive, a conversation it reopened) was rolled back whole by DuckDB: the next sweep, a second
+        later, deletes what is still due. Not an error, so it is logged in a line and not counted; any
+        other failure is logged with its traceback, counted, and the next sweep waits the backoff.
+        """
+        if isinstance(exc, duckdb.TransactionException) and "Conflict" in str(exc):
+            log.info("a retention sweep met the conversation stage writing some of the rows it deletes; it was "
+                     "rolled back, and the next sweep in %.0f s deletes what is still due", SOON)
+            return SOON
+        return self.cycle_failed("a retention sweep failed")
 
     def next_sweep(self) -> float:
         """Seconds until the next sweep is due: when the oldest row not swept yet expires, or the oldest

@@ -713,6 +713,42 @@ def test_a_burst_of_expired_conversations_goes_in_one_sweep_of_bounded_transacti
         store.close()
 
 
+@pytest.mark.slow
+def test_a_sweep_that_meets_the_stage_moving_the_same_traces_goes_again_without_an_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The conversation stage moves the oldest traces of its trace map to the archive (``archive_traces``) while
+    retention deletes the oldest conversations with their traces: DuckDB's "Conflict on tuple deletion!"
+    rolls the sweep's transaction back whole. That is no error (before, one with its traceback in every
+    10-minute soak): a line at info, not counted, and the next sweep a second later deletes what is due."""
+    made_file(path := tmp_path / "t.duckdb")
+    clock = [T0 + 3600 + 60 + GATHER]  # all OLD expired
+    store, stage = open_retention(path, clock, conversations="1h")
+    stage.chunk, stage.window = 1000, 2000
+    stage_cur = store.cursor()
+    try:
+        stage_cur.execute("BEGIN")  # the stage's move of one old trace, not committed yet
+        stage_cur.execute("INSERT INTO trace_archive SELECT * FROM trace_conversations WHERE trace_id = 't-000001'")
+        stage_cur.execute("DELETE FROM trace_conversations WHERE trace_id = 't-000001'")
+        caplog.set_level(logging.INFO, logger="tracejudge")
+        with pytest.raises(duckdb.TransactionException, match="Conflict") as raised:
+            stage.sweep()
+        try:
+            raise raised.value
+        except duckdb.TransactionException as exc:
+            assert stage.sweep_failed(exc) == SOON
+        assert [r.levelno for r in caplog.records if r.name.startswith("tracejudge")] == [logging.INFO]
+        assert "rolled back" in caplog.records[-1].getMessage()
+        assert 'tracejudge_stage_errors_total{stage="retention"} 0' in stage.metrics.render()
+        assert len(conversation_rows(store)) == OLD + NEW  # nothing of the rolled-back chunk went
+        stage_cur.execute("COMMIT")
+        assert stage.sweep()["conversations"] == OLD - len(KEPT)
+        check_whole_or_gone(store)
+    finally:
+        stage_cur.close()
+        stage.stop()
+        store.close()
+
+
 CHILD = """
 import sys, time
 from pathlib import Path
