@@ -77,7 +77,7 @@ from .words import iso_utc
 from .system.memory import INDEX_WARNING, duckdb_memory, index_eighths
 from .metrics import Counter, Gauge, Metrics
 from .store import Store, Transaction, insert_rows
-from .store.transactions import COMMIT_TRACES, batch_filter, conversation_traces, registered_rows
+from .store.transactions import COMMIT_TRACES, batch_filter, conversation_traces, registered_rows, write_conflict
 from .words import size_text
 
 log = logging.getLogger("tracejudge.retention")
@@ -246,7 +246,7 @@ class Retention(Stage):
         later, deletes what is still due. Not an error, so it is logged in a line and not counted; any
         other failure is logged with its traceback, counted, and the next sweep waits the backoff.
         """
-        if isinstance(exc, duckdb.TransactionException) and "Conflict" in str(exc):
+        if write_conflict(exc):
             log.info("a retention sweep met the conversation stage writing some of the rows it deletes; it was "
                      "rolled back, and the next sweep in %.0f s deletes what is still due", SOON)
             return SOON

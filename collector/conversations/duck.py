@@ -22,7 +22,7 @@ import orjson
 from ..store import Transaction, insert_rows
 from ..words import plural
 from ..store.transactions import COMMIT_TRACES, Batches, batch_filter, by_keys, conversation_traces, one, \
-    registered_rows
+    registered_rows, write_conflict
 from .data import (LOG_COLUMNS, SPAN_COLUMNS, CommitRows, EndedToArchive, Ending, Later, Layer, RecentTranscript,
                    Resume, StoredConversation, StoredRows, TracePlace, TraceSince, Writes)
 from .record import stored_select, stored_transcript, stored_transcripts
@@ -248,7 +248,7 @@ class DuckData:
                 attempt()
                 return
             except duckdb.TransactionException as exc:
-                if wait is None or "Conflict" not in str(exc) or Transaction.is_open(self.cur):
+                if wait is None or not write_conflict(exc) or Transaction.is_open(self.cur):
                     raise
                 log.info("%s met another transaction deleting some of the same rows (retention's); "
                          "trying again in %.2f s", what(), wait)

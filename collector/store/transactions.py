@@ -92,6 +92,12 @@ def by_keys(cur: Any, sql: str, keys: Sequence[Any]) -> list[tuple[Any, ...]]:
     return out
 
 
+def write_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` is DuckDB's "Conflict on tuple deletion/update": another transaction changed some
+    of the same rows first. DuckDB rolled this one back whole, so it may go again."""
+    return isinstance(exc, duckdb.TransactionException) and "Conflict" in str(exc)
+
+
 def one(cur: Any) -> tuple[Any, ...] | None:
     """The first row of ``cur``'s last result, read to its end (``fetchone`` leaves it open).
 
