@@ -22,6 +22,10 @@ steady  ``--rate`` spans/s (5,000) of bench/ingest.py's four-turn conversations 
         the WAL, up to DuckDB's 16 MiB, into the file at any moment, so one sample a minute falls either
         side of it) and retention's lag behind its horizon (spans; conversations from ``/api/status``)
         each minute, and whether the count and the file are flat (within 10%) from the fourth minute on.
+        A tenth of the conversations fail their code check, each queueing a review item, which is
+        never deleted: with ``retention.keep_reviewed`` (the daemon's default) its conversation is kept
+        too, and the file grows by about 1,900 of them a minute. So this phase runs with
+        ``keep_reviewed: false``, where everything the load sends expires; ``--keep-reviewed`` keeps them.
 
 conversations  the burst of four-turn conversations, settled (ended, sampled, judged), then on a
         copy for each code a daemon keeping 2 s of spans and of conversations: the time until
@@ -33,7 +37,7 @@ conversations  the burst of four-turn conversations, settled (ended, sampled, ju
 run it first too. Run by hand:
 
     .venv/bin/python bench/retention.py [--baseline main] [--burst 300000] [--workload four-turn|one-span]
-                                        [--phases burst,conversations,live,steady] [--rate 5000] [--minutes 10] [--steady-keep 2m]
+                                        [--phases burst,conversations,live,steady] [--rate 5000] [--minutes 10] [--steady-keep 2m] [--keep-reviewed]
 """
 
 from __future__ import annotations
@@ -87,14 +91,17 @@ def one_span_requests(total: int) -> list[bytes]:
     return bodies
 
 
-def daemon(code: Path, data: Path, keep: str | None, conversations: str | None = None
+def daemon(code: Path, data: Path, keep: str | None, conversations: str | None = None, keep_reviewed: bool = True
            ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """``tracejudge serve`` from ``code``'s tree, keeping ``keep`` of spans; conversations end 2 s idle and a
-    tenth are judged by a code check (the evaluator and the review queue work, as in bench/soak.py)."""
+    tenth are judged by a code check (the evaluator and the review queue work, as in bench/soak.py).
+    ``keep_reviewed``: ``retention.keep_reviewed`` (with ``conversations``)."""
     data.mkdir(parents=True, exist_ok=True)
     (data / "criteria.yaml").write_text(memory.CRITERIA)
     ingest.REPO = code  # the launcher runs ``python -m collector`` in this folder: its code
     kept = ", ".join(f"{what}: {value}" for what, value in (("spans", keep), ("conversations", conversations)) if value)
+    if conversations and not keep_reviewed:
+        kept += ", keep_reviewed: false"
     ingest.STORAGE_EXTRA = f", retention: {{{kept}}}" if kept else ""
     try:
         return ingest.start_daemon(data, "conversations: {idle_timeout: 2s}\nsampling: {rate: 0.1}\n"
@@ -233,9 +240,9 @@ def live(name: str, code: Path, work: Path, bodies: list[bytes], keep: float) ->
 
 
 def steady(name: str, code: Path, work: Path, rate: float, minutes: float, keep: str,
-           conversations: str | None = None) -> list[dict[str, float]]:
+           conversations: str | None = None, keep_reviewed: bool = False) -> list[dict[str, float]]:
     data = work / f"steady-{name.replace(' ', '-').replace('/', '-')}"
-    proc, info = daemon(code, data, keep, conversations)
+    proc, info = daemon(code, data, keep, conversations, keep_reviewed)
     db = data / "bench.duckdb"
     rows: list[dict[str, float]] = []
     answered: list[tuple[float, float]] = []
@@ -261,6 +268,7 @@ def steady(name: str, code: Path, work: Path, rate: float, minutes: float, keep:
             behind = await asyncio.to_thread(metric, info["api"], "tracejudge_retention_behind_seconds")
             # Retention deletes only what the stages upstream are done with: their lag bounds its pace.
             status = await asyncio.to_thread(memory.get, info["api"], "/api/status")
+            review = (await asyncio.to_thread(memory.get, info["api"], "/api/review/progress"))["pending"]
             # How far behind its horizon step 3 is (the daemon's figure; absent from older code: -1).
             kept = status.get("storage", {}).get("retention", {}).get("conversations", {})
             rows.append({"minute": minute, "stored": stored, "file": file_now, "wal": wal_now, "peak": peak_now,
@@ -268,14 +276,15 @@ def steady(name: str, code: Path, work: Path, rate: float, minutes: float, keep:
                          "conversations_behind": float(kept.get("behind_seconds", -1) or 0),
                          "sent": len(answered) * ingest.SPANS_PER_REQUEST,
                          "stage": float(status.get("conversations_lag_seconds") or 0),
-                         "pending": float(status.get("evals_pending") or 0)})
+                         "pending": float(status.get("evals_pending") or 0), "review": review})
             r = rows[-1]
             print(f"  {name}, minute {minute:2}: {r['stored']:>9,.0f} spans stored, file {r['file']:6.0f} MB "
                   f"(WAL {r['wal']:.0f}; the minute's largest {r['peak']:.0f}), "
                   f"retention {r['behind']:4.0f} s behind (conversations "
                   + (f"{r['conversations_behind']:.0f} s" if r["conversations_behind"] >= 0 else "-")
                   + f"), {r['sent']:>9,.0f} sent; conversation stage "
-                  f"{r['stage']:4.0f} s behind, {r['pending']:,.0f} conversations waiting for the evaluator",
+                  f"{r['stage']:4.0f} s behind, {r['pending']:,.0f} conversations waiting for the evaluator; "
+                  f"{r['review']:,.0f} review items pending",
                   flush=True)
         await sender
         sampler.cancel()
@@ -301,6 +310,10 @@ def main() -> None:
     ap.add_argument("--steady-keep", default="2m")
     ap.add_argument("--steady-conversations", help="also retention.conversations in the steady phase (e.g. 2m): "
                     "without it, transcripts and verdicts are kept and the file grows by them")
+    ap.add_argument("--keep-reviewed", action="store_true",
+                    help="with --steady-conversations, keep reviewed conversations (retention.keep_reviewed, the "
+                    "daemon's default): a tenth of the load fails its check, and its review items, never deleted, "
+                    "keep their conversations, so the file grows by them (about 1,900 a minute at 5,000 spans/s)")
     args = ap.parse_args()
     phases = args.phases.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -352,12 +365,14 @@ def main() -> None:
         if "steady" in phases:
             print(f"steady: {args.rate:,.0f} spans/s for {args.minutes:g} minutes, retention.spans "
                   f"{args.steady_keep}" + (f", conversations {args.steady_conversations}"
-                                           if args.steady_conversations else ""), flush=True)
+                                           if args.steady_conversations else "")
+                  + (", reviewed ones kept" if args.steady_conversations and args.keep_reviewed else ""), flush=True)
             runs = [("this tree", HERE)]
             if args.baseline:  # one after the other: each has the machine to itself
                 runs.insert(0, (args.baseline, ingest.checkout(args.baseline, work / "steady-baseline-code")))
             for name, code in runs:
-                rows = steady(name, code, work, args.rate, args.minutes, args.steady_keep, args.steady_conversations)
+                rows = steady(name, code, work, args.rate, args.minutes, args.steady_keep, args.steady_conversations,
+                              args.keep_reviewed)
                 later = [r for r in rows if r["minute"] >= 4]
                 if later:
                     for key, label in (("stored", "stored spans"), ("file", "file size"),
