@@ -4,7 +4,8 @@ A trace goes to the conversation its id attributes name (``keys``), else to the 
 model call continues (``tracemap.TraceMap.chained``), else to the recent conversation without an id whose
 history its call resends (``stitch``), else to ``trace:<trace id>``; one with nothing conversational yet
 waits (``TraceMap.pending``). A trace whose id arrives after its children moves with its rows. Each
-conversation touched is marked for a rebuild (``rebuild``), at most once per ``rebuild_interval``.
+conversation touched is marked for a rebuild (``rebuild``) ``rebuild_settle`` after the first touch since
+its last rebuild, and at most once per ``rebuild_interval``: what arrives meanwhile joins that rebuild.
 """
 
 from __future__ import annotations
@@ -138,8 +139,11 @@ class Resolve(StageState):
             if not conv.first_arrival:
                 conv.first_arrival = arrived[tid]
             conv.last_arrival = max(conv.last_arrival, arrived[tid])
-            # At most one rebuild per conversation per interval while data streams in.
-            self._dirty.setdefault(cid, max(now, conv.rebuilt_at + self.rebuild_interval))
+            # A short wait after the first touch takes in what comes with it: a turn's spans, exported
+            # as each ends (or bench/soak.py's turns, a tenth of a second apart), were rebuilt and
+            # written at the first, then again an interval later. At most one rebuild per interval
+            # while data streams in.
+            self._dirty.setdefault(cid, max(now + self.rebuild_settle, conv.rebuilt_at + self.rebuild_interval))
             self._since.setdefault(cid, first)
         return set(keys.values())
 

@@ -65,6 +65,11 @@ log = logging.getLogger("tracejudge.conversations")
 
 _STOP = object()
 CATCH_UP_CHUNK = 500  # traces resolved, rebuilt and written together when catching up
+# Seconds a touched conversation waits before its rebuild, taking in what comes with the first data:
+# bench/soak.py's turns, a tenth of a second apart, were rebuilt and written twice. Rows wait in the
+# row cache meanwhile (``cache_spans``): at 5,000 spans/s a wait of 1 s outgrew it, the rows of
+# conversations not rebuilt yet were read back from DuckDB, and the stage fell 240 commits behind.
+REBUILD_SETTLE = 0.5
 CYCLE_GROUPS = 8  # groups of commits (``GROUPS_CACHED``) a cycle takes at most: a backlog goes in several
 # Its pace (``collector.store.pacing``): a rebuild holds the interpreter lock, so it waits for a
 # longer pause than the evaluator's, and gives way every 20 ms of work.
@@ -91,11 +96,13 @@ class Conversations(Resolve, Rebuild, Ending, Loop):
     def __init__(self, data: StageData, settings: Settings, metrics: Metrics | None = None, *,
                  clock: Callable[[], float] = time.time, pacing: Pacing | None = None,
                  fatal: Callable[[BaseException], object] | None = None, cache_spans: int = 10_000,
-                 rebuild_interval: float = 1.0, max_queued_commits: int = 2, memo_rows: int = 5000,
+                 rebuild_interval: float = 1.0, rebuild_settle: float = REBUILD_SETTLE, max_queued_commits: int = 2,
+                 memo_rows: int = 5000,
                  traces_kept: int = TRACES_KEPT, conversations_kept: int = ARCHIVE_KEPT) -> None:
         Loop.__init__(self, metrics or Metrics())
         StageState.__init__(self, data, settings, clock, pacing or never_busy(), cache_spans=cache_spans,
-                            rebuild_interval=rebuild_interval, memo_rows=memo_rows, traces_kept=traces_kept,
+                            rebuild_interval=rebuild_interval, rebuild_settle=rebuild_settle, memo_rows=memo_rows,
+                            traces_kept=traces_kept,
                             conversations_kept=conversations_kept)
         self._on_fatal = fatal
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()

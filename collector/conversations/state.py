@@ -37,7 +37,7 @@ class StageState:
     stopping: threading.Event
 
     def __init__(self, data: StageData, settings: Settings, clock: Callable[[], float], pacing: Pacing, *,
-                 cache_spans: int, rebuild_interval: float, memo_rows: int, traces_kept: int,
+                 cache_spans: int, rebuild_interval: float, rebuild_settle: float, memo_rows: int, traces_kept: int,
                  conversations_kept: int) -> None:
         self.data = data
         self.settings = settings
@@ -56,6 +56,7 @@ class StageState:
         self.memo_rows = memo_rows
         self._rows_written: dict[str, ConversationRow] = {}  # the row last written, per conversation in memory
         self.rebuild_interval = rebuild_interval
+        self.rebuild_settle = rebuild_settle
         self._hurry = False  # someone waits for this cycle (tests): no pauses
         self._dirty: dict[str, float] = {}  # conversation -> when its rebuild is due
         self._since: dict[str, int] = {}  # conversation -> the first commit its rebuild waits for

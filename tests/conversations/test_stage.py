@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from collector.config import Conversations as Settings
 from collector.conversations.rows import Light
-from collector.conversations.stage import Conversations
+from collector.conversations.stage import REBUILD_SETTLE, Conversations
 from collector.ingest.batches import LogBatch, SpanBatch
 from collector.ingest.decode import parse_traces, span_batch
 from collector.store import Committed
@@ -229,6 +229,34 @@ def test_the_batch_mark_stays_before_a_commit_whose_conversation_is_not_written_
     try:
         assert harness.stage.wait_idle(30)
         assert harness.data.mark == 2 and len(harness.data.said("c-1")) == 4
+    finally:
+        harness.stage.stop()
+
+
+def test_turns_arriving_within_the_rebuild_interval_are_rebuilt_and_written_once() -> None:
+    """A conversation is rebuilt ``rebuild_settle`` after its first new data, with what arrived meanwhile:
+    turns (or a turn's spans, exported as each ends) a fraction of a second apart are written once, not
+    at the first and again an interval later."""
+    written: list[int] = []  # the messages of c-1 in each write that had them
+
+    class Counting(MemoryData):
+        def write(self, writes: Any, mark: int) -> None:
+            if "c-1" in writes.messages:
+                written.append(len(writes.messages["c-1"]))
+            super().write(writes, mark)
+
+    harness = Harness(data=Counting()).start()
+    try:
+        turns = [chat(1, "hello", "hi", "c-1"), chat(2, "more", "ok", "c-1", history=[("user", "hello"),
+                                                                                    ("assistant", "hi")])]
+        for n, batch in enumerate(turns, 1):
+            harness.stage.on_commit(harness.data.commit(spans=batch, received_at=harness.now))
+            wait_until(lambda n=n: harness.stage.processed_batch >= n, f"the stage to take in commit {n}", timeout=30)
+            harness.now += 0.2
+        harness.now = T0 + REBUILD_SETTLE
+        wait_until(lambda: written, "the rebuild once the first turn has settled", timeout=30)
+        assert written[0] == 4, "both turns in the first write"
+        assert harness.data.mark == 2
     finally:
         harness.stage.stop()
 
