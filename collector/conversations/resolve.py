@@ -139,10 +139,8 @@ class Resolve(StageState):
             if not conv.first_arrival:
                 conv.first_arrival = arrived[tid]
             conv.last_arrival = max(conv.last_arrival, arrived[tid])
-            # A short wait after the first touch takes in what comes with it: a turn's spans, exported
-            # as each ends (or bench/soak.py's turns, a tenth of a second apart), were rebuilt and
-            # written at the first, then again an interval later. At most one rebuild per interval
-            # while data streams in.
+            # What comes with the first touch joins its rebuild (``stage.REBUILD_SETTLE`` says why);
+            # at most one rebuild per interval while data streams in.
             self._dirty.setdefault(cid, max(now + self.rebuild_settle, conv.rebuilt_at + self.rebuild_interval))
             self._since.setdefault(cid, first)
         return set(keys.values())

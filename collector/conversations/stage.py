@@ -97,13 +97,11 @@ class Conversations(Resolve, Rebuild, Ending, Loop):
                  clock: Callable[[], float] = time.time, pacing: Pacing | None = None,
                  fatal: Callable[[BaseException], object] | None = None, cache_spans: int = 10_000,
                  rebuild_interval: float = 1.0, rebuild_settle: float = REBUILD_SETTLE, max_queued_commits: int = 2,
-                 memo_rows: int = 5000,
-                 traces_kept: int = TRACES_KEPT, conversations_kept: int = ARCHIVE_KEPT) -> None:
+                 memo_rows: int = 5000, traces_kept: int = TRACES_KEPT, conversations_kept: int = ARCHIVE_KEPT) -> None:
         Loop.__init__(self, metrics or Metrics())
         StageState.__init__(self, data, settings, clock, pacing or never_busy(), cache_spans=cache_spans,
                             rebuild_interval=rebuild_interval, rebuild_settle=rebuild_settle, memo_rows=memo_rows,
-                            traces_kept=traces_kept,
-                            conversations_kept=conversations_kept)
+                            traces_kept=traces_kept, conversations_kept=conversations_kept)
         self._on_fatal = fatal
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._processed_batch = 0

@@ -233,7 +233,7 @@ def test_the_batch_mark_stays_before_a_commit_whose_conversation_is_not_written_
         harness.stage.stop()
 
 
-def test_turns_arriving_within_the_rebuild_interval_are_rebuilt_and_written_once() -> None:
+def test_turns_arriving_while_the_first_settles_are_rebuilt_and_written_once() -> None:
     """A conversation is rebuilt ``rebuild_settle`` after its first new data, with what arrived meanwhile:
     turns (or a turn's spans, exported as each ends) a fraction of a second apart are written once, not
     at the first and again an interval later."""
